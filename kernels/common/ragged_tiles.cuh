@@ -1,0 +1,84 @@
+// Device-side tile scheduling over ragged groups. Each block of a persistent kernel rebuilds, in
+// shared memory, the exclusive prefix of tiles per group from the device offsets/splits, so no
+// host ever needs the group sizes. G is at most kMaxGroups.
+#pragma once
+
+#include <cstdint>
+
+namespace moegraph::kernels {
+
+constexpr int kMaxGroups = 1024;
+
+__device__ __forceinline__ int64_t group_span(const int64_t* offsets, int e) {
+  return offsets[e + 1] - offsets[e];
+}
+
+// Rows of group e that hold data: its split, clamped into its (already clamped) aligned span, so a
+// negative or oversized split never makes a kernel touch another group's rows.
+__device__ __forceinline__ int64_t group_rows(const int32_t* splits, const int64_t* offsets, int e) {
+  const int64_t span = group_span(offsets, e);
+  const int64_t s = splits[e];
+  return s < 0 ? 0 : (s > span ? span : s);
+}
+
+// prefix[e] = sum over groups before e of ceil(units(e) / tile), prefix[G] = total.
+// units(e) is the group's aligned span (kUseSpan) or its data rows. Must be called by all
+// THREADS threads of the block; `warp_sums` holds THREADS / 32 ints. Ends with a barrier.
+template <int THREADS, int TILE, bool kUseSpan>
+__device__ void build_tile_prefix(const int32_t* splits, const int64_t* offsets, int num_groups,
+                                  int* prefix, int* warp_sums) {
+  static_assert(kMaxGroups % THREADS == 0 && THREADS % 32 == 0 && THREADS / 32 <= 32);
+  constexpr int kPerThread = kMaxGroups / THREADS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int tiles[kPerThread];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid * kPerThread + i;
+    int64_t units = 0;
+    if (e < num_groups) units = kUseSpan ? group_span(offsets, e) : group_rows(splits, offsets, e);
+    tiles[i] = static_cast<int>((units + TILE - 1) / TILE);
+    sum += tiles[i];
+  }
+  int inclusive = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += v;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < THREADS / 32 ? warp_sums[lane] : 0;
+    int wi = w;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, wi, o);
+      if (lane >= o) wi += v;
+    }
+    if (lane < THREADS / 32) warp_sums[lane] = wi - w;
+  }
+  __syncthreads();
+  int running = warp_sums[warp] + inclusive - sum;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int e = tid * kPerThread + i;
+    if (e < num_groups) prefix[e] = running;
+    running += tiles[i];
+  }
+  if (tid == THREADS - 1) prefix[num_groups] = running;
+  __syncthreads();
+}
+
+// The group owning virtual tile `t`: the largest e with prefix[e] <= t (empty groups share their
+// prefix with the next group, so they are skipped).
+__device__ __forceinline__ int find_group(const int* prefix, int num_groups, int t) {
+  int lo = 0, hi = num_groups - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace moegraph::kernels

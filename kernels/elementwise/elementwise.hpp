@@ -1,0 +1,38 @@
+// Bias gradients and row copies over ragged groups (host-callable launchers).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moegraph/types.hpp"
+
+namespace moegraph::kernels {
+
+struct BiasGradParams {
+  const void* dy = nullptr;          // [capacity_rows, N]
+  const float* bias_scale = nullptr; // [capacity_rows] or null (s = 1)
+  const void* bias = nullptr;        // [G, N], for dbias_scale
+  int64_t n = 0;
+  const int32_t* splits = nullptr;
+  const int64_t* offsets = nullptr;
+  int num_groups = 0;
+  void* dbias = nullptr;             // [G, N]: db_e = sum_r s_r dy_r (empty group: zeros)
+  float* dbias_scale = nullptr;      // [capacity_rows]: ds_r = <dy_r, b_e> (gap rows: 0)
+  float* partials = nullptr;         // workspace, bias_grad_workspace_floats() floats
+};
+
+// Rows summed by one block into one fp32 partial; partials are then reduced in a fixed order,
+// so the bias gradient is deterministic and every group's rows are spread over many blocks.
+constexpr int kBiasGradChunkRows = 256;
+std::size_t bias_grad_workspace_floats(int64_t capacity_rows, int num_groups, int64_t n);
+
+void launch_bias_grad(DType dtype, const BiasGradParams& p, int grid, cudaStream_t stream);
+
+// Copies the rows [0, offsets[G]) of a [capacity_rows, row_bytes] buffer: the used rows only, so
+// the cost follows the routing rather than the capacity.
+void launch_copy_used_rows(void* dst, const void* src, std::size_t row_bytes, const int64_t* offsets,
+                           int num_groups, int grid, cudaStream_t stream);
+
+}  // namespace moegraph::kernels

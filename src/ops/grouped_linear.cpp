@@ -1,0 +1,226 @@
+#include "moegraph/grouped_linear.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "kernels/elementwise/elementwise.hpp"
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/routing/offsets.hpp"
+#include "moegraph/error.hpp"
+#include "src/common/device_buffer.hpp"
+#include "src/ops/shape_rules.hpp"
+
+namespace moegraph {
+
+// A forward_train context: what backward and the (possibly delayed) wgrad read.
+struct GroupedLinear::Slot {
+  DeviceBuffer x;        // [capacity_rows, K] copy of the forward input
+  DeviceBuffer splits;   // [G]
+  DeviceBuffer offsets;  // [G + 1]
+  DeviceBuffer scale;    // [capacity_rows] bias scale, when the layer has a bias
+  DeviceBuffer dy;       // [capacity_rows, N], when wgrad may be delayed
+  bool has_scale = false;
+};
+
+struct GroupedLinear::Scratch {
+  DeviceBuffer offsets;        // inference forward
+  DeviceBuffer error;          // DeviceErrorRecord
+  DeviceBuffer bias_partials;  // bias-gradient workspace
+  int sm_count = 0;
+};
+
+GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : options_(options) {
+  validate(options_);
+  const int64_t rows = options_.capacity_rows, g = options_.num_groups;
+  const std::size_t es = dtype_size(options_.dtype);
+  scratch_ = std::make_unique<Scratch>();
+  int device = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&scratch_->sm_count, cudaDevAttrMultiProcessorCount, device));
+  persistent_blocks_ = scratch_->sm_count * kernels::prepare_grouped_gemm(options_.dtype);
+  scratch_->offsets = DeviceBuffer((g + 1) * sizeof(int64_t));
+  scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
+  MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
+  if (options_.bias)
+    scratch_->bias_partials = DeviceBuffer(
+        kernels::bias_grad_workspace_floats(rows, options_.num_groups, options_.out_features) * sizeof(float));
+  for (int s = 0; s < options_.wgrad_slots; ++s) {
+    auto slot = std::make_unique<Slot>();
+    slot->x = DeviceBuffer(rows * options_.in_features * es);
+    slot->splits = DeviceBuffer(g * sizeof(int32_t));
+    slot->offsets = DeviceBuffer((g + 1) * sizeof(int64_t));
+    if (options_.bias) slot->scale = DeviceBuffer(rows * sizeof(float));
+    if (options_.delay_wgrad) slot->dy = DeviceBuffer(rows * options_.out_features * es);
+    slots_.push_back(std::move(slot));
+    free_slots_.push_back(options_.wgrad_slots - 1 - s);  // hand out slot 0 first
+  }
+  if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
+    std::fprintf(stderr, "moegraph: %s\n", describe().c_str());
+}
+
+GroupedLinear::~GroupedLinear() = default;
+
+std::string GroupedLinear::describe() const {
+  const auto& o = options_;
+  return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
+                        " dtype=", dtype_name(o.dtype), " capacity_rows=", o.capacity_rows,
+                        " row_align=", o.row_align, " slots=", o.wgrad_slots,
+                        " | fprop, dgrad, wgrad: ", kernels::foundation_tile_config().to_string(),
+                        " persistent_grid=", persistent_blocks_);
+}
+
+std::size_t GroupedLinear::device_bytes() const {
+  std::size_t total = scratch_->offsets.bytes() + scratch_->error.bytes() + scratch_->bias_partials.bytes();
+  for (const auto& s : slots_)
+    total += s->x.bytes() + s->splits.bytes() + s->offsets.bytes() + s->scale.bytes() + s->dy.bytes();
+  return total;
+}
+
+void GroupedLinear::run_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
+                              const float* bias_scale, cudaStream_t stream) {
+  kernels::RaggedGemmParams p;
+  p.a = args.x;
+  p.w = args.weight;
+  p.n = options_.out_features;
+  p.k = options_.in_features;
+  p.splits = splits;
+  p.offsets = offsets;
+  p.num_groups = options_.num_groups;
+  p.bias = args.bias;
+  p.bias_scale = bias_scale;
+  p.c = args.y;
+  kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kFprop, p, persistent_blocks_, stream);
+}
+
+namespace {
+void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
+  MG_CHECK(a.x != nullptr && a.splits != nullptr && a.weight != nullptr && a.y != nullptr,
+           "forward needs x, splits, weight and y");
+  MG_CHECK(a.bias == nullptr || o.bias, "a bias was given but the layer was built without bias");
+  MG_CHECK(a.bias_scale == nullptr || a.bias != nullptr, "bias_scale needs a bias");
+}
+}  // namespace
+
+void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
+  check_forward_args(options_, args);
+  int64_t* offsets = scratch_->offsets.as<int64_t>();
+  kernels::launch_group_offsets(args.splits, options_.num_groups, options_.row_align, options_.capacity_rows,
+                                offsets, scratch_->error.as<DeviceErrorRecord>(), stream);
+  run_fprop(args, args.splits, offsets, args.bias_scale, stream);
+}
+
+void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) {
+  check_forward_args(options_, args);
+  MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
+           " wgrad_slots hold forward contexts: run backward / backward_dw before the next forward_train");
+  const int index = free_slots_.back();
+  Slot& slot = *slots_[index];
+  const int g = options_.num_groups;
+  MG_CUDA_CHECK(cudaMemcpyAsync(slot.splits.get(), args.splits, g * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+  int64_t* offsets = slot.offsets.as<int64_t>();
+  kernels::launch_group_offsets(slot.splits.as<int32_t>(), g, options_.row_align, options_.capacity_rows, offsets,
+                                scratch_->error.as<DeviceErrorRecord>(), stream);
+  const std::size_t es = dtype_size(options_.dtype);
+  const int copy_grid = scratch_->sm_count * 4;
+  kernels::launch_copy_used_rows(slot.x.get(), args.x, options_.in_features * es, offsets, g, copy_grid, stream);
+  slot.has_scale = args.bias_scale != nullptr;
+  if (slot.has_scale)
+    kernels::launch_copy_used_rows(slot.scale.get(), args.bias_scale, sizeof(float), offsets, g, copy_grid, stream);
+  run_fprop(args, slot.splits.as<int32_t>(), offsets, args.bias_scale, stream);
+  free_slots_.pop_back();
+  backward_queue_.push_back(index);
+}
+
+void GroupedLinear::run_wgrad(const void* dy, const void* x, const int32_t* splits, const int64_t* offsets,
+                              void* dweight, float* main_grad, cudaStream_t stream) {
+  kernels::WgradParams p;
+  p.dy = dy;
+  p.x = x;
+  p.n = options_.out_features;
+  p.k = options_.in_features;
+  p.splits = splits;
+  p.offsets = offsets;
+  p.num_groups = options_.num_groups;
+  p.dweight = dweight;
+  p.main_grad = main_grad;
+  kernels::launch_grouped_wgrad(options_.dtype, p, persistent_blocks_, stream);
+}
+
+void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode mode, cudaStream_t stream) {
+  MG_CHECK(recipe == Recipe::kBF16, "GroupedLinear supports the bf16 recipe only");
+  MG_CHECK(!backward_queue_.empty(), "backward without a pending forward_train");
+  MG_CHECK(args.dy != nullptr, "backward needs dy");
+  MG_CHECK(args.dx == nullptr || args.weight != nullptr, "dx needs the weight");
+  MG_CHECK((args.dweight == nullptr) != (args.main_grad == nullptr),
+           "backward needs exactly one of dweight (written) and main_grad (accumulated)");
+  MG_CHECK((args.dbias == nullptr && args.dbias_scale == nullptr) || options_.bias,
+           "bias gradients were asked for but the layer has no bias");
+  MG_CHECK(args.dbias_scale == nullptr || args.bias != nullptr, "dbias_scale needs the bias");
+  MG_CHECK(mode == WgradMode::kImmediate || options_.delay_wgrad,
+           "a delayed wgrad needs options.delay_wgrad (room to save dy)");
+  const int index = backward_queue_.front();
+  Slot& slot = *slots_[index];
+  MG_CHECK(args.dbias_scale == nullptr || slot.has_scale, "dbias_scale asked for, but forward had no bias_scale");
+  const int32_t* splits = slot.splits.as<int32_t>();
+  const int64_t* offsets = slot.offsets.as<int64_t>();
+  const int g = options_.num_groups;
+
+  if (args.dx != nullptr) {
+    kernels::RaggedGemmParams p;
+    p.a = args.dy;
+    p.w = args.weight;
+    p.n = options_.out_features;
+    p.k = options_.in_features;
+    p.splits = splits;
+    p.offsets = offsets;
+    p.num_groups = g;
+    p.c = args.dx;
+    kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kDgrad, p, persistent_blocks_, stream);
+  }
+  if (args.dbias != nullptr || args.dbias_scale != nullptr) {
+    kernels::BiasGradParams p;
+    p.dy = args.dy;
+    p.bias_scale = slot.has_scale ? slot.scale.as<float>() : nullptr;
+    p.bias = args.bias;
+    p.n = options_.out_features;
+    p.splits = splits;
+    p.offsets = offsets;
+    p.num_groups = g;
+    p.dbias = args.dbias;
+    p.dbias_scale = args.dbias_scale;
+    p.partials = scratch_->bias_partials.as<float>();
+    kernels::launch_bias_grad(options_.dtype, p, scratch_->sm_count * 4, stream);
+  }
+  backward_queue_.pop_front();
+  if (mode == WgradMode::kImmediate) {
+    run_wgrad(args.dy, slot.x.get(), splits, offsets, args.dweight, args.main_grad, stream);
+    free_slots_.push_back(index);
+  } else {
+    kernels::launch_copy_used_rows(slot.dy.get(), args.dy, options_.out_features * dtype_size(options_.dtype),
+                                   offsets, g, scratch_->sm_count * 4, stream);
+    wgrad_queue_.push_back({index, args.dweight, args.main_grad});
+  }
+}
+
+void GroupedLinear::backward_dw(cudaStream_t stream) {
+  MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued wgrad");
+  const QueuedWgrad q = wgrad_queue_.front();
+  Slot& slot = *slots_[q.slot];
+  run_wgrad(slot.dy.get(), slot.x.get(), slot.splits.as<int32_t>(), slot.offsets.as<int64_t>(), q.dweight,
+            q.main_grad, stream);
+  wgrad_queue_.pop_front();
+  free_slots_.push_back(q.slot);
+}
+
+void GroupedLinear::check_device_errors(cudaStream_t stream) {
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+  DeviceErrorRecord record{};
+  MG_CUDA_CHECK(cudaMemcpy(&record, scratch_->error.get(), sizeof(record), cudaMemcpyDeviceToHost));
+  if (record.code == 0) return;
+  MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(record)));
+  detail::throw_error(__FILE__, __LINE__,
+                      detail::concat("invalid device splits: ", describe_device_error(record, options_.row_align)),
+                      ErrorKind::kDeviceSplits);
+}
+
+}  // namespace moegraph

@@ -1,0 +1,20 @@
+// GPU test entry: exits 77 (Meson's SKIP) when no CUDA device is present.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  int devices = 0;
+  const cudaError_t st = cudaGetDeviceCount(&devices);
+  if (st != cudaSuccess || devices == 0) {
+    std::printf("no CUDA device (%s): skipped %d tests\n", st != cudaSuccess ? cudaGetErrorString(st) : "none",
+                ::testing::UnitTest::GetInstance()->total_test_count());
+    return 77;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  std::printf("device: %s, sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  return RUN_ALL_TESTS();
+}

@@ -1,0 +1,63 @@
+// Every GEMM and epilogue against the fp64 reference over a named case table.
+#include <gtest/gtest.h>
+
+#include "tests/common/problem.hpp"
+
+namespace moegraph::test {
+namespace {
+
+std::vector<CaseSpec> cases() {
+  using R = Routing;
+  const DType fp16 = DType::kFP16;
+  return {
+      // name, groups, k, n, dtype, row_align, splits, rows, routing, capacity_extra, bias, scale, main_grad
+      {"g1_one_group", 1, 256, 128, DType::kBF16, 1, {}, 300},
+      {"g8_uniform_bias", 8, 512, 384, DType::kBF16, 1, {}, 1000, R::kUniform, 64, true},
+      {"g8_empty_groups", 8, 256, 256, DType::kBF16, 1, {0, 37, 0, 0, 100, 1, 0, 5}, 0, R::kUniform, 10, true},
+      {"g8_single_rows", 8, 128, 128, DType::kBF16, 1, {1, 1, 1, 1, 1, 1, 1, 1}},
+      {"g8_odd_sizes", 8, 272, 208, DType::kBF16, 1, {3, 17, 129, 255, 1, 63, 5, 77}, 0, R::kUniform, 0, true, true},
+      {"g8_all_rows_in_one_group", 8, 256, 384, DType::kBF16, 1, {0, 0, 0, 777, 0, 0, 0, 0}, 0, R::kUniform, 0, true},
+      {"g8_all_groups_empty", 8, 128, 128, DType::kBF16, 1, {0, 0, 0, 0, 0, 0, 0, 0}, 0, R::kUniform, 16, true},
+      {"g8_capacity_exactly_full", 8, 384, 256, DType::kBF16, 1, {}, 1024},
+      {"g64_skewed", 64, 256, 512, DType::kBF16, 1, {}, 3000, R::kSkewed, 0, true, true},
+      {"g256_uniform", 256, 128, 256, DType::kBF16, 1, {}, 2000, R::kUniform, 100, true},
+      {"g256_skewed_main_grad", 256, 256, 128, DType::kBF16, 1, {}, 2000, R::kSkewed, 0, false, false, true},
+      {"k8192_n128", 4, 8192, 128, DType::kBF16, 1, {}, 200},
+      {"k128_n8192", 4, 128, 8192, DType::kBF16, 1, {}, 200, R::kUniform, 0, true},
+      {"k48_n80_partial_tiles", 3, 48, 80, DType::kBF16, 1, {5, 0, 70}},
+      {"align16_bias_scale", 8, 256, 256, DType::kBF16, 16, {}, 500, R::kSkewed, 0, true, true},
+      {"align32_odd", 8, 256, 128, DType::kBF16, 32, {3, 17, 129, 0, 1, 63, 5, 77}, 0, R::kUniform, 0, true, true},
+      {"align128_main_grad", 8, 128, 256, DType::kBF16, 128, {}, 900, R::kUniform, 0, true, false, true},
+      {"fp16_odd_bias_scale", 8, 256, 256, fp16, 1, {3, 17, 129, 255, 1, 63, 5, 77}, 0, R::kUniform, 0, true, true},
+      {"fp16_main_grad", 16, 512, 256, fp16, 16, {}, 1500, R::kSkewed, 0, false, false, true},
+  };
+}
+
+class GroupedLinearCase : public ::testing::TestWithParam<CaseSpec> {};
+
+TEST_P(GroupedLinearCase, AllPhasesMatchFp64Reference) {
+  Problem p(GetParam(), test_seed(GetParam().name));
+  cudaStream_t stream = nullptr;
+
+  // Inference forward.
+  p.poison_outputs();
+  p.op->forward(p.forward_args(), stream);
+  p.op->check_device_errors(stream);
+  p.expect_forward("forward");
+
+  // Training forward and backward with every gradient.
+  p.poison_outputs();
+  p.op->forward_train(p.forward_args(), stream);
+  p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kImmediate, stream);
+  p.op->check_device_errors(stream);
+  p.expect_forward("forward_train");
+  p.expect_dgrad("backward");
+  p.expect_bias_grads("backward");
+  p.expect_wgrad("backward");
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GroupedLinearCase, ::testing::ValuesIn(cases()),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace moegraph::test

@@ -1,0 +1,76 @@
+// The fp64 reference and the test helpers themselves, on hand-computed examples.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "tests/common/data.hpp"
+#include "tests/common/reference.hpp"
+
+namespace moegraph::test {
+namespace {
+
+// Two groups: rows 0-1 in group 0, row 2 in group 1 (K = 2, N = 1).
+GroupLayout tiny() { return make_layout({2, 1}, 1, 4); }
+
+TEST(Reference, FpropWithBiasAndScale) {
+  const GroupLayout l = tiny();
+  const Mat x{1, 2, 3, 4, 5, 6, 9, 9};  // row 3 is padding
+  const Mat w{10, 1, -1, 2};          // W_0 = [10 1], W_1 = [-1 2]
+  const Mat b{100, 1000};
+  const Mat s{1, 2, 3, 7};
+  const Mat y = ref_fprop(l, x, w, b, s, 1, 2);
+  EXPECT_EQ(y, (Mat{112, 234, 3007, 0}));
+}
+
+TEST(Reference, DgradWgradAndBiasGrads) {
+  const GroupLayout l = tiny();
+  const Mat dy{1, 2, 3, 0};
+  const Mat w{10, 1, -1, 2};
+  EXPECT_EQ(ref_dgrad(l, dy, w, 1, 2), (Mat{10, 1, 20, 2, -3, 6, 0, 0}));
+  const Mat x{1, 2, 3, 4, 5, 6, 0, 0};
+  EXPECT_EQ(ref_wgrad(l, dy, x, 1, 2), (Mat{7, 10, 15, 18}));
+  EXPECT_EQ(ref_bias_grad(l, dy, Mat{1, 2, 3, 0}, 1), (Mat{5, 9}));
+  EXPECT_EQ(ref_scale_grad(l, dy, Mat{100, 1000}, 1), (Mat{100, 200, 3000, 0}));
+}
+
+TEST(Reference, AlignedLayoutLeavesGapRowsOutOfData) {
+  const GroupLayout l = make_layout({1, 2}, 16, 64);
+  EXPECT_EQ(l.offsets, (std::vector<int64_t>{0, 16, 32}));
+  const auto data = data_rows(l), written = written_rows(l);
+  EXPECT_TRUE(data[0]);
+  EXPECT_FALSE(data[1]);
+  EXPECT_TRUE(written[1]);  // gap rows are written as zeros
+  EXPECT_TRUE(data[17]);
+  EXPECT_FALSE(data[18]);
+  EXPECT_FALSE(written[40]);
+}
+
+TEST(Rounding, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(to_bits(1.0, DType::kBF16), 0x3f80);
+  EXPECT_EQ(round_to(1.0 + 1.0 / 256, DType::kBF16), 1.0);              // halfway: to even
+  EXPECT_EQ(round_to(1.0 + 3.0 / 256, DType::kBF16), 1.0 + 4.0 / 256);  // halfway: to even
+  EXPECT_EQ(round_to(1.0 + 1.5 / 256, DType::kBF16), 1.0 + 2.0 / 256);
+  EXPECT_EQ(round_to(1.0 + 1.0 / 2048, DType::kFP16), 1.0);
+}
+
+TEST(Compare, DetectsWrongValuesAndNaN) {
+  const Mat ref{1, 2, 3, 4};
+  EXPECT_TRUE(all_close("same", ref, ref, 2, {}, tolerance_for(DType::kBF16)));
+  EXPECT_FALSE(all_close("off", Mat{1, 2, 3, 4.2}, ref, 2, {}, tolerance_for(DType::kBF16)));
+  EXPECT_FALSE(all_close("nan", Mat{1, 2, 3, std::nan("")}, ref, 2, {}, tolerance_for(DType::kBF16)));
+  EXPECT_TRUE(all_close("masked", Mat{1, 2, 99, 99}, ref, 2, {true, false}, tolerance_for(DType::kBF16)));
+}
+
+TEST(Data, SplitsSumToRowsAndSkewConcentrates) {
+  std::mt19937_64 rng(1);
+  const auto u = random_splits(rng, 64, 6400, Routing::kUniform);
+  const auto z = random_splits(rng, 64, 6400, Routing::kSkewed);
+  EXPECT_EQ(std::accumulate(u.begin(), u.end(), 0), 6400);
+  EXPECT_EQ(std::accumulate(z.begin(), z.end(), 0), 6400);
+  EXPECT_GT(*std::max_element(z.begin(), z.end()), 3 * *std::max_element(u.begin(), u.end()) / 2);
+}
+
+}  // namespace
+}  // namespace moegraph::test

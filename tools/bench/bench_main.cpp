@@ -1,0 +1,236 @@
+// moegraph-bench (first version): times the grouped fprop, dgrad and wgrad kernels by CUDA-graph
+// replay, side by side with the dense cuBLASLt GEMM of the same total rows and the per-expert
+// cuBLASLt loop with host-synced splits (the legacy way), on uniform and skewed routings.
+// Method (docs/PERF.md): a fresh random routing before every replay, CUDA-event timing of the
+// replay alone, medians, input sets rotated so L2 (50-60 MB) cannot hold them, no zero data.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/routing/offsets.hpp"
+#include "moegraph/error.hpp"
+#include "src/common/device_buffer.hpp"
+#include "src/cublaslt/lt_gemm.hpp"
+#include "src/ops/legacy_loop.hpp"
+#include "tools/bench/bench_util.hpp"
+
+namespace moegraph::bench {
+namespace {
+
+struct Shape {
+  const char* name;
+  int groups;
+  int64_t k, n, rows;  // rows = tokens * top_k
+};
+
+// Expert FC1 of the four presets (N = 2 * ffn: gate and up), at training/prefill sizes and decode.
+const Shape kShapes[] = {
+    {"mixtral_fc1", 8, 4096, 28672, 16384},
+    {"deepseek_shard_fc1", 32, 7168, 4096, 32768},
+    {"qwen3_fc1", 128, 2048, 1536, 32768},
+    {"decode_fc1", 64, 4096, 2816, 768},
+};
+const Shape kQuickShapes[] = {
+    {"qwen3_fc1_small", 128, 2048, 1536, 8192},
+    {"decode_fc1", 64, 4096, 2816, 768},
+};
+
+enum class Phase { kFprop, kDgrad, kWgrad };
+const char* phase_name(Phase p) { return p == Phase::kFprop ? "fprop" : p == Phase::kDgrad ? "dgrad" : "wgrad"; }
+
+struct Buffers {
+  std::vector<DeviceBuffer> x, dy, out_rows;  // rotated input sets; outputs per set
+  DeviceBuffer w, dw, splits, offsets, error, routings;
+};
+
+void fill_random(DeviceBuffer& b, std::size_t elems, std::mt19937_64& rng) {
+  std::vector<uint16_t> host(elems);
+  std::uniform_real_distribution<float> dist(-1.f, 1.f);
+  for (auto& h : host) {
+    const float f = dist(rng);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    h = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+  }
+  MG_CUDA_CHECK(cudaMemcpy(b.get(), host.data(), elems * 2, cudaMemcpyHostToDevice));
+}
+
+struct Result {
+  double grouped_ms, dense_ms, legacy_ms;
+};
+
+Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
+                 int grid, int sets, int replays, cudaStream_t stream) {
+  LtGemm lt;
+  LegacyExpertLoop legacy(s.groups, s.n, s.k, s.rows, 1, DType::kBF16);
+  const int64_t g = s.groups;
+  auto splits = b.splits.as<int32_t>();
+  auto offsets = b.offsets.as<int64_t>();
+  auto err = b.error.as<DeviceErrorRecord>();
+
+  auto grouped = [&](int set) {
+    kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
+    if (phase == Phase::kWgrad) {
+      kernels::WgradParams p;
+      p.dy = b.dy[set].get(), p.x = b.x[set].get(), p.n = s.n, p.k = s.k;
+      p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.dweight = b.dw.get();
+      kernels::launch_grouped_wgrad(DType::kBF16, p, grid, stream);
+      return;
+    }
+    kernels::RaggedGemmParams p;
+    const bool fprop = phase == Phase::kFprop;
+    p.a = fprop ? b.x[set].get() : b.dy[set].get();
+    p.w = b.w.get(), p.n = s.n, p.k = s.k, p.splits = splits, p.offsets = offsets, p.num_groups = s.groups;
+    p.c = b.out_rows[set].get();
+    kernels::launch_ragged_gemm(DType::kBF16, fprop ? kernels::RaggedGemmKind::kFprop : kernels::RaggedGemmKind::kDgrad,
+                                p, grid, stream);
+  };
+  auto dense = [&](int set) {
+    RowMajorGemm d;
+    if (phase == Phase::kFprop) {
+      d.trans_b = true, d.m = s.rows, d.n = s.n, d.k = s.k;
+      d.a = b.x[set].get(), d.lda = s.k, d.b = b.w.get(), d.ldb = s.k, d.c = b.out_rows[set].get(), d.ldc = s.n;
+    } else if (phase == Phase::kDgrad) {
+      d.m = s.rows, d.n = s.k, d.k = s.n;
+      d.a = b.dy[set].get(), d.lda = s.n, d.b = b.w.get(), d.ldb = s.k, d.c = b.out_rows[set].get(), d.ldc = s.k;
+    } else {
+      d.trans_a = true, d.m = s.n, d.n = s.k, d.k = s.rows;
+      d.a = b.dy[set].get(), d.lda = s.n, d.b = b.x[set].get(), d.ldb = s.k, d.c = b.dw.get(), d.ldc = s.k;
+    }
+    lt.run(d, stream);
+  };
+  auto legacy_run = [&](int set) {
+    if (phase == Phase::kFprop) legacy.fprop_not_capturable(b.x[set].get(), splits, b.w.get(), b.out_rows[set].get(), stream);
+    else if (phase == Phase::kDgrad) legacy.dgrad_not_capturable(b.dy[set].get(), splits, b.w.get(), b.out_rows[set].get(), stream);
+    else legacy.wgrad_not_capturable(b.dy[set].get(), b.x[set].get(), splits, b.dw.get(), nullptr, stream);
+  };
+
+  auto set_routing = [&](int i) {
+    MG_CUDA_CHECK(cudaMemcpyAsync(splits, b.routings.as<int32_t>() + (i % routings.size()) * g, g * sizeof(int32_t),
+                                  cudaMemcpyDeviceToDevice, stream));
+  };
+  // Warm-up outside capture: module loading, cuBLASLt heuristics (cached per shape).
+  set_routing(0);
+  for (int set = 0; set < sets; ++set) grouped(set), dense(set);
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+  std::vector<GraphExec> grouped_graphs, dense_graphs;
+  for (int set = 0; set < sets; ++set) {
+    grouped_graphs.emplace_back(stream, [&] { grouped(set); });
+    dense_graphs.emplace_back(stream, [&] { dense(set); });
+  }
+  EventTimer timer;
+  std::vector<float> tg, td, tl;
+  for (int i = 0; i < replays; ++i) {
+    const int set = i % sets;
+    set_routing(i);
+    tg.push_back(timer.time(stream, [&] { grouped_graphs[set].launch(stream); }));
+    td.push_back(timer.time(stream, [&] { dense_graphs[set].launch(stream); }));
+  }
+  const int legacy_reps = std::min(replays, 20);
+  for (int i = 0; i < legacy_reps; ++i) {
+    set_routing(i);
+    tl.push_back(timer.time(stream, [&] { legacy_run(i % sets); }));
+  }
+  DeviceErrorRecord rec{};
+  MG_CUDA_CHECK(cudaMemcpy(&rec, err, sizeof(rec), cudaMemcpyDeviceToHost));
+  MG_CHECK(rec.code == 0, "benchmark routings raised device error code ", rec.code);
+  return {median(tg), median(td), median(tl)};
+}
+
+int run(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+      std::printf("usage: moegraph-bench [--quick]\n");
+      return 0;
+    } else {
+      std::fprintf(stderr, "moegraph-bench: unknown argument '%s' (try --help)\n", argv[i]);
+      return 2;
+    }
+  }
+  cudaDeviceProp prop{};
+  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
+  const int grid = prop.multiProcessorCount * kernels::prepare_grouped_gemm(DType::kBF16);
+  std::printf("grouped kernels: %s, persistent grid %d\n", kernels::foundation_tile_config().to_string().c_str(), grid);
+  cudaStream_t stream;
+  MG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  std::vector<Shape> shapes;
+  if (quick) shapes.assign(std::begin(kQuickShapes), std::end(kQuickShapes));
+  else shapes.assign(std::begin(kShapes), std::end(kShapes));
+  const int replays = quick ? 15 : 40;
+  Table table;
+  int done = 0;
+  const int total = static_cast<int>(shapes.size()) * 2 * 3;
+  for (const Shape& s : shapes) {
+    std::mt19937_64 rng(1234);
+    Buffers b;
+    const std::size_t set_bytes = s.rows * (s.k + s.n) * 2;
+    const int sets = static_cast<int>(std::clamp<std::size_t>(3 * prop.l2CacheSize / set_bytes + 1, 1, 4));
+    for (int i = 0; i < sets; ++i) {
+      b.x.emplace_back(s.rows * s.k * 2);
+      fill_random(b.x.back(), s.rows * s.k, rng);
+      b.dy.emplace_back(s.rows * s.n * 2);
+      fill_random(b.dy.back(), s.rows * s.n, rng);
+      b.out_rows.emplace_back(s.rows * std::max(s.k, s.n) * 2);
+    }
+    b.w = DeviceBuffer(s.groups * s.n * s.k * 2);
+    fill_random(b.w, s.groups * s.n * s.k, rng);
+    b.dw = DeviceBuffer(s.groups * s.n * s.k * 2);
+    b.splits = DeviceBuffer(s.groups * 4);
+    b.offsets = DeviceBuffer((s.groups + 1) * 8);
+    b.error = DeviceBuffer(sizeof(DeviceErrorRecord));
+    MG_CUDA_CHECK(cudaMemset(b.error.get(), 0, sizeof(DeviceErrorRecord)));
+    for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
+      std::vector<std::vector<int32_t>> routings;
+      for (int i = 0; i < 16; ++i) routings.push_back(random_routing(rng, s.groups, s.rows, routing));
+      std::vector<int32_t> flat;
+      for (auto& r : routings) flat.insert(flat.end(), r.begin(), r.end());
+      b.routings = DeviceBuffer(flat.size() * 4);
+      MG_CUDA_CHECK(cudaMemcpy(b.routings.get(), flat.data(), flat.size() * 4, cudaMemcpyHostToDevice));
+      double active = 0;  // mean number of experts that received tokens (decode weight traffic)
+      for (auto& r : routings) active += std::count_if(r.begin(), r.end(), [](int32_t v) { return v > 0; });
+      active /= routings.size();
+      for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad}) {
+        const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
+        const double flops = 2.0 * s.rows * s.n * s.k;
+        const double weight_gb = active * s.n * s.k * 2 / 1e9;
+        table.add({s.name, routing_name(routing), phase_name(phase), fmt(r.grouped_ms, 3),
+                   fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0), fmt(r.dense_ms, 3),
+                   fmt(flops / r.dense_ms / 1e9, 1), fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2),
+                   fmt(r.legacy_ms / r.grouped_ms, 2)});
+        progress(++done, total, s.name);
+      }
+    }
+  }
+  std::fprintf(stderr, "\n");
+  std::printf("\nmedian of %d graph replays (legacy: %d eager runs), bf16, fresh routing per replay\n", replays,
+              std::min(replays, 20));
+  table.print({"shape", "routing", "phase", "grouped ms", "TFLOP/s", "W GB/s", "dense ms", "dense TFLOP/s",
+               "legacy ms", "vs dense", "vs legacy"});
+  cudaStreamDestroy(stream);
+  return 0;
+}
+
+}  // namespace
+}  // namespace moegraph::bench
+
+int main(int argc, char** argv) {
+  try {
+    return moegraph::bench::run(argc, argv);
+  } catch (const moegraph::Error& e) {
+    std::fprintf(stderr, "moegraph-bench: %s\n", e.what());
+    return 1;
+  }
+}

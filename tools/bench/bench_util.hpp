@@ -1,0 +1,122 @@
+// Small helpers of moegraph-bench: graph capture, event timing, routings, the result table.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moegraph/error.hpp"
+
+namespace moegraph::bench {
+
+class GraphExec {
+ public:
+  template <class F>
+  GraphExec(cudaStream_t stream, F enqueue) {
+    MG_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    enqueue();
+    cudaGraph_t graph = nullptr;
+    MG_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    MG_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph, 0));
+    cudaGraphDestroy(graph);
+  }
+  GraphExec(GraphExec&& o) noexcept : exec_(o.exec_) { o.exec_ = nullptr; }
+  GraphExec(const GraphExec&) = delete;
+  ~GraphExec() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+  }
+  void launch(cudaStream_t stream) { MG_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+class EventTimer {
+ public:
+  EventTimer() {
+    MG_CUDA_CHECK(cudaEventCreate(&start_));
+    MG_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~EventTimer() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  // Milliseconds between events recorded around f's work on `stream`.
+  template <class F>
+  float time(cudaStream_t stream, F f) {
+    MG_CUDA_CHECK(cudaEventRecord(start_, stream));
+    f();
+    MG_CUDA_CHECK(cudaEventRecord(stop_, stream));
+    MG_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0;
+    MG_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return ms;
+  }
+
+ private:
+  cudaEvent_t start_, stop_;
+};
+
+inline double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+enum class Routing { kUniform, kSkewed };
+inline const char* routing_name(Routing r) { return r == Routing::kUniform ? "uniform" : "zipf1.2"; }
+
+// Multinomial routing of `rows` rows over `groups` experts: uniform, or Zipf(1.2) over a random
+// expert order.
+inline std::vector<int32_t> random_routing(std::mt19937_64& rng, int groups, int64_t rows, Routing routing) {
+  std::vector<double> w(groups);
+  for (int e = 0; e < groups; ++e) w[e] = routing == Routing::kUniform ? 1.0 : 1.0 / std::pow(e + 1.0, 1.2);
+  std::shuffle(w.begin(), w.end(), rng);
+  std::discrete_distribution<int> pick(w.begin(), w.end());
+  std::vector<int32_t> s(groups, 0);
+  for (int64_t r = 0; r < rows; ++r) ++s[pick(rng)];
+  return s;
+}
+
+inline std::string fmt(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+inline void progress(int done, int total, const char* what) {
+  std::fprintf(stderr, "\r[%-30s] %d/%d %s      ", std::string(30 * done / total, '#').c_str(), done, total, what);
+  std::fflush(stderr);
+}
+
+class Table {
+ public:
+  void add(std::vector<std::string> row) { rows_.push_back(std::move(row)); }
+  // A Markdown table, so it can go into docs/PERF.md as printed.
+  void print(const std::vector<std::string>& header) const {
+    std::vector<std::size_t> width(header.size());
+    for (std::size_t c = 0; c < header.size(); ++c) {
+      width[c] = header[c].size();
+      for (const auto& r : rows_) width[c] = std::max(width[c], r[c].size());
+    }
+    auto line = [&](const std::vector<std::string>& r) {
+      std::printf("|");
+      for (std::size_t c = 0; c < r.size(); ++c) std::printf(" %*s |", static_cast<int>(width[c]), r[c].c_str());
+      std::printf("\n");
+    };
+    line(header);
+    std::printf("|");
+    for (std::size_t c = 0; c < header.size(); ++c) std::printf("%s|", std::string(width[c] + 2, '-').c_str());
+    std::printf("\n");
+    for (const auto& r : rows_) line(r);
+  }
+
+ private:
+  std::vector<std::vector<std::string>> rows_;
+};
+
+}  // namespace moegraph::bench
