@@ -40,11 +40,13 @@ TEST(BadSplits, TotalPastCapacityIsReported) {
 
 TEST(BadSplits, AlignedTotalPastCapacityIsReported) {
   CaseSpec spec{"bad_aligned_overflow", 4, 128, 128, DType::kBF16, 32, {32, 32, 32, 32}, 0, Routing::kUniform, 0};
-  Problem p(spec, test_seed(spec.name));  // capacity: 128 rows at row_align 32
-  const std::string msg = device_error_after_forward(p, {1, 1, 1, 1});
-  EXPECT_TRUE(msg.empty()) << "4 one-row groups take 128 aligned rows and fit: " << msg;
-  const std::string msg2 = device_error_after_forward(p, {33, 1, 1, 1});
-  EXPECT_NE(msg2.find("splits need 160 rows (row_align 32)"), std::string::npos) << msg2;
+  Problem p(spec, test_seed(spec.name));
+  ASSERT_EQ(p.layout.capacity_rows, 256);  // 128 rows in the worst layout at row_align 32
+  EXPECT_EQ(device_error_after_forward(p, {129, 1, 1, 1}), "") << "160 + 3 * 32 aligned rows fill 256 exactly";
+  // 164 rows of data, but 192 + 3 * 32 = 288 aligned rows: the padding is what overflows.
+  const std::string msg = device_error_after_forward(p, {161, 1, 1, 1});
+  EXPECT_NE(msg.find("splits need 288 rows (row_align 32) but capacity_rows is 256"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("at group 3"), std::string::npos) << msg;
 }
 
 TEST(BadSplits, ValidSplitsAfterAnErrorWorkAgain) {

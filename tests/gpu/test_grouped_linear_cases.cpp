@@ -22,6 +22,7 @@ std::vector<CaseSpec> cases() {
       {"g64_skewed", 64, 256, 512, DType::kBF16, 1, {}, 3000, R::kSkewed, 0, true, true},
       {"g256_uniform", 256, 128, 256, DType::kBF16, 1, {}, 2000, R::kUniform, 100, true},
       {"g256_skewed_main_grad", 256, 256, 128, DType::kBF16, 1, {}, 2000, R::kSkewed, 0, false, false, true},
+      {"g1024_max_groups", 1024, 128, 128, DType::kBF16, 1, {}, 3000, R::kSkewed, 0, true, true},
       {"k8192_n128", 4, 8192, 128, DType::kBF16, 1, {}, 200},
       {"k128_n8192", 4, 128, 8192, DType::kBF16, 1, {}, 200, R::kUniform, 0, true},
       {"k48_n80_partial_tiles", 3, 48, 80, DType::kBF16, 1, {5, 0, 70}},
