@@ -1,0 +1,80 @@
+// moegraph's JSON configuration: one document describes the MoE layer, precision, training,
+// shape buckets and the benchmark routing. Every key and its default: docs/config.md.
+// Parsing never crashes and never accepts a partial config: any problem throws ConfigError.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moegraph/error.hpp"
+#include "moegraph/types.hpp"
+
+namespace moegraph {
+
+// A configuration problem: malformed JSON (with line and column), an unknown key (with the closest
+// valid key), a wrong type, or an out-of-range / inconsistent value (key, value and rule).
+// Tools exit with code 2 on it.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+struct LayerConfig {
+  int experts = 0;                    // G, 1..1024
+  int64_t hidden = 0;                 // multiple of 16
+  int64_t ffn = 0;                    // per-expert FFN width, multiple of 16
+  int top_k = 1;                      // 1..8, at most experts
+  bool bias = false;
+  std::string activation = "swiglu";  // only "swiglu" for now
+};
+
+struct PrecisionConfig {
+  std::string recipe = "bf16";        // "bf16" (mxfp8 when it exists)
+  DType dtype = DType::kBF16;         // "bf16" or "fp16"
+};
+
+struct TrainingConfig {
+  bool enabled = true;                // capture forward_train/backward/wgrad (else forward only)
+  bool delay_wgrad = false;
+  int wgrad_slots = 1;                // 1..64
+  bool main_grad_fp32 = true;         // wgrad accumulates into fp32 main_grad (else writes bf16 dW)
+};
+
+enum class RoutingKind { kUniform, kZipf, kFixed };
+
+struct RoutingConfig {
+  RoutingKind kind = RoutingKind::kUniform;
+  double skew = 1.2;                  // zipf exponent, > 0
+  std::vector<int64_t> fixed_splits;  // kFixed: tokens*top_k rows per expert (sums to the bucket's rows)
+  uint64_t seed = 1234;
+};
+
+struct BenchConfig {
+  int replays = 50;                   // timed replays per measurement, >= 1
+  int warmup = 3;                     // untimed replays first, >= 0
+  double fill = 1.0;                  // fraction of each bucket's tokens actually routed, (0, 1]
+};
+
+struct Config {
+  std::string name = "default";
+  LayerConfig layer;
+  PrecisionConfig precision;
+  TrainingConfig training;
+  std::vector<int64_t> buckets;       // capacities in tokens, strictly increasing, >= 1
+  int row_align = 1;                  // 1, 16, 32, 128
+  RoutingConfig routing;
+  BenchConfig bench;
+};
+
+// `source` names the document in messages (a path, or "<built-in>").
+Config parse_config(const std::string& json_text, const std::string& source);
+Config load_config(const std::string& path);  // reads the file; a missing file is a ConfigError
+// The built-in default (the Qwen3-30B-A3B-like preset), used when no config is given.
+Config default_config();
+// The config as JSON with every key (defaults filled in), e.g. for --plan and result files.
+std::string to_json(const Config& config);
+
+std::string_view routing_kind_name(RoutingKind kind);
+
+}  // namespace moegraph

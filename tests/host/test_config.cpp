@@ -1,0 +1,2 @@
+// Config parsing tests (issue 3).
+#include <gtest/gtest.h>
