@@ -1,2 +1,254 @@
-// Implemented by the config work (issue 3).
+// The config schema: which keys exist, their types, defaults and rules (docs/config.md lists them).
+// The generic strict JSON reading lives in json_reader.cpp.
 #include "moegraph/config.hpp"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "src/config/json_reader.hpp"
+
+namespace moegraph {
+
+using config_detail::Json;
+using config_detail::JsonObject;
+
+namespace {
+
+// Hidden and FFN widths beyond this are not a real layer, and would overflow size arithmetic.
+constexpr int64_t kMaxWidth = int64_t{1} << 20;
+constexpr int64_t kMaxBucketTokens = int64_t{1} << 20;
+constexpr int kMaxTopK = 8;
+constexpr int64_t kMaxReplays = 1'000'000;
+
+// Identical in content to configs/qwen3-30b-a3b.json (a host test compares the two).
+constexpr const char* kDefaultConfigJson = R"json({
+  "name": "qwen3-30b-a3b",
+  "layer": {"experts": 128, "hidden": 2048, "ffn": 768, "top_k": 8, "bias": false, "activation": "swiglu"},
+  "precision": {"recipe": "bf16", "dtype": "bf16"},
+  "training": {"enabled": true, "delay_wgrad": true, "wgrad_slots": 2, "main_grad_fp32": true},
+  "buckets": [1024, 2048, 4096],
+  "row_align": 1,
+  "routing": {"kind": "zipf", "skew": 1.2, "seed": 1234},
+  "bench": {"replays": 50, "warmup": 3, "fill": 1.0}
+})json";
+
+LayerConfig read_layer(const Json& value) {
+  const JsonObject o(value, "layer", {"experts", "hidden", "ffn", "top_k", "bias", "activation"});
+  LayerConfig layer;
+  layer.experts = static_cast<int>(config_detail::integer_in(o.required("experts"), o.path("experts"), 1, 1024));
+  const std::string width_rule = detail::concat("a positive multiple of 16 (at most ", kMaxWidth, ")");
+  for (auto [key, field] : {std::pair{"hidden", &layer.hidden}, std::pair{"ffn", &layer.ffn}}) {
+    *field = config_detail::integer_in(o.required(key), o.path(key), 16, kMaxWidth, width_rule);
+    MG_CONFIG_CHECK(*field % 16 == 0, o.path(key), " must be ", width_rule, ", got ", *field);
+  }
+  if (const Json* v = o.find("top_k"))
+    layer.top_k = static_cast<int>(config_detail::integer_in(*v, o.path("top_k"), 1, kMaxTopK));
+  MG_CONFIG_CHECK(layer.top_k <= layer.experts, "layer.top_k must be at most layer.experts (", layer.experts, "), got ",
+                  layer.top_k);
+  if (const Json* v = o.find("bias")) layer.bias = config_detail::boolean(*v, o.path("bias"));
+  if (const Json* v = o.find("activation")) layer.activation = config_detail::string(*v, o.path("activation"));
+  MG_CONFIG_CHECK(layer.activation == "swiglu", "layer.activation must be \"swiglu\" (the only one implemented), got ",
+                  config_detail::quoted_excerpt(layer.activation));
+  return layer;
+}
+
+PrecisionConfig read_precision(const Json& value) {
+  const JsonObject o(value, "precision", {"recipe", "dtype"});
+  PrecisionConfig precision;
+  if (const Json* v = o.find("recipe")) precision.recipe = config_detail::string(*v, o.path("recipe"));
+  MG_CONFIG_CHECK(precision.recipe == "bf16", "precision.recipe must be \"bf16\" (mxfp8 is not available yet), got ",
+                  config_detail::quoted_excerpt(precision.recipe));
+  if (const Json* v = o.find("dtype")) {
+    const std::string dtype = config_detail::string(*v, o.path("dtype"));
+    MG_CONFIG_CHECK(dtype == "bf16" || dtype == "fp16", "precision.dtype must be \"bf16\" or \"fp16\", got ",
+                    config_detail::quoted_excerpt(dtype));
+    precision.dtype = dtype == "bf16" ? DType::kBF16 : DType::kFP16;
+  }
+  return precision;
+}
+
+TrainingConfig read_training(const Json& value) {
+  const JsonObject o(value, "training", {"enabled", "delay_wgrad", "wgrad_slots", "main_grad_fp32"});
+  TrainingConfig training;
+  if (const Json* v = o.find("enabled")) training.enabled = config_detail::boolean(*v, o.path("enabled"));
+  if (const Json* v = o.find("delay_wgrad")) training.delay_wgrad = config_detail::boolean(*v, o.path("delay_wgrad"));
+  if (const Json* v = o.find("wgrad_slots"))
+    training.wgrad_slots = static_cast<int>(config_detail::integer_in(*v, o.path("wgrad_slots"), 1, 64));
+  if (const Json* v = o.find("main_grad_fp32"))
+    training.main_grad_fp32 = config_detail::boolean(*v, o.path("main_grad_fp32"));
+  // Without training there is no backward pass, so there is no weight gradient to delay.
+  MG_CONFIG_CHECK(!training.delay_wgrad || training.enabled,
+                  "training.delay_wgrad requires training.enabled, got delay_wgrad true with enabled false");
+  return training;
+}
+
+std::vector<int64_t> read_buckets(const Json& value) {
+  const std::string path_of_buckets = "buckets";  // named: the reference returned must not outlive it
+  const std::vector<Json>& items = config_detail::array(value, path_of_buckets);
+  MG_CONFIG_CHECK(!items.empty(), "buckets must not be empty (give at least one capacity in tokens)");
+  std::vector<int64_t> buckets;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::string path = detail::concat("buckets[", i, "]");
+    buckets.push_back(config_detail::integer_in(items[i], path, 1, kMaxBucketTokens));
+    MG_CONFIG_CHECK(i == 0 || buckets[i] > buckets[i - 1], "buckets must be strictly increasing, got ", path, " = ",
+                    buckets[i], " after buckets[", i - 1, "] = ", buckets[i - 1]);
+  }
+  return buckets;
+}
+
+RoutingKind routing_kind_from(const std::string& name) {
+  for (RoutingKind kind : {RoutingKind::kUniform, RoutingKind::kZipf, RoutingKind::kFixed})
+    if (routing_kind_name(kind) == name) return kind;
+  MG_CONFIG_FAIL("routing.kind must be \"uniform\", \"zipf\" or \"fixed\", got ", config_detail::quoted_excerpt(name));
+}
+
+// Needs the layer and the buckets: fixed splits give one row count per expert, and every bucket's
+// rows (tokens * top_k) must be exactly what they add up to.
+RoutingConfig read_routing(const Json& value, const LayerConfig& layer, const std::vector<int64_t>& buckets) {
+  const JsonObject o(value, "routing", {"kind", "skew", "seed", "fixed_splits"});
+  RoutingConfig routing;
+  if (const Json* v = o.find("kind")) routing.kind = routing_kind_from(config_detail::string(*v, o.path("kind")));
+  if (const Json* v = o.find("skew")) routing.skew = config_detail::number(*v, o.path("skew"));
+  MG_CONFIG_CHECK(routing.skew > 0, "routing.skew must be greater than 0, got ", routing.skew);
+  if (const Json* v = o.find("seed")) routing.seed = config_detail::non_negative_integer(*v, o.path("seed"));
+
+  if (const Json* v = o.find("fixed_splits")) {
+    const std::string path = o.path("fixed_splits");
+    const std::vector<Json>& items = config_detail::array(*v, path);
+    for (std::size_t e = 0; e < items.size(); ++e)
+      routing.fixed_splits.push_back(config_detail::integer_in(
+          items[e], detail::concat("routing.fixed_splits[", e, "]"), 0, kMaxBucketTokens * kMaxTopK));
+  }
+  if (routing.kind != RoutingKind::kFixed) {
+    MG_CONFIG_CHECK(
+        routing.fixed_splits.empty(), "routing.fixed_splits must be empty unless routing.kind is \"fixed\", got ",
+        routing.fixed_splits.size(), " entries with routing.kind \"", routing_kind_name(routing.kind), "\"");
+    return routing;
+  }
+  MG_CONFIG_CHECK(!routing.fixed_splits.empty(),
+                  "routing.fixed_splits is required when routing.kind is \"fixed\" (one row count per expert)");
+  MG_CONFIG_CHECK(routing.fixed_splits.size() == static_cast<std::size_t>(layer.experts),
+                  "routing.fixed_splits must have one entry per expert (layer.experts = ", layer.experts, "), got ",
+                  routing.fixed_splits.size(), " entries");
+  int64_t rows = 0;
+  for (int64_t split : routing.fixed_splits) rows += split;
+  for (std::size_t i = 0; i < buckets.size(); ++i)
+    MG_CONFIG_CHECK(buckets[i] * layer.top_k == rows, "routing.fixed_splits sum to ", rows, " rows but buckets[", i,
+                    "] = ", buckets[i], " tokens * layer.top_k ", layer.top_k, " = ", buckets[i] * layer.top_k,
+                    " rows; with routing.kind \"fixed\" every bucket must match the sum (use one bucket)");
+  return routing;
+}
+
+BenchConfig read_bench(const Json& value) {
+  const JsonObject o(value, "bench", {"replays", "warmup", "fill"});
+  BenchConfig bench;
+  if (const Json* v = o.find("replays"))
+    bench.replays = static_cast<int>(config_detail::integer_in(*v, o.path("replays"), 1, kMaxReplays));
+  if (const Json* v = o.find("warmup"))
+    bench.warmup = static_cast<int>(config_detail::integer_in(*v, o.path("warmup"), 0, kMaxReplays));
+  if (const Json* v = o.find("fill")) bench.fill = config_detail::number(*v, o.path("fill"));
+  MG_CONFIG_CHECK(bench.fill > 0 && bench.fill <= 1, "bench.fill must be in (0, 1], got ", bench.fill);
+  return bench;
+}
+
+Config read_config(const Json& document) {
+  const JsonObject o(document, "",
+                     {"name", "layer", "precision", "training", "buckets", "row_align", "routing", "bench"});
+  Config config;
+  if (const Json* v = o.find("name")) config.name = config_detail::string(*v, "name");
+  MG_CONFIG_CHECK(!config.name.empty(), "name must not be empty");
+  config.layer = read_layer(o.required("layer"));
+  if (const Json* v = o.find("precision")) config.precision = read_precision(*v);
+  if (const Json* v = o.find("training")) config.training = read_training(*v);
+  config.buckets = read_buckets(o.required("buckets"));
+  if (const Json* v = o.find("row_align")) {
+    const int64_t align = config_detail::integer_in(*v, "row_align", 1, 128, "1, 16, 32 or 128");
+    MG_CONFIG_CHECK(align == 1 || align == 16 || align == 32 || align == 128,
+                    "row_align must be 1, 16, 32 or 128, got ", align);
+    config.row_align = static_cast<int>(align);
+  }
+  // An absent routing object still goes through the cross checks (it means kind "uniform").
+  const Json no_routing = Json::object();
+  const Json* routing = o.find("routing");
+  config.routing = read_routing(routing ? *routing : no_routing, config.layer, config.buckets);
+  if (const Json* v = o.find("bench")) config.bench = read_bench(*v);
+  // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
+  MG_CONFIG_CHECK(config.routing.kind != RoutingKind::kFixed || config.bench.fill == 1.0,
+                  "bench.fill must be 1 with routing.kind \"fixed\" (the fixed splits fill every bucket), got ",
+                  config.bench.fill);
+  return config;
+}
+
+}  // namespace
+
+std::string_view routing_kind_name(RoutingKind kind) {
+  switch (kind) {
+    case RoutingKind::kUniform: return "uniform";
+    case RoutingKind::kZipf: return "zipf";
+    case RoutingKind::kFixed: return "fixed";
+  }
+  return "?";
+}
+
+Config parse_config(const std::string& json_text, const std::string& source) {
+  try {
+    return read_config(config_detail::parse_document(json_text));
+  } catch (const ConfigError& e) {
+    // Schema code does not know where the text came from; every message starts with the source.
+    throw ConfigError(e.file(), e.line(), detail::concat(source, ": ", e.message()), e.kind());
+  }
+}
+
+Config load_config(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    config_detail::fail(__FILE__, __LINE__,
+                        detail::concat("cannot read config file \"", path, "\": it is a directory"));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    config_detail::fail(__FILE__, __LINE__,
+                        detail::concat("cannot open config file \"", path, "\": ", std::strerror(errno)));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) config_detail::fail(__FILE__, __LINE__, detail::concat("cannot read config file \"", path, "\""));
+  return parse_config(text.str(), path);
+}
+
+Config default_config() { return parse_config(kDefaultConfigJson, "<built-in>"); }
+
+std::string to_json(const Config& c) {
+  Json splits = Json::array();
+  for (int64_t s : c.routing.fixed_splits) splits.push_back(s);
+  const Json document = {
+      {"name", c.name},
+      {"layer",
+       {{"experts", c.layer.experts},
+        {"hidden", c.layer.hidden},
+        {"ffn", c.layer.ffn},
+        {"top_k", c.layer.top_k},
+        {"bias", c.layer.bias},
+        {"activation", c.layer.activation}}},
+      {"precision", {{"recipe", c.precision.recipe}, {"dtype", std::string(dtype_name(c.precision.dtype))}}},
+      {"training",
+       {{"enabled", c.training.enabled},
+        {"delay_wgrad", c.training.delay_wgrad},
+        {"wgrad_slots", c.training.wgrad_slots},
+        {"main_grad_fp32", c.training.main_grad_fp32}}},
+      {"buckets", c.buckets},
+      {"row_align", c.row_align},
+      {"routing",
+       {{"kind", std::string(routing_kind_name(c.routing.kind))},
+        {"skew", c.routing.skew},
+        {"seed", c.routing.seed},
+        {"fixed_splits", splits}}},
+      {"bench", {{"replays", c.bench.replays}, {"warmup", c.bench.warmup}, {"fill", c.bench.fill}}},
+  };
+  // A Config built in code may hold a name that is not UTF-8; never throw while printing it.
+  return document.dump(2, ' ', false, Json::error_handler_t::replace);
+}
+
+}  // namespace moegraph

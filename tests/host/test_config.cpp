@@ -1,2 +1,392 @@
-// Config parsing tests (issue 3).
+// The JSON config layer: every error class names source, key path, value and rule; the presets
+// parse, print with every key and round-trip; the built-in default is the Qwen3 preset file.
 #include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "moegraph/config.hpp"
+#include "src/config/json_reader.hpp"
+
+namespace moegraph {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// Plain gtest (gmock is not linked): assertions that print the message when they fail.
+::testing::AssertionResult contains(const std::string& message, const std::string& part) {
+  if (message.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "message:  " << message << "\nexpected: ..." << part << "...";
+}
+::testing::AssertionResult starts_with(const std::string& message, const std::string& prefix) {
+  if (message.rfind(prefix, 0) == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "message:  " << message << "\nexpected: " << prefix << "...";
+}
+
+// Works from the build directory (meson test) and from the repository root: first relative to
+// this source file's path as the compiler saw it, then walking up from the working directory.
+std::filesystem::path configs_dir() {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> candidates{fs::path(__FILE__).parent_path() / ".." / ".." / "configs"};
+  for (fs::path dir = fs::current_path();; dir = dir.parent_path()) {
+    candidates.push_back(dir / "configs");
+    if (dir == dir.parent_path()) break;
+  }
+  for (const fs::path& dir : candidates)
+    if (fs::exists(dir / "qwen3-30b-a3b.json")) return dir;
+  ADD_FAILURE() << "configs/ not found from " << __FILE__ << " or " << fs::current_path();
+  return {};
+}
+
+std::string preset_path(const std::string& name) { return (configs_dir() / (name + ".json")).string(); }
+
+const std::vector<std::string> kPresets{"mixtral-8x7b", "deepseek-v3-ep-shard", "qwen3-30b-a3b", "decode"};
+
+Json base() {
+  return Json::parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 512, "top_k": 2}, "buckets": [64, 128]})");
+}
+
+// `base()` with each (JSON pointer, JSON text) set; a null text removes the key.
+std::string with(std::initializer_list<std::pair<const char*, const char*>> edits, Json doc = base()) {
+  for (const auto& [pointer, text] : edits) {
+    const Json::json_pointer p(pointer);
+    if (text == nullptr)
+      doc.at(p.parent_pointer()).erase(p.back());
+    else
+      doc[p] = Json::parse(text);
+  }
+  return doc.dump();
+}
+
+Json fixed_base() {
+  Json doc = base();
+  doc["buckets"] = {64};
+  doc["routing"] = Json::parse(R"({"kind": "fixed", "fixed_splits": [16, 16, 16, 16, 16, 16, 16, 16]})");
+  return doc;
+}
+
+// The message of the ConfigError that parsing `text` raises ("" and a test failure when none).
+std::string error_of(const std::string& text, const std::string& source = "test.json") {
+  try {
+    parse_config(text, source);
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+    EXPECT_TRUE(starts_with(e.message(), source + ": "));
+    return e.message();
+  }
+  ADD_FAILURE() << "no ConfigError for: " << text;
+  return "";
+}
+
+struct BadDoc {
+  std::string name;
+  std::string json;
+  std::string expected;  // a substring of the message
+};
+void PrintTo(const BadDoc& doc, std::ostream* os) { *os << doc.name << ": " << doc.json; }
+
+std::vector<BadDoc> bad_docs() {
+  return {
+      // Wrong types.
+      {"HiddenString", with({{"/layer/hidden", R"("4096")"}}), R"(layer.hidden must be an integer, got string "4096")"},
+      {"HiddenFloat", with({{"/layer/hidden", "4096.0"}}), "layer.hidden must be an integer, got number 4096.0"},
+      {"BiasInt", with({{"/layer/bias", "1"}}), "layer.bias must be a boolean (true or false), got number 1"},
+      {"EnabledString", with({{"/training/enabled", R"("yes")"}}),
+       R"(training.enabled must be a boolean (true or false), got string "yes")"},
+      {"SkewString", with({{"/routing/skew", R"("1.2")"}}), R"(routing.skew must be a number, got string "1.2")"},
+      {"NameNumber", with({{"/name", "5"}}), "name must be a string, got number 5"},
+      {"LayerArray", with({{"/layer", "[]"}}), "layer must be an object, got array"},
+      {"BucketsObject", with({{"/buckets", "{}"}}), "buckets must be an array, got object"},
+      {"BucketString", with({{"/buckets/1", R"("128")"}}), R"(buckets[1] must be an integer, got string "128")"},
+      {"TopKNull", with({{"/layer/top_k", "null"}}), "layer.top_k must be an integer, got null"},
+      {"SeedFloat", with({{"/routing/seed", "1.5"}}), "routing.seed must be a non-negative integer, got number 1.5"},
+      {"TopLevelArray", "[1, 2]", "the config must be a JSON object, got array"},
+      {"TopLevelNull", "null", "the config must be a JSON object, got null"},
+      // Out of range.
+      {"ExpertsZero", with({{"/layer/experts", "0"}}), "layer.experts must be in [1, 1024], got 0"},
+      {"ExpertsTooMany", with({{"/layer/experts", "1025"}}), "layer.experts must be in [1, 1024], got 1025"},
+      {"ExpertsBeyondInt64", with({{"/layer/experts", "18446744073709551615"}}),
+       "layer.experts must be in [1, 1024], got 18446744073709551615"},
+      {"ExpertsBeyond64Bits", R"({"layer": {"experts": 99999999999999999999999}})",
+       "layer.experts must be in [1, 1024], got 1e+23 (out of range)"},
+      {"HiddenNotMultiple", with({{"/layer/hidden", "4100"}}),
+       "layer.hidden must be a positive multiple of 16 (at most 1048576), got 4100"},
+      {"FfnZero", with({{"/layer/ffn", "0"}}), "layer.ffn must be a positive multiple of 16 (at most 1048576), got 0"},
+      {"FfnHuge", with({{"/layer/ffn", "9223372036854775792"}}),
+       "layer.ffn must be a positive multiple of 16 (at most 1048576), got 9223372036854775792"},
+      {"TopKNine", with({{"/layer/top_k", "9"}}), "layer.top_k must be in [1, 8], got 9"},
+      {"TopKZero", with({{"/layer/top_k", "0"}}), "layer.top_k must be in [1, 8], got 0"},
+      {"ActivationGelu", with({{"/layer/activation", R"("gelu")"}}),
+       R"(layer.activation must be "swiglu" (the only one implemented), got "gelu")"},
+      {"RecipeMxfp8", with({{"/precision/recipe", R"("mxfp8")"}}),
+       R"(precision.recipe must be "bf16" (mxfp8 is not available yet), got "mxfp8")"},
+      {"DtypeFp32", with({{"/precision/dtype", R"("fp32")"}}),
+       R"(precision.dtype must be "bf16" or "fp16", got "fp32")"},
+      {"WgradSlotsZero", with({{"/training/wgrad_slots", "0"}}), "training.wgrad_slots must be in [1, 64], got 0"},
+      {"WgradSlots65", with({{"/training/wgrad_slots", "65"}}), "training.wgrad_slots must be in [1, 64], got 65"},
+      {"BucketZero", with({{"/buckets/0", "0"}}), "buckets[0] must be in [1, 1048576], got 0"},
+      {"BucketTooBig", with({{"/buckets/1", "1048577"}}), "buckets[1] must be in [1, 1048576], got 1048577"},
+      {"RowAlign8", with({{"/row_align", "8"}}), "row_align must be 1, 16, 32 or 128, got 8"},
+      {"RowAlign256", with({{"/row_align", "256"}}), "row_align must be 1, 16, 32 or 128, got 256"},
+      {"RoutingKindRandom", with({{"/routing/kind", R"("random")"}}),
+       R"(routing.kind must be "uniform", "zipf" or "fixed", got "random")"},
+      {"SkewZero", with({{"/routing/skew", "0"}}), "routing.skew must be greater than 0, got 0"},
+      {"SkewNegative", with({{"/routing/skew", "-1.5"}}), "routing.skew must be greater than 0, got -1.5"},
+      {"SeedBeyond64Bits", with({{"/routing/seed", "1e30"}}),
+       "routing.seed must be a non-negative integer below 2^64, got 1e+30 (out of range)"},
+      {"SeedNegative", with({{"/routing/seed", "-1"}}), "routing.seed must be a non-negative integer, got -1"},
+      {"ReplaysZero", with({{"/bench/replays", "0"}}), "bench.replays must be in [1, 1000000], got 0"},
+      {"ReplaysOverflowInt", with({{"/bench/replays", "99999999999"}}),
+       "bench.replays must be in [1, 1000000], got 99999999999"},
+      {"WarmupNegative", with({{"/bench/warmup", "-1"}}), "bench.warmup must be in [0, 1000000], got -1"},
+      {"FillZero", with({{"/bench/fill", "0"}}), "bench.fill must be in (0, 1], got 0"},
+      {"FillAboveOne", with({{"/bench/fill", "1.5"}}), "bench.fill must be in (0, 1], got 1.5"},
+      {"NameEmpty", with({{"/name", R"("")"}}), "name must not be empty"},
+      // Inconsistent values.
+      {"TopKAboveExperts", with({{"/layer/experts", "4"}, {"/layer/top_k", "6"}}),
+       "layer.top_k must be at most layer.experts (4), got 6"},
+      {"DelayWgradWithoutTraining", with({{"/training", R"({"enabled": false, "delay_wgrad": true})"}}),
+       "training.delay_wgrad requires training.enabled"},
+      {"BucketsEqual", with({{"/buckets", "[64, 64]"}}),
+       "buckets must be strictly increasing, got buckets[1] = 64 after buckets[0] = 64"},
+      {"BucketsDecreasing", with({{"/buckets", "[64, 256, 128]"}}),
+       "buckets must be strictly increasing, got buckets[2] = 128 after buckets[1] = 256"},
+      {"BucketsEmpty", with({{"/buckets", "[]"}}), "buckets must not be empty"},
+      {"FixedSplitsLength", with({{"/routing/fixed_splits", "[16, 16, 16, 16, 16, 16, 32]"}}, fixed_base()),
+       "routing.fixed_splits must have one entry per expert (layer.experts = 8), got 7 entries"},
+      {"FixedSplitsSum", with({{"/buckets", "[64, 128]"}}, fixed_base()),
+       "routing.fixed_splits sum to 128 rows but buckets[1] = 128 tokens * layer.top_k 2 = 256 rows"},
+      {"FixedSplitsMissing", with({{"/routing/fixed_splits", nullptr}}, fixed_base()),
+       R"(routing.fixed_splits is required when routing.kind is "fixed")"},
+      {"FixedSplitsNegative", with({{"/routing/fixed_splits/3", "-5"}}, fixed_base()),
+       "routing.fixed_splits[3] must be in [0, 8388608], got -5"},
+      {"FixedSplitsWithPartialFill", with({{"/bench", R"({"fill": 0.5})"}}, fixed_base()),
+       R"(bench.fill must be 1 with routing.kind "fixed" (the fixed splits fill every bucket), got 0.5)"},
+      {"SplitsWithZipf", with({{"/routing/kind", R"("zipf")"}}, fixed_base()),
+       R"(routing.fixed_splits must be empty unless routing.kind is "fixed", got 8 entries with routing.kind "zipf")"},
+      // Missing required keys.
+      {"MissingLayer", with({{"/layer", nullptr}}), R"(missing required key "layer")"},
+      {"MissingHidden", with({{"/layer/hidden", nullptr}}), R"(missing required key "layer.hidden")"},
+      {"MissingBuckets", with({{"/buckets", nullptr}}), R"(missing required key "buckets")"},
+      // Unknown keys; a typo is reported as a typo even when it hides a required key.
+      {"UnknownTopLevel", with({{"/nmae", R"("x")"}}), R"(unknown key "nmae"; did you mean "name"?)"},
+      {"UnknownNested", with({{"/layer/hidden", nullptr}, {"/layer/hiden", "256"}}),
+       R"(unknown key "layer.hiden"; did you mean "layer.hidden"?)"},
+      {"UnknownCase", with({{"/routing/Seed", "1"}}), R"(unknown key "routing.Seed"; did you mean "routing.seed"?)"},
+      {"UnknownFarNested", with({{"/bench/x", "1"}}),
+       R"(unknown key "bench.x"; valid keys in "bench": replays, warmup, fill)"},
+      {"UnknownFarTopLevel", with({{"/zzzzzz", "1"}}),
+       R"(unknown key "zzzzzz"; valid keys at the top level: name, layer, precision, training, buckets, row_align, routing, bench)"},
+      // Duplicates would silently keep one value.
+      {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
+      {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},
+      {"DuplicateInArray", R"({"buckets": [1, {"a": 1, "a": 2}]})", R"(duplicate key "buckets[1].a")"},
+  };
+}
+
+class ConfigErrors : public ::testing::TestWithParam<BadDoc> {};
+
+TEST_P(ConfigErrors, NameKeyValueAndRule) { EXPECT_TRUE(contains(error_of(GetParam().json), GetParam().expected)); }
+
+INSTANTIATE_TEST_SUITE_P(Config, ConfigErrors, ::testing::ValuesIn(bad_docs()),
+                         [](const ::testing::TestParamInfo<BadDoc>& info) { return info.param.name; });
+
+TEST(ConfigSyntax, ReportsLineAndColumnOfTheBadCharacter) {
+  const std::string m = error_of("{\n  \"name\": x\n}", "bad.json");
+  EXPECT_TRUE(starts_with(m, "bad.json: invalid JSON at line 2, column 11: "));
+  EXPECT_TRUE(contains(m, "invalid literal"));
+  EXPECT_FALSE(contains(m, "[json.exception"));
+}
+
+TEST(ConfigSyntax, TrailingCommaAndEndOfInput) {
+  EXPECT_TRUE(contains(error_of(R"({"buckets": [1, 2,]})"), "line 1, column 19: "));
+  const std::string m = error_of("{\n\"layer\": {");
+  EXPECT_TRUE(contains(m, "line 2, column 11: "));
+  EXPECT_TRUE(contains(m, "unexpected end of input"));
+  EXPECT_TRUE(contains(error_of(""), "line 1, column 1: "));
+}
+
+TEST(ConfigSyntax, NumberOverflowIsASyntaxErrorWithPosition) {
+  const std::string m = error_of("{\"bench\":\n {\"fill\": 1e400}}");
+  EXPECT_TRUE(contains(m, "invalid JSON at line 2, column 15: "));
+  EXPECT_TRUE(contains(m, "number overflow"));
+}
+
+TEST(ConfigSyntax, IllFormedUtf8IsNotCopiedIntoTheMessage) {
+  const std::string m = error_of("{\"name\": \"ab\xff\"}");
+  EXPECT_TRUE(contains(m, "line 1, column 13: "));
+  EXPECT_TRUE(contains(m, "ill-formed UTF-8"));
+  EXPECT_EQ(m.find('\xff'), std::string::npos);
+}
+
+TEST(ConfigSyntax, NeverCrashesOnTruncatedOrCorruptedText) {
+  std::ifstream in(preset_path("qwen3-30b-a3b"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string text = buffer.str();
+  ASSERT_FALSE(text.empty());
+  std::mt19937 rng(7);
+  for (std::size_t n = 0; n <= text.size(); ++n) {
+    std::string corrupted = text;
+    corrupted[rng() % corrupted.size()] = static_cast<char>(rng() % 256);
+    for (const std::string& t : {text.substr(0, n), corrupted}) {
+      try {
+        parse_config(t, "fuzz");
+      } catch (const ConfigError&) {
+      }  // any other exception fails the test
+    }
+  }
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  EXPECT_TRUE(contains(error_of(deep), "the config must be a JSON object, got array"));
+  EXPECT_TRUE(contains(error_of(std::string(100000, '{')), "invalid JSON at line 1"));
+}
+
+TEST(ConfigErrorsMisc, LongKeysAreCutShortInMessages) {
+  const std::string key(10000, 'k');
+  const std::string m = error_of(with({{("/" + key).c_str(), "1"}}));
+  EXPECT_TRUE(contains(m, "unknown key \"kkkk"));
+  EXPECT_LT(m.size(), 400u);
+}
+
+TEST(ConfigEditDistance, CountsInsertionsDeletionsAndSubstitutions) {
+  EXPECT_EQ(config_detail::edit_distance("hidden", "hidden"), 0u);
+  EXPECT_EQ(config_detail::edit_distance("hiden", "hidden"), 1u);
+  EXPECT_EQ(config_detail::edit_distance("nmae", "name"), 2u);
+  EXPECT_EQ(config_detail::edit_distance("", "ffn"), 3u);
+  EXPECT_EQ(config_detail::edit_distance("kitten", "sitting"), 3u);
+}
+
+TEST(ConfigFile, MissingFileNamesThePath) {
+  try {
+    load_config("/nonexistent/moegraph/cfg.json");
+    FAIL() << "no error for a missing file";
+  } catch (const ConfigError& e) {
+    EXPECT_TRUE(contains(e.message(), "cannot open config file \"/nonexistent/moegraph/cfg.json\""));
+    EXPECT_EQ(e.kind(), ErrorKind::kInvalidArgument);
+  }
+  EXPECT_THROW(load_config(configs_dir().string()), ConfigError);
+}
+
+TEST(ConfigFile, ErrorsInAFileNameTheFile) {
+  const auto path = std::filesystem::temp_directory_path() / "moegraph-test-config-bad.json";
+  std::ofstream(path) << with({{"/layer/top_k", "9"}});
+  try {
+    load_config(path.string());
+    FAIL() << "no error for top_k 9";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.message(), path.string() + ": layer.top_k must be in [1, 8], got 9");
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(ConfigPresets, ParseWithExpectedValues) {
+  const Config mixtral = load_config(preset_path("mixtral-8x7b"));
+  EXPECT_EQ(mixtral.name, "mixtral-8x7b");
+  EXPECT_EQ(mixtral.layer.experts, 8);
+  EXPECT_EQ(mixtral.layer.hidden, 4096);
+  EXPECT_EQ(mixtral.layer.ffn, 14336);
+  EXPECT_EQ(mixtral.layer.top_k, 2);
+  EXPECT_TRUE(mixtral.training.delay_wgrad);
+  EXPECT_EQ(mixtral.training.wgrad_slots, 2);
+  EXPECT_EQ(mixtral.routing.kind, RoutingKind::kZipf);
+  EXPECT_DOUBLE_EQ(mixtral.routing.skew, 1.2);
+
+  const Config deepseek = load_config(preset_path("deepseek-v3-ep-shard"));
+  EXPECT_EQ(deepseek.layer.experts, 32);
+  EXPECT_EQ(deepseek.layer.hidden, 7168);
+  EXPECT_EQ(deepseek.layer.ffn, 2048);
+  EXPECT_EQ(deepseek.layer.top_k, 8);
+
+  const Config qwen = load_config(preset_path("qwen3-30b-a3b"));
+  EXPECT_EQ(qwen.layer.experts, 128);
+  EXPECT_EQ(qwen.layer.ffn, 768);
+  EXPECT_EQ(qwen.buckets, (std::vector<int64_t>{1024, 2048, 4096}));
+  EXPECT_EQ(qwen.precision.dtype, DType::kBF16);
+
+  const Config decode = load_config(preset_path("decode"));
+  EXPECT_EQ(decode.layer.experts, 64);
+  EXPECT_EQ(decode.layer.ffn, 1408);
+  EXPECT_EQ(decode.layer.top_k, 6);
+  EXPECT_FALSE(decode.training.enabled);
+  EXPECT_EQ(decode.routing.kind, RoutingKind::kUniform);
+  EXPECT_EQ(decode.buckets, (std::vector<int64_t>{1, 8, 32, 64, 128, 256}));
+
+  // The benchmark keeps every bucket's routed rows small enough to fit GPU memory quickly.
+  for (const std::string& name : kPresets) {
+    const Config c = load_config(preset_path(name));
+    EXPECT_LE(c.buckets.back() * c.layer.top_k, 65536) << name;
+  }
+}
+
+TEST(ConfigDefaults, MissingKeysTakeTheStructDefaults) {
+  const Config c = parse_config(R"({"layer": {"experts": 4, "hidden": 64, "ffn": 128}, "buckets": [16]})", "min");
+  const Config d;
+  EXPECT_EQ(c.name, d.name);
+  EXPECT_EQ(c.layer.top_k, d.layer.top_k);
+  EXPECT_EQ(c.layer.bias, d.layer.bias);
+  EXPECT_EQ(c.layer.activation, d.layer.activation);
+  EXPECT_EQ(c.precision.recipe, d.precision.recipe);
+  EXPECT_EQ(c.precision.dtype, d.precision.dtype);
+  EXPECT_EQ(c.training.enabled, d.training.enabled);
+  EXPECT_EQ(c.training.delay_wgrad, d.training.delay_wgrad);
+  EXPECT_EQ(c.training.wgrad_slots, d.training.wgrad_slots);
+  EXPECT_EQ(c.training.main_grad_fp32, d.training.main_grad_fp32);
+  EXPECT_EQ(c.row_align, d.row_align);
+  EXPECT_EQ(c.routing.kind, d.routing.kind);
+  EXPECT_EQ(c.routing.skew, d.routing.skew);
+  EXPECT_EQ(c.routing.seed, d.routing.seed);
+  EXPECT_EQ(c.bench.replays, d.bench.replays);
+  EXPECT_EQ(c.bench.warmup, d.bench.warmup);
+  EXPECT_EQ(c.bench.fill, d.bench.fill);
+
+  // to_json writes every key, defaults included.
+  const Json j = Json::parse(to_json(c));
+  for (const char* pointer :
+       {"/name", "/layer/top_k", "/layer/bias", "/layer/activation", "/precision/recipe", "/precision/dtype",
+        "/training/enabled", "/training/delay_wgrad", "/training/wgrad_slots", "/training/main_grad_fp32", "/buckets",
+        "/row_align", "/routing/kind", "/routing/skew", "/routing/seed", "/routing/fixed_splits", "/bench/replays",
+        "/bench/warmup", "/bench/fill"})
+    EXPECT_TRUE(j.contains(Json::json_pointer(pointer))) << pointer;
+  EXPECT_EQ(j["precision"]["dtype"], "bf16");
+  EXPECT_EQ(j["routing"]["kind"], "uniform");
+}
+
+TEST(ConfigRoundTrip, ToJsonParsesBackToTheSameJson) {
+  std::vector<Config> configs;
+  for (const std::string& name : kPresets) configs.push_back(load_config(preset_path(name)));
+  // Also the values the presets do not exercise: fixed splits, fp16, bias, alignment, a large seed.
+  configs.push_back(parse_config(with({{"/precision/dtype", R"("fp16")"},
+                                       {"/layer/bias", "true"},
+                                       {"/row_align", "128"},
+                                       {"/routing/seed", "18446744073709551615"}},
+                                      fixed_base()),
+                                 "fixed"));
+  configs.push_back(parse_config(with({{"/bench/fill", "0.25"}}), "partial fill"));
+  const Config& fixed = configs[configs.size() - 2];
+  EXPECT_EQ(fixed.precision.dtype, DType::kFP16);
+  EXPECT_EQ(fixed.routing.seed, 18446744073709551615u);
+  EXPECT_EQ(fixed.routing.fixed_splits, std::vector<int64_t>(8, 16));
+  EXPECT_EQ(configs.back().bench.fill, 0.25);
+  for (const Config& c : configs) {
+    const std::string once = to_json(c);
+    EXPECT_EQ(to_json(parse_config(once, "round-trip")), once) << c.name;
+  }
+}
+
+TEST(ConfigDefaults, BuiltInDefaultIsTheQwenPresetFile) {
+  const Config d = default_config();
+  EXPECT_EQ(d.name, "qwen3-30b-a3b");
+  EXPECT_EQ(to_json(d), to_json(load_config(preset_path("qwen3-30b-a3b"))));
+}
+
+TEST(ConfigRoutingKind, Names) {
+  EXPECT_EQ(routing_kind_name(RoutingKind::kUniform), "uniform");
+  EXPECT_EQ(routing_kind_name(RoutingKind::kZipf), "zipf");
+  EXPECT_EQ(routing_kind_name(RoutingKind::kFixed), "fixed");
+}
+
+}  // namespace
+}  // namespace moegraph
