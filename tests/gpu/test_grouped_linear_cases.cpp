@@ -1,7 +1,7 @@
 // Every GEMM and epilogue against the fp64 reference over a named case table.
 #include <gtest/gtest.h>
 
-#include "tests/common/problem.hpp"
+#include "tests/common/expect.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -44,17 +44,17 @@ TEST_P(GroupedLinearCase, AllPhasesMatchFp64Reference) {
   p.poison_outputs();
   p.op->forward(p.forward_args(), stream);
   p.op->check_device_errors(stream);
-  p.expect_forward("forward");
+  expect_matches_reference(p, OutputSet::kForward, "forward");
 
   // Training forward and backward with every gradient.
   p.poison_outputs();
   p.op->forward_train(p.forward_args(), stream);
   p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kImmediate, stream);
   p.op->check_device_errors(stream);
-  p.expect_forward("forward_train");
-  p.expect_dgrad("backward");
-  p.expect_bias_grads("backward");
-  p.expect_wgrad("backward");
+  expect_matches_reference(p, OutputSet::kForward, "forward_train");
+  expect_matches_reference(p, OutputSet::kDgrad, "backward");
+  expect_matches_reference(p, OutputSet::kBiasGrads, "backward");
+  expect_matches_reference(p, OutputSet::kWgrad, "backward");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GroupedLinearCase, ::testing::ValuesIn(cases()),

@@ -4,8 +4,8 @@
 
 #include "kernels/routing/offsets.hpp"
 #include "src/ops/shape_rules.hpp"
-#include "tests/common/data.hpp"
-#include "tests/common/device.hpp"
+#include "src/verify/device_array.hpp"
+#include "tests/common/expect.hpp"
 
 namespace moegraph::test {
 namespace {

@@ -5,8 +5,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "tests/common/data.hpp"
-#include "tests/common/reference.hpp"
+#include "tests/common/expect.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -57,10 +56,42 @@ TEST(Rounding, Bf16RoundsToNearestEven) {
 
 TEST(Compare, DetectsWrongValuesAndNaN) {
   const Mat ref{1, 2, 3, 4};
-  EXPECT_TRUE(all_close("same", ref, ref, 2, {}, tolerance_for(DType::kBF16)));
-  EXPECT_FALSE(all_close("off", Mat{1, 2, 3, 4.2}, ref, 2, {}, tolerance_for(DType::kBF16)));
-  EXPECT_FALSE(all_close("nan", Mat{1, 2, 3, std::nan("")}, ref, 2, {}, tolerance_for(DType::kBF16)));
-  EXPECT_TRUE(all_close("masked", Mat{1, 2, 99, 99}, ref, 2, {true, false}, tolerance_for(DType::kBF16)));
+  EXPECT_TRUE(passed(all_close("same", ref, ref, 2, {}, tolerance_for(DType::kBF16))));
+  EXPECT_FALSE(passed(all_close("off", Mat{1, 2, 3, 4.2}, ref, 2, {}, tolerance_for(DType::kBF16))));
+  EXPECT_FALSE(passed(all_close("nan", Mat{1, 2, 3, std::nan("")}, ref, 2, {}, tolerance_for(DType::kBF16))));
+  EXPECT_TRUE(passed(all_close("masked", Mat{1, 2, 99, 99}, ref, 2, {true, false}, tolerance_for(DType::kBF16))));
+}
+
+// The result carries what moegraph-check prints and the gtest adapter reports.
+TEST(Compare, ResultCountsBadElementsAndError) {
+  const Mat ref{1, 2, 3, 4};
+  const CompareResult off = all_close("dx", Mat{1, 2, 3, 4.2}, ref, 2, {}, tolerance_for(DType::kBF16));
+  EXPECT_FALSE(off.ok);
+  EXPECT_EQ(off.out_of_tolerance, 1u);
+  EXPECT_EQ(off.compared, 4u);
+  EXPECT_NEAR(off.rel_fro, 0.2 / std::sqrt(30.0), 1e-12);
+  EXPECT_EQ(off.message.rfind("dx: 1 of 4 elements out of tolerance (first at row 1 col 1", 0), 0u) << off.message;
+  const CompareResult masked = all_close("y", Mat{1, 2, 99, 99}, ref, 2, {true, false}, tolerance_for(DType::kBF16));
+  EXPECT_TRUE(masked.ok);
+  EXPECT_EQ(masked.compared, 2u);
+  EXPECT_TRUE(masked.message.empty());
+  EXPECT_FALSE(all_close("short", Mat{1, 2, 3}, ref, 2, {}, tolerance_for(DType::kBF16)).ok);
+}
+
+// A capacity that holds any routing of the rows in its worst aligned layout (the GPU cases rely on it).
+TEST(Data, CapacityHoldsTheWorstAlignedLayout) {
+  EXPECT_EQ(capacity_rows_for(40, 4, 1, 0), 40);     // exactly full
+  EXPECT_EQ(capacity_rows_for(128, 4, 32, 0), 256);  // 3 groups may each waste 31 rows
+  EXPECT_EQ(capacity_rows_for(0, 8, 1, 16), 16);
+  EXPECT_EQ(capacity_rows_for(0, 1, 128, 0), 128);   // one aligned block at least
+  EXPECT_EQ(capacity_rows_for(900, 8, 128, 0), 1920);
+}
+
+// The Zipf exponent generalizes the two named routings without changing their random sequence.
+TEST(Data, RoutingNamesMatchTheirZipfExponents) {
+  std::mt19937_64 a(7), b(7);
+  EXPECT_EQ(random_splits(a, 32, 1000, Routing::kUniform), random_splits(b, 32, 1000, 0.0));
+  EXPECT_EQ(random_splits(a, 32, 1000, Routing::kSkewed), random_splits(b, 32, 1000, kDefaultSkew));
 }
 
 TEST(Data, SplitsSumToRowsAndSkewConcentrates) {

@@ -1,9 +1,9 @@
-#include "tests/common/reference.hpp"
+#include "src/verify/reference.hpp"
 
 #include <algorithm>
 #include <thread>
 
-namespace moegraph::test {
+namespace moegraph::verify {
 namespace {
 
 // Runs f(i) for i in [0, count) on all cores: the reference of the large cases is the slow part.
@@ -115,4 +115,4 @@ Mat ref_scale_grad(const GroupLayout& l, const Mat& dy, const Mat& bias, int64_t
   return ds;
 }
 
-}  // namespace moegraph::test
+}  // namespace moegraph::verify

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace moegraph::test {
+namespace moegraph::verify {
 
 struct GroupLayout {
   std::vector<int32_t> splits;   // [G]
@@ -33,4 +33,4 @@ Mat ref_scale_grad(const GroupLayout& l, const Mat& dy, const Mat& bias, int64_t
 std::vector<bool> written_rows(const GroupLayout& l);
 std::vector<bool> data_rows(const GroupLayout& l);
 
-}  // namespace moegraph::test
+}  // namespace moegraph::verify

@@ -1,18 +1,22 @@
-#include "tests/common/data.hpp"
+#include "src/verify/data.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <sstream>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "moegraph/error.hpp"
+
 #include "src/ops/shape_rules.hpp"
 
-namespace moegraph::test {
+namespace moegraph::verify {
 
 uint16_t to_bits(double v, DType t) {
   if (t == DType::kFP16) return static_cast<__half_raw>(__double2half(v)).x;
@@ -56,9 +60,9 @@ std::vector<uint16_t> to_device_bits(const std::vector<double>& v, DType t) {
   return out;
 }
 
-std::vector<int32_t> random_splits(std::mt19937_64& rng, int groups, int64_t rows, Routing routing) {
+std::vector<int32_t> random_splits(std::mt19937_64& rng, int groups, int64_t rows, double zipf_exponent) {
   std::vector<double> weight(groups);
-  for (int e = 0; e < groups; ++e) weight[e] = routing == Routing::kUniform ? 1.0 : 1.0 / std::pow(e + 1.0, 1.2);
+  for (int e = 0; e < groups; ++e) weight[e] = zipf_exponent == 0.0 ? 1.0 : 1.0 / std::pow(e + 1.0, zipf_exponent);
   std::shuffle(weight.begin(), weight.end(), rng);
   std::discrete_distribution<int> pick(weight.begin(), weight.end());
   std::vector<int32_t> splits(groups, 0);
@@ -92,11 +96,15 @@ double relative_error(const std::vector<double>& got, const std::vector<double>&
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-::testing::AssertionResult all_close(const std::string& what, const std::vector<double>& got,
-                                     const std::vector<double>& ref, int64_t cols, const std::vector<bool>& mask,
-                                     Tolerance tol) {
-  if (got.size() != ref.size())
-    return ::testing::AssertionFailure() << what << ": size " << got.size() << " vs reference " << ref.size();
+CompareResult all_close(const std::string& what, const std::vector<double>& got, const std::vector<double>& ref,
+                        int64_t cols, const std::vector<bool>& mask, Tolerance tol) {
+  CompareResult result;
+  if (got.size() != ref.size()) {
+    result.ok = false;
+    result.rel_fro = std::numeric_limits<double>::infinity();
+    result.message = detail::concat(what, ": size ", got.size(), " vs reference ", ref.size());
+    return result;
+  }
   double sq = 0.0;
   std::size_t counted = 0;
   for (std::size_t i = 0; i < ref.size(); ++i)
@@ -113,16 +121,20 @@ double relative_error(const std::vector<double>& got, const std::vector<double>&
       worst = std::isnan(err) ? err : std::max(worst, err);
     }
   }
-  const double rel = relative_error(got, ref, cols, mask);
-  if (bad == 0 && rel <= tol.rel_fro) return ::testing::AssertionSuccess();
+  result.rel_fro = relative_error(got, ref, cols, mask);
+  result.out_of_tolerance = bad;
+  result.compared = counted;
+  result.ok = bad == 0 && result.rel_fro <= tol.rel_fro;
+  if (result.ok) return result;
   std::ostringstream os;
-  os << what << ": " << bad << " of " << counted * 1 << " elements out of tolerance";
+  os << what << ": " << bad << " of " << counted << " elements out of tolerance";
   if (bad) {
     os << " (first at row " << first_bad / cols << " col " << first_bad % cols << ": got " << got[first_bad]
        << ", reference " << ref[first_bad] << "; worst error " << worst << ")";
   }
-  os << ", relative Frobenius error " << rel << " (limit " << tol.rel_fro << "), rms(ref) " << rms;
-  return ::testing::AssertionFailure() << os.str();
+  os << ", relative Frobenius error " << result.rel_fro << " (limit " << tol.rel_fro << "), rms(ref) " << rms;
+  result.message = os.str();
+  return result;
 }
 
-}  // namespace moegraph::test
+}  // namespace moegraph::verify

@@ -1,23 +1,30 @@
-#include "tests/common/problem.hpp"
+#include "src/verify/problem.hpp"
 
-#include <gtest/gtest.h>
-
+#include <algorithm>
+#include <cmath>
 #include <numeric>
 
-namespace moegraph::test {
+namespace moegraph::verify {
 
 std::vector<double> to_doubles(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+int64_t capacity_rows_for(int64_t rows, int groups, int row_align, int64_t extra) {
+  const int64_t worst = row_align == 1 ? rows : rows + int64_t{groups} * (row_align - 1);
+  const int64_t capacity = (worst + row_align - 1) / row_align * row_align + extra;
+  return std::max<int64_t>(capacity, row_align);
+}
+
+CompareResult compare(const Output& output, const std::string& where) {
+  const int64_t cols = output.shape.size() > 1 ? output.shape.back() : 1;
+  return all_close(where + " " + output.name, output.got, *output.ref, cols, output.rows, output.tol);
+}
 
 Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   std::vector<int32_t> splits = spec.splits;
   if (splits.empty()) splits = random_splits(rng, spec.groups, spec.rows, spec.routing);
   spec.groups = static_cast<int>(splits.size());
   spec.rows = std::accumulate(splits.begin(), splits.end(), int64_t{0});
-  // Capacity: the worst aligned layout of `rows` rows, plus the requested padding. With
-  // capacity_extra = 0 and row_align = 1 the buffer is exactly full.
-  const int64_t worst = spec.row_align == 1 ? spec.rows : spec.rows + int64_t{spec.groups} * (spec.row_align - 1);
-  int64_t capacity = (worst + spec.row_align - 1) / spec.row_align * spec.row_align + spec.capacity_extra;
-  capacity = std::max<int64_t>(capacity, spec.row_align);
+  const int64_t capacity = capacity_rows_for(spec.rows, spec.groups, spec.row_align, spec.capacity_extra);
   layout = make_layout(splits, spec.row_align, capacity);
 
   GroupedLinearOptions o;
@@ -60,6 +67,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
 }
 
 void Problem::reroute(const std::vector<int32_t>& splits) {
+  references_.clear();
   layout = make_layout(splits, spec.row_align, layout.capacity_rows);
   const int64_t cap = layout.capacity_rows;
   d_splits.upload(splits);
@@ -78,6 +86,10 @@ void Problem::reroute(const std::vector<int32_t>& splits) {
     s = random_values(rng, cap, 1.0, DType::kFP32);
     d_s.upload(std::vector<float>(s.begin(), s.end()));
   }
+  restore_main_grad();
+}
+
+void Problem::restore_main_grad() {
   if (spec.main_grad) d_main_grad.upload(std::vector<float>(main_grad_init.begin(), main_grad_init.end()));
 }
 
@@ -122,36 +134,61 @@ std::vector<double> Problem::download(const DeviceArray<uint16_t>& a) const {
   return out;
 }
 
-void Problem::expect_forward(const std::string& where) const {
-  const auto ref = ref_fprop(layout, x, w, b, spec.scale ? s : std::vector<double>{}, spec.n, spec.k);
-  EXPECT_TRUE(all_close(where + " y", download(d_y), ref, spec.n, written_rows(layout), tolerance_for(spec.dtype)));
+const Mat& Problem::reference(const std::string& name, const std::function<Mat()>& compute) const {
+  auto it = references_.find(name);
+  if (it == references_.end()) it = references_.emplace(name, compute()).first;
+  return it->second;
 }
 
-void Problem::expect_dgrad(const std::string& where) const {
-  const auto ref = ref_dgrad(layout, dy, w, spec.n, spec.k);
-  EXPECT_TRUE(all_close(where + " dx", download(d_dx), ref, spec.k, written_rows(layout), tolerance_for(spec.dtype)));
+Tolerance Problem::tolerance(DType output) const {
+  return spec.tolerance && output == spec.dtype ? *spec.tolerance : tolerance_for(output);
 }
 
-void Problem::expect_bias_grads(const std::string& where) const {
-  if (!spec.bias) return;
-  const std::vector<double> scale = spec.scale ? s : std::vector<double>{};
-  EXPECT_TRUE(all_close(where + " dbias", download(d_db), ref_bias_grad(layout, dy, scale, spec.n), spec.n, {},
-                        tolerance_for(spec.dtype)));
-  if (spec.scale) {
-    EXPECT_TRUE(all_close(where + " dbias_scale", to_doubles(d_ds.download()), ref_scale_grad(layout, dy, b, spec.n),
-                          1, written_rows(layout), tolerance_for(DType::kFP32)));
+std::vector<Output> Problem::outputs(OutputSet set) const {
+  const int64_t rows = layout.capacity_rows, g = spec.groups, n = spec.n, k = spec.k;
+  const Mat no_scale;
+  const Mat& scale = spec.scale ? s : no_scale;
+  const std::vector<bool> written = written_rows(layout);
+  switch (set) {
+    case OutputSet::kForward:
+      return {{"y", {rows, n}, download(d_y),
+               &reference("y", [&] { return ref_fprop(layout, x, w, b, scale, n, k); }), written,
+               tolerance(spec.dtype)}};
+    case OutputSet::kDgrad:
+      return {{"dx", {rows, k}, download(d_dx), &reference("dx", [&] { return ref_dgrad(layout, dy, w, n, k); }),
+               written, tolerance(spec.dtype)}};
+    case OutputSet::kBiasGrads: {
+      std::vector<Output> out;
+      if (!spec.bias) return out;
+      out.push_back({"dbias", {g, n}, download(d_db),
+                     &reference("dbias", [&] { return ref_bias_grad(layout, dy, scale, n); }), {},
+                     tolerance(spec.dtype)});
+      if (spec.scale)
+        out.push_back({"dbias_scale", {rows}, to_doubles(d_ds.download()),
+                       &reference("dbias_scale", [&] { return ref_scale_grad(layout, dy, b, n); }), written,
+                       tolerance(DType::kFP32)});
+      return out;
+    }
+    case OutputSet::kWgrad:
+      if (spec.main_grad) {
+        auto accumulated = [&] {
+          Mat ref = ref_wgrad(layout, dy, x, n, k);
+          for (std::size_t i = 0; i < ref.size(); ++i) ref[i] += main_grad_init[i];
+          return ref;
+        };
+        return {{"main_grad", {g, n, k}, to_doubles(d_main_grad.download()), &reference("main_grad", accumulated),
+                 {}, tolerance(DType::kFP32)}};
+      }
+      return {{"dweight", {g, n, k}, download(d_dw),
+               &reference("dweight", [&] { return ref_wgrad(layout, dy, x, n, k); }), {}, tolerance(spec.dtype)}};
   }
+  return {};
 }
 
-void Problem::expect_wgrad(const std::string& where) const {
-  auto ref = ref_wgrad(layout, dy, x, spec.n, spec.k);
-  if (spec.main_grad) {
-    for (std::size_t i = 0; i < ref.size(); ++i) ref[i] += main_grad_init[i];
-    EXPECT_TRUE(all_close(where + " main_grad", to_doubles(d_main_grad.download()), ref, spec.k, {},
-                          tolerance_for(DType::kFP32)));
-  } else {
-    EXPECT_TRUE(all_close(where + " dweight", download(d_dw), ref, spec.k, {}, tolerance_for(spec.dtype)));
-  }
+std::vector<CompareResult> Problem::check(OutputSet set, const std::string& where) const {
+  std::vector<CompareResult> results;
+  for (const Output& output : outputs(set)) results.push_back(compare(output, where));
+  return results;
 }
 
-}  // namespace moegraph::test
+}  // namespace moegraph::verify

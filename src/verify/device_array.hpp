@@ -1,4 +1,4 @@
-// Device-side test helpers (GPU tests only).
+// A typed device array for verification: upload, download, and NaN poisoning of outputs.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,7 +9,7 @@
 #include "moegraph/error.hpp"
 #include "src/common/device_buffer.hpp"
 
-namespace moegraph::test {
+namespace moegraph::verify {
 
 template <class T>
 class DeviceArray {
@@ -35,4 +35,4 @@ class DeviceArray {
   DeviceBuffer buf_;
 };
 
-}  // namespace moegraph::test
+}  // namespace moegraph::verify
