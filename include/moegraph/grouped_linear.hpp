@@ -10,11 +10,14 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moegraph/types.hpp"
 
 namespace moegraph {
+
+class LayoutWalker;  // src/common/layout.hpp
 
 struct GroupedLinearOptions {
   int num_groups = 0;          // G, 1..1024
@@ -56,8 +59,20 @@ struct BackwardArgs {
 
 class GroupedLinear {
  public:
-  // Validates the options, picks kernels and allocates the saved-context slots. Before capture.
+  // Validates the options, picks kernels and allocates its workspace (the saved-context slots and
+  // scratch). Before capture.
   explicit GroupedLinear(const GroupedLinearOptions& options);
+  // The same, on caller-provided device memory of workspace_bytes(options) bytes, 256-byte aligned
+  // (e.g. a step arena shared by shape buckets). Its contents are transient: the saved contexts live
+  // there between forward_train and backward / backward_dw.
+  GroupedLinear(const GroupedLinearOptions& options, void* workspace);
+  // Workspace size and its named buffers for these options. Touches no GPU.
+  static std::size_t workspace_bytes(const GroupedLinearOptions& options);
+  struct WorkspaceBuffer {
+    std::string name;
+    std::size_t offset, bytes;
+  };
+  static std::vector<WorkspaceBuffer> workspace_buffers(const GroupedLinearOptions& options);
   ~GroupedLinear();
   GroupedLinear(const GroupedLinear&) = delete;
   GroupedLinear& operator=(const GroupedLinear&) = delete;
@@ -65,7 +80,7 @@ class GroupedLinear {
   const GroupedLinearOptions& options() const { return options_; }
   // The kernels and tile configurations chosen (MOEGRAPH_PRINT_CONFIG=1 prints it at set-up).
   std::string describe() const;
-  // Device bytes this operator owns (saved contexts, scratch).
+  // Device bytes this operator uses (workspace and error record).
   std::size_t device_bytes() const;
 
   // Inference: y = x W^T (+ s b). Saves nothing.
@@ -92,6 +107,9 @@ class GroupedLinear {
     void* dweight;
     float* main_grad;
   };
+  struct Scratch;
+  static void lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, std::vector<std::unique_ptr<Slot>>* slots,
+                      Scratch* scratch);
   void run_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
                  const float* bias_scale, cudaStream_t stream);
   void run_wgrad(const void* dy, const void* x, const int32_t* splits, const int64_t* offsets,
@@ -103,7 +121,6 @@ class GroupedLinear {
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_;
   std::deque<QueuedWgrad> wgrad_queue_;
-  struct Scratch;
   std::unique_ptr<Scratch> scratch_;
 };
 

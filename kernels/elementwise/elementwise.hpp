@@ -36,3 +36,23 @@ void launch_copy_used_rows(void* dst, const void* src, std::size_t row_bytes, co
                            int num_groups, int grid, cudaStream_t stream);
 
 }  // namespace moegraph::kernels
+
+namespace moegraph::kernels {
+
+// SwiGLU over the used rows [0, offsets[G]) of h = [rows, 2 * ffn] laid out as (gate | up):
+// a[r, j] = silu(gate[r, j]) * up[r, j]. Gap rows are zero in h, so they stay zero in a.
+void launch_swiglu_forward(DType dtype, const void* h, void* a, int64_t ffn, const int64_t* offsets, int num_groups,
+                           int grid, cudaStream_t stream);
+// dgate = da * up * silu'(gate), dup = da * silu(gate), written into dh = [rows, 2 * ffn].
+void launch_swiglu_backward(DType dtype, const void* h, const void* da, void* dh, int64_t ffn, const int64_t* offsets,
+                            int num_groups, int grid, cudaStream_t stream);
+
+}  // namespace moegraph::kernels
+
+namespace moegraph::kernels {
+
+// p[i] = uniform in [-scale, scale) from a hash of (seed, i): deterministic, never all zero.
+// For initializing weights on the device without a host round trip.
+void launch_fill_uniform(DType dtype, void* p, std::size_t count, float scale, uint64_t seed, cudaStream_t stream);
+
+}  // namespace moegraph::kernels

@@ -8,52 +8,89 @@
 #include "kernels/routing/offsets.hpp"
 #include "moegraph/error.hpp"
 #include "src/common/device_buffer.hpp"
+#include "src/common/layout.hpp"
 #include "src/ops/shape_rules.hpp"
 
 namespace moegraph {
 
-// A forward_train context: what backward and the (possibly delayed) wgrad read.
+// A forward_train context: what backward and the (possibly delayed) wgrad read. The memory lives
+// in the operator's workspace.
 struct GroupedLinear::Slot {
-  DeviceBuffer x;        // [capacity_rows, K] copy of the forward input
-  DeviceBuffer splits;   // [G]
-  DeviceBuffer offsets;  // [G + 1]
-  DeviceBuffer scale;    // [capacity_rows] bias scale, when the layer has a bias
-  DeviceBuffer dy;       // [capacity_rows, N], when wgrad may be delayed
+  void* x = nullptr;           // [capacity_rows, K] copy of the forward input
+  int32_t* splits = nullptr;   // [G]
+  int64_t* offsets = nullptr;  // [G + 1]
+  float* scale = nullptr;      // [capacity_rows] bias scale, when the layer has a bias
+  void* dy = nullptr;          // [capacity_rows, N], when wgrad may be delayed
   bool has_scale = false;
 };
 
 struct GroupedLinear::Scratch {
-  DeviceBuffer offsets;        // inference forward
-  DeviceBuffer error;          // DeviceErrorRecord
-  DeviceBuffer bias_partials;  // bias-gradient workspace
+  int64_t* offsets = nullptr;        // inference forward
+  float* bias_partials = nullptr;    // bias-gradient workspace
+  DeviceBuffer error;                // DeviceErrorRecord: outside the workspace, which callers may share
+  DeviceBuffer owned_workspace;      // when the operator allocated its workspace itself
+  std::size_t workspace_bytes = 0;
   int sm_count = 0;
 };
 
-GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : options_(options) {
+void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, std::vector<std::unique_ptr<Slot>>* slots,
+                            Scratch* scratch) {
+  const int64_t rows = o.capacity_rows, g = o.num_groups;
+  const std::size_t es = dtype_size(o.dtype);
+  int64_t* offsets = walk.take<int64_t>("offsets", (g + 1) * sizeof(int64_t));
+  float* partials = o.bias ? walk.take<float>("bias_grad_partials",
+                                              kernels::bias_grad_workspace_floats(rows, g, o.out_features) * sizeof(float))
+                           : nullptr;
+  if (scratch != nullptr) scratch->offsets = offsets, scratch->bias_partials = partials;
+  for (int s = 0; s < o.wgrad_slots; ++s) {
+    const std::string prefix = detail::concat("slot", s, ".");
+    auto slot = std::make_unique<Slot>();
+    slot->x = walk.take(prefix + "x", rows * o.in_features * es);
+    slot->splits = walk.take<int32_t>(prefix + "splits", g * sizeof(int32_t));
+    slot->offsets = walk.take<int64_t>(prefix + "offsets", (g + 1) * sizeof(int64_t));
+    if (o.bias) slot->scale = walk.take<float>(prefix + "bias_scale", rows * sizeof(float));
+    if (o.delay_wgrad) slot->dy = walk.take(prefix + "dy", rows * o.out_features * es);
+    if (slots != nullptr) slots->push_back(std::move(slot));
+  }
+}
+
+std::size_t GroupedLinear::workspace_bytes(const GroupedLinearOptions& options) {
+  validate(options);
+  LayoutWalker walk;
+  lay_out(options, walk, nullptr, nullptr);
+  return walk.bytes();
+}
+
+std::vector<GroupedLinear::WorkspaceBuffer> GroupedLinear::workspace_buffers(const GroupedLinearOptions& options) {
+  validate(options);
+  LayoutWalker walk;
+  lay_out(options, walk, nullptr, nullptr);
+  std::vector<WorkspaceBuffer> out;
+  for (const auto& e : walk.entries()) out.push_back({e.name, e.offset, e.bytes});
+  return out;
+}
+
+GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : GroupedLinear(options, nullptr) {}
+
+GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspace) : options_(options) {
   validate(options_);
-  const int64_t rows = options_.capacity_rows, g = options_.num_groups;
-  const std::size_t es = dtype_size(options_.dtype);
   scratch_ = std::make_unique<Scratch>();
+  scratch_->workspace_bytes = workspace_bytes(options_);
+  if (workspace == nullptr) {
+    scratch_->owned_workspace = DeviceBuffer(scratch_->workspace_bytes);
+    workspace = scratch_->owned_workspace.get();
+  }
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(workspace) % LayoutWalker::kAlignment == 0,
+           "GroupedLinear workspace must be ", LayoutWalker::kAlignment, "-byte aligned");
+  LayoutWalker walk(static_cast<std::byte*>(workspace));
+  lay_out(options_, walk, &slots_, scratch_.get());
+  for (int s = options_.wgrad_slots - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
   int device = 0;
   MG_CUDA_CHECK(cudaGetDevice(&device));
   MG_CUDA_CHECK(cudaDeviceGetAttribute(&scratch_->sm_count, cudaDevAttrMultiProcessorCount, device));
   persistent_blocks_ = scratch_->sm_count * kernels::prepare_grouped_gemm(options_.dtype);
-  scratch_->offsets = DeviceBuffer((g + 1) * sizeof(int64_t));
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
   MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
-  if (options_.bias)
-    scratch_->bias_partials = DeviceBuffer(
-        kernels::bias_grad_workspace_floats(rows, options_.num_groups, options_.out_features) * sizeof(float));
-  for (int s = 0; s < options_.wgrad_slots; ++s) {
-    auto slot = std::make_unique<Slot>();
-    slot->x = DeviceBuffer(rows * options_.in_features * es);
-    slot->splits = DeviceBuffer(g * sizeof(int32_t));
-    slot->offsets = DeviceBuffer((g + 1) * sizeof(int64_t));
-    if (options_.bias) slot->scale = DeviceBuffer(rows * sizeof(float));
-    if (options_.delay_wgrad) slot->dy = DeviceBuffer(rows * options_.out_features * es);
-    slots_.push_back(std::move(slot));
-    free_slots_.push_back(options_.wgrad_slots - 1 - s);  // hand out slot 0 first
-  }
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
     std::fprintf(stderr, "moegraph: %s\n", describe().c_str());
 }
@@ -70,10 +107,7 @@ std::string GroupedLinear::describe() const {
 }
 
 std::size_t GroupedLinear::device_bytes() const {
-  std::size_t total = scratch_->offsets.bytes() + scratch_->error.bytes() + scratch_->bias_partials.bytes();
-  for (const auto& s : slots_)
-    total += s->x.bytes() + s->splits.bytes() + s->offsets.bytes() + s->scale.bytes() + s->dy.bytes();
-  return total;
+  return scratch_->workspace_bytes + scratch_->error.bytes();
 }
 
 void GroupedLinear::run_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
@@ -103,7 +137,7 @@ void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
 
 void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
   check_forward_args(options_, args);
-  int64_t* offsets = scratch_->offsets.as<int64_t>();
+  int64_t* offsets = scratch_->offsets;
   kernels::launch_group_offsets(args.splits, options_.num_groups, options_.row_align, options_.capacity_rows,
                                 offsets, scratch_->error.as<DeviceErrorRecord>(), stream);
   run_fprop(args, args.splits, offsets, args.bias_scale, stream);
@@ -116,17 +150,17 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
   const int index = free_slots_.back();
   Slot& slot = *slots_[index];
   const int g = options_.num_groups;
-  MG_CUDA_CHECK(cudaMemcpyAsync(slot.splits.get(), args.splits, g * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
-  int64_t* offsets = slot.offsets.as<int64_t>();
-  kernels::launch_group_offsets(slot.splits.as<int32_t>(), g, options_.row_align, options_.capacity_rows, offsets,
+  MG_CUDA_CHECK(cudaMemcpyAsync(slot.splits, args.splits, g * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+  int64_t* offsets = slot.offsets;
+  kernels::launch_group_offsets(slot.splits, g, options_.row_align, options_.capacity_rows, offsets,
                                 scratch_->error.as<DeviceErrorRecord>(), stream);
   const std::size_t es = dtype_size(options_.dtype);
   const int copy_grid = scratch_->sm_count * 4;
-  kernels::launch_copy_used_rows(slot.x.get(), args.x, options_.in_features * es, offsets, g, copy_grid, stream);
+  kernels::launch_copy_used_rows(slot.x, args.x, options_.in_features * es, offsets, g, copy_grid, stream);
   slot.has_scale = args.bias_scale != nullptr;
   if (slot.has_scale)
-    kernels::launch_copy_used_rows(slot.scale.get(), args.bias_scale, sizeof(float), offsets, g, copy_grid, stream);
-  run_fprop(args, slot.splits.as<int32_t>(), offsets, args.bias_scale, stream);
+    kernels::launch_copy_used_rows(slot.scale, args.bias_scale, sizeof(float), offsets, g, copy_grid, stream);
+  run_fprop(args, slot.splits, offsets, args.bias_scale, stream);
   free_slots_.pop_back();
   backward_queue_.push_back(index);
 }
@@ -161,8 +195,8 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
   const int index = backward_queue_.front();
   Slot& slot = *slots_[index];
   MG_CHECK(args.dbias_scale == nullptr || slot.has_scale, "dbias_scale asked for, but forward had no bias_scale");
-  const int32_t* splits = slot.splits.as<int32_t>();
-  const int64_t* offsets = slot.offsets.as<int64_t>();
+  const int32_t* splits = slot.splits;
+  const int64_t* offsets = slot.offsets;
   const int g = options_.num_groups;
 
   if (args.dx != nullptr) {
@@ -180,7 +214,7 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
   if (args.dbias != nullptr || args.dbias_scale != nullptr) {
     kernels::BiasGradParams p;
     p.dy = args.dy;
-    p.bias_scale = slot.has_scale ? slot.scale.as<float>() : nullptr;
+    p.bias_scale = slot.has_scale ? slot.scale : nullptr;
     p.bias = args.bias;
     p.n = options_.out_features;
     p.splits = splits;
@@ -188,15 +222,15 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
     p.num_groups = g;
     p.dbias = args.dbias;
     p.dbias_scale = args.dbias_scale;
-    p.partials = scratch_->bias_partials.as<float>();
+    p.partials = scratch_->bias_partials;
     kernels::launch_bias_grad(options_.dtype, p, scratch_->sm_count * 4, stream);
   }
   backward_queue_.pop_front();
   if (mode == WgradMode::kImmediate) {
-    run_wgrad(args.dy, slot.x.get(), splits, offsets, args.dweight, args.main_grad, stream);
+    run_wgrad(args.dy, slot.x, splits, offsets, args.dweight, args.main_grad, stream);
     free_slots_.push_back(index);
   } else {
-    kernels::launch_copy_used_rows(slot.dy.get(), args.dy, options_.out_features * dtype_size(options_.dtype),
+    kernels::launch_copy_used_rows(slot.dy, args.dy, options_.out_features * dtype_size(options_.dtype),
                                    offsets, g, scratch_->sm_count * 4, stream);
     wgrad_queue_.push_back({index, args.dweight, args.main_grad});
   }
@@ -206,7 +240,7 @@ void GroupedLinear::backward_dw(cudaStream_t stream) {
   MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued wgrad");
   const QueuedWgrad q = wgrad_queue_.front();
   Slot& slot = *slots_[q.slot];
-  run_wgrad(slot.dy.get(), slot.x.get(), slot.splits.as<int32_t>(), slot.offsets.as<int64_t>(), q.dweight,
+  run_wgrad(slot.dy, slot.x, slot.splits, slot.offsets, q.dweight,
             q.main_grad, stream);
   wgrad_queue_.pop_front();
   free_slots_.push_back(q.slot);

@@ -14,28 +14,6 @@
 
 namespace moegraph::bench {
 
-class GraphExec {
- public:
-  template <class F>
-  GraphExec(cudaStream_t stream, F enqueue) {
-    MG_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    enqueue();
-    cudaGraph_t graph = nullptr;
-    MG_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    MG_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph, 0));
-    cudaGraphDestroy(graph);
-  }
-  GraphExec(GraphExec&& o) noexcept : exec_(o.exec_) { o.exec_ = nullptr; }
-  GraphExec(const GraphExec&) = delete;
-  ~GraphExec() {
-    if (exec_) cudaGraphExecDestroy(exec_);
-  }
-  void launch(cudaStream_t stream) { MG_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
-
- private:
-  cudaGraphExec_t exec_ = nullptr;
-};
-
 class EventTimer {
  public:
   EventTimer() {
@@ -70,11 +48,12 @@ inline double median(std::vector<float> v) {
 enum class Routing { kUniform, kSkewed };
 inline const char* routing_name(Routing r) { return r == Routing::kUniform ? "uniform" : "zipf1.2"; }
 
-// Multinomial routing of `rows` rows over `groups` experts: uniform, or Zipf(1.2) over a random
+// Multinomial routing of `rows` rows over `groups` experts: uniform, or Zipf(skew) over a random
 // expert order.
-inline std::vector<int32_t> random_routing(std::mt19937_64& rng, int groups, int64_t rows, Routing routing) {
+inline std::vector<int32_t> random_routing(std::mt19937_64& rng, int groups, int64_t rows, Routing routing,
+                                           double skew = 1.2) {
   std::vector<double> w(groups);
-  for (int e = 0; e < groups; ++e) w[e] = routing == Routing::kUniform ? 1.0 : 1.0 / std::pow(e + 1.0, 1.2);
+  for (int e = 0; e < groups; ++e) w[e] = routing == Routing::kUniform ? 1.0 : 1.0 / std::pow(e + 1.0, skew);
   std::shuffle(w.begin(), w.end(), rng);
   std::discrete_distribution<int> pick(w.begin(), w.end());
   std::vector<int32_t> s(groups, 0);
@@ -118,5 +97,7 @@ class Table {
  private:
   std::vector<std::vector<std::string>> rows_;
 };
+
+int run_kernel_bench(bool quick);
 
 }  // namespace moegraph::bench

@@ -1,4 +1,4 @@
-// moegraph-bench (first version): times the grouped fprop, dgrad and wgrad kernels by CUDA-graph
+// moegraph-bench --kernels: times the grouped fprop, dgrad and wgrad kernels alone by CUDA-graph
 // replay, side by side with the dense cuBLASLt GEMM of the same total rows and the per-expert
 // cuBLASLt loop with host-synced splits (the legacy way), on uniform and skewed routings.
 // Method (docs/PERF.md): a fresh random routing before every replay, CUDA-event timing of the
@@ -20,6 +20,7 @@
 #include "src/common/device_buffer.hpp"
 #include "src/cublaslt/lt_gemm.hpp"
 #include "src/ops/legacy_loop.hpp"
+#include "graphs/graph_exec.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace moegraph::bench {
@@ -146,18 +147,9 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   return {median(tg), median(td), median(tl)};
 }
 
-int run(int argc, char** argv) {
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
-    else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::printf("usage: moegraph-bench [--quick]\n");
-      return 0;
-    } else {
-      std::fprintf(stderr, "moegraph-bench: unknown argument '%s' (try --help)\n", argv[i]);
-      return 2;
-    }
-  }
+}  // namespace
+
+int run_kernel_bench(bool quick) {
   cudaDeviceProp prop{};
   MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
@@ -223,14 +215,4 @@ int run(int argc, char** argv) {
   return 0;
 }
 
-}  // namespace
 }  // namespace moegraph::bench
-
-int main(int argc, char** argv) {
-  try {
-    return moegraph::bench::run(argc, argv);
-  } catch (const moegraph::Error& e) {
-    std::fprintf(stderr, "moegraph-bench: %s\n", e.what());
-    return 1;
-  }
-}

@@ -1,0 +1,51 @@
+// An instantiated CUDA graph captured from a stream under cudaStreamCaptureModeGlobal, which makes
+// the runtime reject any synchronization or allocation anywhere in the process during capture.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "moegraph/error.hpp"
+
+namespace moegraph {
+
+class GraphExec {
+ public:
+  GraphExec() = default;
+  template <class F>
+  GraphExec(cudaStream_t stream, F enqueue) {
+    MG_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    cudaGraph_t graph = nullptr;
+    try {
+      enqueue();
+    } catch (...) {
+      cudaStreamEndCapture(stream, &graph);  // leave the stream usable
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      throw;
+    }
+    MG_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    const cudaError_t st = cudaGraphInstantiate(&exec_, graph, 0);
+    cudaGraphDestroy(graph);
+    MG_CUDA_CHECK(st);
+  }
+  GraphExec(GraphExec&& o) noexcept : exec_(o.exec_) { o.exec_ = nullptr; }
+  GraphExec& operator=(GraphExec&& o) noexcept {
+    if (this != &o) {
+      if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+      exec_ = o.exec_;
+      o.exec_ = nullptr;
+    }
+    return *this;
+  }
+  GraphExec(const GraphExec&) = delete;
+  GraphExec& operator=(const GraphExec&) = delete;
+  ~GraphExec() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  }
+  bool valid() const { return exec_ != nullptr; }
+  void launch(cudaStream_t stream) const { MG_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+}  // namespace moegraph

@@ -1,0 +1,171 @@
+#include "moegraph/step_graphs.hpp"
+
+#include <chrono>
+#include <cmath>
+
+#include "graphs/expert_mlp_bucket.hpp"
+#include "graphs/graph_exec.hpp"
+#include "graphs/step_weights.hpp"
+#include "kernels/elementwise/elementwise.hpp"
+
+namespace moegraph {
+
+struct StepGraphs::Graphs {
+  GraphExec forward;
+  std::vector<GraphExec> forward_train, backward, wgrad;  // one per wgrad slot
+};
+
+struct StepGraphs::Memory {
+  DeviceBuffer arena, weights;
+  cudaStream_t stream = nullptr;  // set-up work: warm-up and capture
+  ~Memory() {
+    if (stream != nullptr) cudaStreamDestroy(stream);
+  }
+};
+
+namespace {
+int slots_of(const Config& c) { return c.training.enabled ? c.training.wgrad_slots : 1; }
+}  // namespace
+
+StepGraphs::StepGraphs(const Config& config) : config_(config), plan_(plan_step(config)) {
+  memory_ = std::make_unique<Memory>();
+  MG_CUDA_CHECK(cudaStreamCreateWithFlags(&memory_->stream, cudaStreamNonBlocking));
+  cudaStream_t s = memory_->stream;
+  memory_->arena = DeviceBuffer(plan_.arena_bytes);
+  MG_CUDA_CHECK(cudaMemsetAsync(memory_->arena.get(), 0, plan_.arena_bytes, s));
+  memory_->weights = DeviceBuffer(plan_.weight_bytes);
+  MG_CUDA_CHECK(cudaMemsetAsync(memory_->weights.get(), 0, plan_.weight_bytes, s));
+  LayoutWalker wwalk(static_cast<std::byte*>(memory_->weights.get()));
+  weights_ = lay_out_weights(config_, wwalk);
+  // Random weights so a benchmark or a first replay computes something real; callers overwrite them.
+  const DType dt = config_.precision.dtype;
+  const auto& l = config_.layer;
+  kernels::launch_fill_uniform(dt, weights_.w1, l.experts * 2 * l.ffn * l.hidden, 1.0f / std::sqrt(float(l.hidden)), 1, s);
+  kernels::launch_fill_uniform(dt, weights_.w2, l.experts * l.hidden * l.ffn, 1.0f / std::sqrt(float(l.ffn)), 2, s);
+  if (l.bias) {
+    kernels::launch_fill_uniform(dt, weights_.b1, l.experts * 2 * l.ffn, 0.1f, 3, s);
+    kernels::launch_fill_uniform(dt, weights_.b2, l.experts * l.hidden, 0.1f, 4, s);
+  }
+  for (int64_t tokens : config_.buckets) {
+    LayoutWalker walk(static_cast<std::byte*>(memory_->arena.get()));
+    buckets_.push_back(std::make_unique<ExpertMlpBucket>(config_, tokens, walk, weights_, true));
+  }
+  for (int slot = slots_of(config_) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
+
+  // Warm-up: one eager step per bucket (all experts empty: valid, and every kernel is loaded).
+  for (int b = 0; b < num_buckets(); ++b) {
+    MG_CUDA_CHECK(cudaMemsetAsync(io(b).splits, 0, l.experts * sizeof(int32_t), s));
+    run_eager(b, StepPhase::kForward, s);
+    if (!config_.training.enabled) continue;
+    run_eager(b, StepPhase::kForwardTrain, s);
+    run_eager(b, StepPhase::kBackward, s);
+    if (config_.training.delay_wgrad) run_eager(b, StepPhase::kWgrad, s);
+  }
+  check_device_errors(s);
+
+  // Capture. Per slot, in the FIFO order replays follow: all forward_trains, then all backwards,
+  // then all wgrads, so each operator's saved contexts pair up inside every slot's graphs.
+  const int slots = slots_of(config_);
+  for (int b = 0; b < num_buckets(); ++b) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ExpertMlpBucket& bucket = *buckets_[b];
+    auto g = std::make_unique<Graphs>();
+    g->forward = GraphExec(s, [&] { bucket.forward(s); });
+    if (config_.training.enabled) {
+      for (int slot = 0; slot < slots; ++slot)
+        g->forward_train.emplace_back(s, [&] { bucket.forward_train(slot, s); });
+      for (int slot = 0; slot < slots; ++slot) g->backward.emplace_back(s, [&] { bucket.backward(slot, s); });
+      if (config_.training.delay_wgrad)
+        for (int slot = 0; slot < slots; ++slot) g->wgrad.emplace_back(s, [&] { bucket.wgrad(s); });
+    }
+    graphs_.push_back(std::move(g));
+    capture_ms_.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  MG_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+StepGraphs::~StepGraphs() = default;
+
+int StepGraphs::graph_count() const {
+  int n = 0;
+  for (const auto& g : graphs_)
+    n += 1 + static_cast<int>(g->forward_train.size() + g->backward.size() + g->wgrad.size());
+  return n;
+}
+
+int StepGraphs::bucket_for(int64_t tokens) const {
+  MG_CHECK(tokens >= 0, "token count must be non-negative, got ", tokens);
+  for (int b = 0; b < num_buckets(); ++b)
+    if (tokens <= config_.buckets[b]) return b;
+  MG_FAIL(tokens, " tokens exceed the largest bucket (", config_.buckets.back(),
+          " tokens): add a larger bucket to the config's \"buckets\"");
+}
+
+BucketIO StepGraphs::io(int bucket) const {
+  MG_CHECK(bucket >= 0 && bucket < num_buckets(), "bucket index ", bucket, " out of range [0, ", num_buckets(), ")");
+  return buckets_[bucket]->io();
+}
+
+void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t stream) {
+  MG_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range [0, ", num_buckets(), ")");
+  const bool training_phase = phase != StepPhase::kForward;
+  MG_CHECK(!training_phase || config_.training.enabled, step_phase_name(phase), " needs training.enabled");
+  MG_CHECK(phase != StepPhase::kWgrad || config_.training.delay_wgrad, "wgrad needs training.delay_wgrad");
+  if (active_bucket_ >= 0 && (active_bucket_ != b || phase == StepPhase::kForward))
+    MG_FAIL("bucket ", active_bucket_, " (", config_.buckets[active_bucket_], " tokens) has ", awaiting_backward_.size(),
+            " forward_train awaiting backward and ", awaiting_wgrad_.size(),
+            " queued wgrads; buckets share one arena, so ", step_phase_name(phase), " of bucket ", b,
+            " must wait until they finish");
+  ExpertMlpBucket& bucket = *buckets_[b];
+  // Eager runs also happen during set-up, before the graphs exist.
+  auto graphs = [&]() -> Graphs& { return *graphs_.at(b); };
+  switch (phase) {
+    case StepPhase::kForward:
+      if (use_graph) graphs().forward.launch(stream);
+      else bucket.forward(stream);
+      return;
+    case StepPhase::kForwardTrain: {
+      MG_CHECK(!free_slots_.empty(), "all ", slots_of(config_),
+               " wgrad_slots hold micro-batches in flight: run backward/wgrad first");
+      const int slot = free_slots_.back();
+      if (use_graph) graphs().forward_train[slot].launch(stream);
+      else bucket.forward_train(slot, stream);
+      free_slots_.pop_back();
+      awaiting_backward_.push_back(slot);
+      active_bucket_ = b;
+      return;
+    }
+    case StepPhase::kBackward: {
+      MG_CHECK(!awaiting_backward_.empty(), "backward of bucket ", b, " without a forward_train");
+      const int slot = awaiting_backward_.front();
+      if (use_graph) graphs().backward[slot].launch(stream);
+      else bucket.backward(slot, stream);
+      awaiting_backward_.pop_front();
+      if (config_.training.delay_wgrad) awaiting_wgrad_.push_back(slot);
+      else free_slots_.push_back(slot);
+      break;
+    }
+    case StepPhase::kWgrad: {
+      MG_CHECK(!awaiting_wgrad_.empty(), "wgrad of bucket ", b, " without a queued backward");
+      const int slot = awaiting_wgrad_.front();
+      if (use_graph) graphs().wgrad[slot].launch(stream);
+      else bucket.wgrad(stream);
+      awaiting_wgrad_.pop_front();
+      free_slots_.push_back(slot);
+      break;
+    }
+  }
+  if (awaiting_backward_.empty() && awaiting_wgrad_.empty()) active_bucket_ = -1;
+}
+
+void StepGraphs::forward(int bucket, cudaStream_t stream) { launch(bucket, StepPhase::kForward, true, stream); }
+void StepGraphs::forward_train(int bucket, cudaStream_t stream) { launch(bucket, StepPhase::kForwardTrain, true, stream); }
+void StepGraphs::backward(int bucket, cudaStream_t stream) { launch(bucket, StepPhase::kBackward, true, stream); }
+void StepGraphs::wgrad(int bucket, cudaStream_t stream) { launch(bucket, StepPhase::kWgrad, true, stream); }
+void StepGraphs::run_eager(int bucket, StepPhase phase, cudaStream_t stream) { launch(bucket, phase, false, stream); }
+
+void StepGraphs::check_device_errors(cudaStream_t stream) {
+  for (auto& b : buckets_) b->check_device_errors(stream);
+}
+
+}  // namespace moegraph

@@ -1,0 +1,86 @@
+// plan_step: every bucket's buffers from one layout walk with a null base (no GPU), the shared
+// arena, the weights, and the kernels chosen.
+#include <sstream>
+
+#include "graphs/expert_mlp_bucket.hpp"
+#include "graphs/step_weights.hpp"
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+
+namespace moegraph {
+
+std::string_view step_phase_name(StepPhase phase) {
+  switch (phase) {
+    case StepPhase::kForward: return "forward";
+    case StepPhase::kForwardTrain: return "forward_train";
+    case StepPhase::kBackward: return "backward";
+    case StepPhase::kWgrad: return "wgrad";
+  }
+  return "?";
+}
+
+StepPlan plan_step(const Config& config) {
+  StepPlan plan;
+  for (int64_t tokens : config.buckets) {
+    LayoutWalker walk;
+    ExpertMlpBucket sizing(config, tokens, walk, StepWeights{}, /*create_operators=*/false);
+    BucketPlan b;
+    b.tokens = tokens;
+    b.rows = sizing.io().rows;
+    for (const auto& e : walk.entries()) {
+      b.buffers.push_back({e.name, e.offset, e.bytes});
+      // The operators' workspaces, buffer by buffer (their saved-context slots and scratch).
+      const bool fc1 = e.name == "fc1.workspace", fc2 = e.name == "fc2.workspace";
+      if (!fc1 && !fc2) continue;
+      const GroupedLinearOptions o = fc1 ? fc1_options(config, b.rows) : fc2_options(config, b.rows);
+      for (const auto& w : GroupedLinear::workspace_buffers(o))
+        b.buffers.push_back({(fc1 ? "  fc1." : "  fc2.") + w.name, e.offset + w.offset, w.bytes});
+    }
+    b.bytes = walk.bytes();
+    plan.arena_bytes = std::max(plan.arena_bytes, b.bytes);
+    plan.sum_of_buckets += b.bytes;
+    plan.buckets.push_back(std::move(b));
+  }
+  LayoutWalker weights;
+  lay_out_weights(config, weights);
+  plan.weight_bytes = weights.bytes();
+  const std::string gemm = kernels::foundation_tile_config().to_string();
+  plan.kernels = {
+      "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
+      "fc1 fprop/dgrad/wgrad, fc2 fprop/dgrad/wgrad: " + gemm + ", persistent, device tile scheduler",
+      "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
+  };
+  if (config.layer.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
+  if (config.training.enabled) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
+  return plan;
+}
+
+namespace {
+std::string human(std::size_t bytes) {
+  std::ostringstream os;
+  os.precision(bytes >= (std::size_t{1} << 30) ? 2 : 1);
+  os << std::fixed;
+  if (bytes >= (std::size_t{1} << 30)) os << bytes / double(std::size_t{1} << 30) << " GiB";
+  else if (bytes >= (std::size_t{1} << 20)) os << bytes / double(std::size_t{1} << 20) << " MiB";
+  else if (bytes >= 1024) os << bytes / 1024.0 << " KiB";
+  else os << bytes << " B";
+  return os.str();
+}
+}  // namespace
+
+std::string StepPlan::to_string() const {
+  std::ostringstream os;
+  for (const BucketPlan& b : buckets) {
+    os << "bucket " << b.tokens << " tokens (" << b.rows << " rows): " << human(b.bytes) << "\n";
+    for (const PlannedBuffer& buf : b.buffers)
+      if (buf.bytes > 0) os << "  " << buf.name << std::string(buf.name.size() < 28 ? 28 - buf.name.size() : 1, ' ')
+                            << "@" << buf.offset << "  " << human(buf.bytes) << "\n";
+  }
+  os << "arena (shared by all buckets, = the largest): " << human(arena_bytes) << "  (separate buckets would take "
+     << human(sum_of_buckets) << ")\n";
+  os << "weights and gradients (outside the arena): " << human(weight_bytes) << "\n";
+  os << "kernels:\n";
+  for (const auto& k : kernels) os << "  " << k << "\n";
+  return os.str();
+}
+
+}  // namespace moegraph

@@ -1,0 +1,34 @@
+// The weights, biases and gradients of the expert-MLP step, laid out in one block.
+#pragma once
+
+#include "moegraph/step_graphs.hpp"
+#include "src/common/layout.hpp"
+
+namespace moegraph {
+
+inline StepWeights lay_out_weights(const Config& c, LayoutWalker& walk) {
+  const std::size_t es = dtype_size(c.precision.dtype);
+  const int64_t g = c.layer.experts, h = c.layer.hidden, f2 = 2 * c.layer.ffn, f = c.layer.ffn;
+  StepWeights w;
+  w.w1 = walk.take("w1", g * f2 * h * es);
+  w.w2 = walk.take("w2", g * h * f * es);
+  if (c.layer.bias) {
+    w.b1 = walk.take("b1", g * f2 * es);
+    w.b2 = walk.take("b2", g * h * es);
+  }
+  if (!c.training.enabled) return w;
+  if (c.training.main_grad_fp32) {
+    w.main_grad1 = walk.take<float>("main_grad1", g * f2 * h * sizeof(float));
+    w.main_grad2 = walk.take<float>("main_grad2", g * h * f * sizeof(float));
+  } else {
+    w.dw1 = walk.take("dw1", g * f2 * h * es);
+    w.dw2 = walk.take("dw2", g * h * f * es);
+  }
+  if (c.layer.bias) {
+    w.db1 = walk.take("db1", g * f2 * es);
+    w.db2 = walk.take("db2", g * h * es);
+  }
+  return w;
+}
+
+}  // namespace moegraph

@@ -1,0 +1,121 @@
+// The capture-and-replay runtime: one MoE expert step per shape bucket, captured once into CUDA
+// graphs per phase and replayed for any routing and any token count up to the bucket's capacity.
+// Until the MoE layer exists, the step is the expert MLP on already-permuted rows:
+// FC1 (grouped, N = 2 * ffn) -> SwiGLU -> FC2 (grouped).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moegraph/config.hpp"
+
+namespace moegraph {
+
+enum class StepPhase { kForward, kForwardTrain, kBackward, kWgrad };
+std::string_view step_phase_name(StepPhase phase);
+
+struct PlannedBuffer {
+  std::string name;
+  std::size_t offset = 0, bytes = 0;  // within the arena
+};
+
+struct BucketPlan {
+  int64_t tokens = 0;  // capacity in tokens
+  int64_t rows = 0;    // permuted rows: tokens * top_k plus alignment padding
+  std::vector<PlannedBuffer> buffers;
+  std::size_t bytes = 0;
+};
+
+struct StepPlan {
+  std::vector<BucketPlan> buckets;
+  std::size_t arena_bytes = 0;     // the largest bucket: buckets share one arena
+  std::size_t sum_of_buckets = 0;  // what one allocation per bucket would take
+  std::size_t weight_bytes = 0;    // weights, biases and their gradients (outside the arena)
+  std::vector<std::string> kernels;
+  std::string to_string() const;
+};
+
+// Lays out every bucket with a null base: no GPU needed (moegraph-bench --plan).
+StepPlan plan_step(const Config& config);
+
+// A bucket's device buffers: the caller writes x and splits (and dy), reads y (and dx).
+struct BucketIO {
+  int64_t tokens = 0, rows = 0;
+  void* x = nullptr;          // [rows, hidden], rows grouped by expert (row_align applies)
+  int32_t* splits = nullptr;  // [experts]
+  void* y = nullptr;          // [rows, hidden]
+  void* dy = nullptr;         // [rows, hidden]
+  void* dx = nullptr;         // [rows, hidden]
+};
+
+// Device parameters and gradients shared by every bucket. Fill the weights before replaying.
+struct StepWeights {
+  void* w1 = nullptr;  // [experts, 2 * ffn, hidden]
+  void* w2 = nullptr;  // [experts, hidden, ffn]
+  void* b1 = nullptr;  // [experts, 2 * ffn] (layer.bias)
+  void* b2 = nullptr;  // [experts, hidden]
+  float* main_grad1 = nullptr, *main_grad2 = nullptr;  // fp32, accumulated (training.main_grad_fp32), or
+  void* dw1 = nullptr, *dw2 = nullptr;                  // written in the activation dtype
+  void* db1 = nullptr, *db2 = nullptr;
+};
+
+class ExpertMlpBucket;  // graphs/expert_mlp_bucket.hpp
+
+class StepGraphs {
+ public:
+  // Allocates the weights and one arena (the largest bucket), warms every bucket up eagerly, then
+  // captures each phase of each bucket (per wgrad slot) into a graph. Host work only here.
+  explicit StepGraphs(const Config& config);
+  ~StepGraphs();
+  StepGraphs(const StepGraphs&) = delete;
+  StepGraphs& operator=(const StepGraphs&) = delete;
+
+  const Config& config() const { return config_; }
+  const StepPlan& plan() const { return plan_; }
+  int num_buckets() const { return static_cast<int>(buckets_.size()); }
+  // The smallest bucket holding `tokens`; a clear error above the largest.
+  int bucket_for(int64_t tokens) const;
+  BucketIO io(int bucket) const;
+  const StepWeights& weights() const { return weights_; }
+  // Host time to capture and instantiate the bucket's graphs.
+  double capture_ms(int bucket) const { return capture_ms_.at(bucket); }
+  int graph_count() const;
+
+  // Replays. Buckets share one arena, so while one bucket has training contexts in flight (a
+  // forward_train awaiting backward, or a queued wgrad) no other bucket may run: that throws.
+  void forward(int bucket, cudaStream_t stream);
+  void forward_train(int bucket, cudaStream_t stream);
+  void backward(int bucket, cudaStream_t stream);
+  void wgrad(int bucket, cudaStream_t stream);  // needs training.delay_wgrad
+  // The same phases enqueued without graphs (same ordering rules), for checks and timing.
+  void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
+  // Synchronizes `stream` and reports invalid device splits seen by any bucket (clears them).
+  void check_device_errors(cudaStream_t stream);
+
+ private:
+  struct Graphs;
+  int next_slot(int bucket, StepPhase phase);
+  void launch(int bucket, StepPhase phase, bool use_graph, cudaStream_t stream);
+
+  Config config_;
+  StepPlan plan_;
+  std::vector<std::unique_ptr<ExpertMlpBucket>> buckets_;
+  std::vector<std::unique_ptr<Graphs>> graphs_;
+  StepWeights weights_;
+  struct Memory;
+  std::unique_ptr<Memory> memory_;
+  std::vector<double> capture_ms_;
+  // Host-side order of the micro-batches in flight (slot indices).
+  int active_bucket_ = -1;
+  std::vector<int> free_slots_;
+  std::deque<int> awaiting_backward_, awaiting_wgrad_;
+};
+
+}  // namespace moegraph

@@ -1,0 +1,80 @@
+// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] | --kernels [--quick]
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "moegraph/config.hpp"
+#include "moegraph/step_graphs.hpp"
+#include "tools/bench/bench_util.hpp"
+#include "tools/bench/step_bench.hpp"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N]\n"
+    "       moegraph-bench --kernels [--quick]\n"
+    "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
+    "               Qwen3-30B-A3B-like preset\n"
+    "  --plan       print each bucket's buffers, the arena and the kernels chosen; needs no GPU\n"
+    "  --json FILE  also write the results as JSON (scripts/plot-bench draws them)\n"
+    "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
+    "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone on built-in shapes\n";
+
+int usage_error(const std::string& what) {
+  std::fprintf(stderr, "moegraph-bench: %s\n%s", what.c_str(), kUsage);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config_path;
+  bool plan = false, kernels = false, quick = false;
+  moegraph::bench::StepBenchOptions options;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* flag) -> const char* { return i + 1 < argc ? argv[++i] : (usage_error(std::string(flag) + " needs a value"), nullptr); };
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", kUsage);
+      return 0;
+    } else if (a == "--plan") {
+      plan = true;
+    } else if (a == "--kernels") {
+      kernels = true;
+    } else if (a == "--quick") {
+      quick = true;
+    } else if (a == "--json") {
+      const char* v = value("--json");
+      if (!v) return 2;
+      options.json_path = v;
+    } else if (a == "--replays") {
+      const char* v = value("--replays");
+      if (!v) return 2;
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (*end != '\0' || n < 1 || n > 100000) return usage_error("--replays needs an integer in [1, 100000], got '" + std::string(v) + "'");
+      options.replays = static_cast<int>(n);
+    } else if (!a.empty() && a[0] == '-') {
+      return usage_error("unknown option '" + a + "'");
+    } else if (config_path.empty()) {
+      config_path = a;
+    } else {
+      return usage_error("more than one config given ('" + config_path + "', '" + a + "')");
+    }
+  }
+  try {
+    if (kernels) return moegraph::bench::run_kernel_bench(quick);
+    const moegraph::Config config = config_path.empty() ? moegraph::default_config() : moegraph::load_config(config_path);
+    if (plan) {
+      std::printf("config: %s\n%s", config.name.c_str(), moegraph::plan_step(config).to_string().c_str());
+      return 0;
+    }
+    return moegraph::bench::run_step_bench(config, options);
+  } catch (const moegraph::ConfigError& e) {
+    std::fprintf(stderr, "moegraph-bench: invalid config: %s\n", e.message().c_str());
+    return 2;
+  } catch (const moegraph::Error& e) {
+    std::fprintf(stderr, "moegraph-bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,236 @@
+// Per bucket: capture time, eager step time, graph replay time (at the configured fill and at 25%),
+// host CPU time per replay, TFLOP/s, and the ratios to the dense cuBLASLt GEMMs of the same total
+// rows and to the per-expert cuBLASLt loop. A fresh routing before every replay, L2 flushed before
+// every timed run, medians.
+#include "tools/bench/step_bench.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "graphs/graph_exec.hpp"
+#include "kernels/elementwise/elementwise.hpp"
+#include "moegraph/step_graphs.hpp"
+#include "src/cublaslt/lt_gemm.hpp"
+#include "src/ops/legacy_loop.hpp"
+#include "tools/bench/bench_util.hpp"
+
+namespace moegraph::bench {
+namespace {
+
+std::vector<int32_t> draw_routing(std::mt19937_64& rng, const Config& c, int64_t rows) {
+  if (c.routing.kind == RoutingKind::kFixed) {
+    std::vector<int32_t> s(c.routing.fixed_splits.begin(), c.routing.fixed_splits.end());
+    return s;
+  }
+  return random_routing(rng, c.layer.experts, rows, c.routing.kind == RoutingKind::kUniform ? Routing::kUniform : Routing::kSkewed,
+                        c.routing.skew);
+}
+
+// The routings replayed for one bucket at one fill, on the device, one row of `experts` each.
+struct RoutingPool {
+  DeviceBuffer splits;
+  int count = 0, experts = 0;
+  int64_t rows = 0;
+  RoutingPool(std::mt19937_64& rng, const Config& c, int64_t rows_routed, int n) : count(n), experts(c.layer.experts), rows(rows_routed) {
+    std::vector<int32_t> flat;
+    for (int i = 0; i < n; ++i) {
+      auto r = draw_routing(rng, c, rows_routed);
+      flat.insert(flat.end(), r.begin(), r.end());
+    }
+    splits = DeviceBuffer(flat.size() * sizeof(int32_t));
+    MG_CUDA_CHECK(cudaMemcpy(splits.get(), flat.data(), flat.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+  void select(int i, int32_t* dst, cudaStream_t s) const {
+    MG_CUDA_CHECK(cudaMemcpyAsync(dst, splits.as<int32_t>() + (i % count) * experts, experts * sizeof(int32_t),
+                                  cudaMemcpyDeviceToDevice, s));
+  }
+};
+
+// The same GEMMs without experts: one weight, `rows` rows (the practical ceiling), and the same
+// GEMMs as a per-expert loop after copying the splits to the host (the legacy way).
+struct Baselines {
+  const Config& c;
+  int64_t rows;
+  bool train;
+  DeviceBuffer x, h1, a, y, grad_w1, grad_w2;
+  LtGemm lt;
+  Baselines(const Config& config, int64_t r) : c(config), rows(r), train(config.training.enabled) {
+    const std::size_t es = dtype_size(c.precision.dtype);
+    const int64_t h = c.layer.hidden, f = c.layer.ffn;
+    x = DeviceBuffer(rows * h * es), h1 = DeviceBuffer(rows * 2 * f * es), a = DeviceBuffer(rows * f * es);
+    y = DeviceBuffer(rows * h * es);
+    kernels::launch_fill_uniform(c.precision.dtype, x.get(), rows * h, 1.0f, 7, nullptr);
+    kernels::launch_fill_uniform(c.precision.dtype, a.get(), rows * f, 1.0f, 8, nullptr);
+    const std::size_t ges = c.training.main_grad_fp32 ? 4 : es;
+    if (train) grad_w1 = DeviceBuffer(2 * f * h * ges), grad_w2 = DeviceBuffer(h * f * ges);
+  }
+  // fprop/dgrad/wgrad of FC1 [2f x h] and FC2 [h x f]; the gradient buffers reuse the activations.
+  void dense(const StepWeights& w, cudaStream_t s) {
+    const int64_t h = c.layer.hidden, f = c.layer.ffn;
+    const DType dt = c.precision.dtype, gt = c.training.main_grad_fp32 ? DType::kFP32 : dt;
+    auto gemm = [&](bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* A, int64_t lda, const void* B,
+                    int64_t ldb, void* C, int64_t ldc, DType ct, float beta) {
+      RowMajorGemm g{ta, tb, m, n, k, A, lda, B, ldb, C, ldc, dt, ct, beta};
+      lt.run(g, s);
+    };
+    gemm(false, true, rows, 2 * f, h, x.get(), h, w.w1, h, h1.get(), 2 * f, dt, 0);  // fc1 fprop
+    gemm(false, true, rows, h, f, a.get(), f, w.w2, f, y.get(), h, dt, 0);           // fc2 fprop
+    if (!train) return;
+    const float beta = c.training.main_grad_fp32 ? 1.0f : 0.0f;
+    gemm(false, false, rows, f, h, y.get(), h, w.w2, f, a.get(), f, dt, 0);                        // fc2 dgrad
+    gemm(true, false, h, f, rows, y.get(), h, a.get(), f, grad_w2.get(), f, gt, beta);            // fc2 wgrad
+    gemm(false, false, rows, h, 2 * f, h1.get(), 2 * f, w.w1, h, x.get(), h, dt, 0);              // fc1 dgrad
+    gemm(true, false, 2 * f, h, rows, h1.get(), 2 * f, x.get(), h, grad_w1.get(), h, gt, beta);   // fc1 wgrad
+  }
+};
+
+struct Row {
+  int64_t tokens, rows;
+  double capture_ms, eager_ms, replay_ms, replay_quarter_ms, host_us, dense_ms, legacy_ms, flops;
+};
+
+int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream_t s, DeviceBuffer& l2_flush, Row& row) {
+  const BucketIO io = step.io(b);
+  const bool train = c.training.enabled;
+  const int64_t h = c.layer.hidden, f = c.layer.ffn;
+  std::mt19937_64 rng(c.routing.seed + b);
+  const int64_t routed_rows = std::max<int64_t>(1, static_cast<int64_t>(io.tokens * c.bench.fill)) * c.layer.top_k;
+  const int64_t quarter_rows = std::max<int64_t>(1, io.tokens / 4) * c.layer.top_k;
+  RoutingPool full(rng, c, routed_rows, 16);
+  RoutingPool quarter(rng, c, c.routing.kind == RoutingKind::kFixed ? routed_rows : quarter_rows, 16);
+  kernels::launch_fill_uniform(c.precision.dtype, io.x, io.rows * h, 1.0f, 11 + b, s);
+  if (train) kernels::launch_fill_uniform(c.precision.dtype, io.dy, io.rows * h, 1.0f, 13 + b, s);
+
+  auto step_once = [&](bool graph) {
+    if (!train) {
+      graph ? step.forward(b, s) : step.run_eager(b, StepPhase::kForward, s);
+      return;
+    }
+    graph ? step.forward_train(b, s) : step.run_eager(b, StepPhase::kForwardTrain, s);
+    graph ? step.backward(b, s) : step.run_eager(b, StepPhase::kBackward, s);
+    if (c.training.delay_wgrad) graph ? step.wgrad(b, s) : step.run_eager(b, StepPhase::kWgrad, s);
+  };
+  auto flush = [&] { MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), b & 0xff, l2_flush.bytes(), s)); };
+  EventTimer timer;
+  auto timed = [&](const RoutingPool& pool, int count, bool graph, double* host_us) {
+    std::vector<float> t;
+    double host = 0;
+    for (int i = 0; i < c.bench.warmup + count; ++i) {
+      pool.select(i, io.splits, s);
+      flush();
+      const auto h0 = std::chrono::steady_clock::now();
+      double launch_us = 0;
+      const float ms = timer.time(s, [&] {
+        step_once(graph);
+        launch_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count();
+      });
+      if (i >= c.bench.warmup) t.push_back(ms), host += launch_us;
+    }
+    if (host_us) *host_us = host / count;
+    return median(t);
+  };
+  row.tokens = io.tokens;
+  row.rows = routed_rows;
+  row.capture_ms = step.capture_ms(b);
+  row.eager_ms = timed(full, std::min(replays, 10), false, nullptr);
+  row.replay_ms = timed(full, replays, true, &row.host_us);
+  row.replay_quarter_ms = timed(quarter, replays, true, nullptr);
+  step.check_device_errors(s);
+  row.flops = (train ? 18.0 : 6.0) * routed_rows * h * f;
+
+  // Baselines on the same total rows.
+  Baselines base(c, routed_rows);
+  base.dense(step.weights(), s);  // warm-up outside capture (cuBLASLt heuristics)
+  GraphExec dense(s, [&] { base.dense(step.weights(), s); });
+  std::vector<float> td;
+  for (int i = 0; i < replays; ++i) {
+    flush();
+    td.push_back(timer.time(s, [&] { dense.launch(s); }));
+  }
+  row.dense_ms = median(td);
+  LegacyExpertLoop fc1(c.layer.experts, 2 * f, h, routed_rows, 1, c.precision.dtype);
+  LegacyExpertLoop fc2(c.layer.experts, h, f, routed_rows, 1, c.precision.dtype);
+  const StepWeights& w = step.weights();
+  void* dw1 = c.training.main_grad_fp32 ? nullptr : base.grad_w1.get();
+  void* dw2 = c.training.main_grad_fp32 ? nullptr : base.grad_w2.get();
+  float* mg1 = c.training.main_grad_fp32 ? base.grad_w1.as<float>() : nullptr;
+  float* mg2 = c.training.main_grad_fp32 ? base.grad_w2.as<float>() : nullptr;
+  std::vector<float> tl;
+  for (int i = 0; i < std::min(replays, 10) + 1; ++i) {
+    full.select(i, io.splits, s);
+    flush();
+    const float ms = timer.time(s, [&] {
+      fc1.fprop_not_capturable(base.x.get(), io.splits, w.w1, base.h1.get(), s);
+      fc2.fprop_not_capturable(base.a.get(), io.splits, w.w2, base.y.get(), s);
+      if (!train) return;
+      fc2.dgrad_not_capturable(base.y.get(), io.splits, w.w2, base.a.get(), s);
+      fc2.wgrad_not_capturable(base.y.get(), base.a.get(), io.splits, dw2, mg2, s);
+      fc1.dgrad_not_capturable(base.h1.get(), io.splits, w.w1, base.x.get(), s);
+      fc1.wgrad_not_capturable(base.h1.get(), base.x.get(), io.splits, dw1, mg1, s);
+    });
+    if (i > 0) tl.push_back(ms);  // the first run picks cuBLASLt algorithms
+  }
+  row.legacy_ms = median(tl);
+  return 0;
+}
+
+}  // namespace
+
+int run_step_bench(const Config& c, const StepBenchOptions& options) {
+  const int replays = options.replays > 0 ? options.replays : c.bench.replays;
+  cudaDeviceProp prop{};
+  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("device: %s, %d SMs, L2 %d MB\nconfig: %s (%d experts, hidden %lld, ffn %lld, top-%d, %s, %s)\n",
+              prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, c.name.c_str(), c.layer.experts,
+              static_cast<long long>(c.layer.hidden), static_cast<long long>(c.layer.ffn), c.layer.top_k,
+              std::string(dtype_name(c.precision.dtype)).c_str(),
+              c.training.enabled ? (c.training.delay_wgrad ? "training, delayed wgrad" : "training") : "inference");
+  std::fprintf(stderr, "capturing %zu buckets...\n", c.buckets.size());
+  cudaStream_t s;
+  MG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  StepGraphs step(c);
+  DeviceBuffer l2_flush(2 * static_cast<std::size_t>(prop.l2CacheSize));
+  std::vector<Row> rows(step.num_buckets());
+  for (int b = 0; b < step.num_buckets(); ++b) {
+    progress(b, step.num_buckets(), "buckets");
+    run_bucket(step, b, c, replays, s, l2_flush, rows[b]);
+  }
+  progress(step.num_buckets(), step.num_buckets(), "buckets");
+  std::fprintf(stderr, "\n");
+  MG_CUDA_CHECK(cudaStreamDestroy(s));
+
+  const char* what = c.training.enabled ? "train step (forward_train + backward + wgrad)" : "inference forward";
+  std::printf("%s, median of %d replays (eager and legacy: %d), fill %.2f, arena %.1f MiB for %d graphs\n\n", what,
+              replays, std::min(replays, 10), c.bench.fill, step.plan().arena_bytes / 1048576.0, step.graph_count());
+  Table table;
+  for (const Row& r : rows)
+    table.add({std::to_string(r.tokens), std::to_string(r.rows), fmt(r.capture_ms, 1), fmt(r.eager_ms, 3),
+               fmt(r.replay_ms, 3), fmt(r.replay_quarter_ms, 3), fmt(r.host_us, 1), fmt(r.flops / r.replay_ms / 1e9, 1),
+               fmt(r.dense_ms, 3), fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.replay_ms, 2), fmt(r.legacy_ms / r.replay_ms, 2)});
+  table.print({"tokens", "rows", "capture ms", "eager ms", "replay ms", "replay@25% ms", "host us", "TFLOP/s",
+               "dense ms", "legacy ms", "vs dense", "vs legacy"});
+
+  if (!options.json_path.empty()) {
+    nlohmann::json out;
+    out["device"] = prop.name;
+    out["config"] = nlohmann::json::parse(to_json(c));
+    out["phase"] = what;
+    out["replays"] = replays;
+    out["arena_bytes"] = step.plan().arena_bytes;
+    for (const Row& r : rows)
+      out["buckets"].push_back({{"tokens", r.tokens}, {"rows", r.rows}, {"capture_ms", r.capture_ms},
+                                {"eager_ms", r.eager_ms}, {"replay_ms", r.replay_ms},
+                                {"replay_quarter_fill_ms", r.replay_quarter_ms}, {"host_us_per_replay", r.host_us},
+                                {"tflops", r.flops / r.replay_ms / 1e9}, {"dense_ms", r.dense_ms},
+                                {"legacy_ms", r.legacy_ms}, {"flops", r.flops}});
+    std::ofstream f(options.json_path);
+    MG_CHECK(f.good(), "cannot write ", options.json_path);
+    f << out.dump(2) << "\n";
+    std::printf("\nresults written to %s\n", options.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace moegraph::bench

@@ -1,0 +1,17 @@
+// moegraph-bench's main mode: the captured expert-MLP step of each bucket of a config.
+#pragma once
+
+#include <string>
+
+#include "moegraph/config.hpp"
+
+namespace moegraph::bench {
+
+struct StepBenchOptions {
+  std::string json_path;  // --json FILE: machine-readable results
+  int replays = 0;        // --replays N overrides bench.replays
+};
+
+int run_step_bench(const Config& config, const StepBenchOptions& options);
+
+}  // namespace moegraph::bench
