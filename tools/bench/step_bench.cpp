@@ -152,11 +152,8 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
   row.dense_ms = median(td);
   LegacyExpertLoop fc1(c.layer.experts, 2 * f, h, routed_rows, 1, c.precision.dtype);
   LegacyExpertLoop fc2(c.layer.experts, h, f, routed_rows, 1, c.precision.dtype);
+  // The per-expert loop writes every expert's weight gradient: the step's own [G, ...] buffers.
   const StepWeights& w = step.weights();
-  void* dw1 = c.training.main_grad_fp32 ? nullptr : base.grad_w1.get();
-  void* dw2 = c.training.main_grad_fp32 ? nullptr : base.grad_w2.get();
-  float* mg1 = c.training.main_grad_fp32 ? base.grad_w1.as<float>() : nullptr;
-  float* mg2 = c.training.main_grad_fp32 ? base.grad_w2.as<float>() : nullptr;
   std::vector<float> tl;
   for (int i = 0; i < std::min(replays, 10) + 1; ++i) {
     full.select(i, io.splits, s);
@@ -166,9 +163,9 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
       fc2.fprop_not_capturable(base.a.get(), io.splits, w.w2, base.y.get(), s);
       if (!train) return;
       fc2.dgrad_not_capturable(base.y.get(), io.splits, w.w2, base.a.get(), s);
-      fc2.wgrad_not_capturable(base.y.get(), base.a.get(), io.splits, dw2, mg2, s);
+      fc2.wgrad_not_capturable(base.y.get(), base.a.get(), io.splits, w.dw2, w.main_grad2, s);
       fc1.dgrad_not_capturable(base.h1.get(), io.splits, w.w1, base.x.get(), s);
-      fc1.wgrad_not_capturable(base.h1.get(), base.x.get(), io.splits, dw1, mg1, s);
+      fc1.wgrad_not_capturable(base.h1.get(), base.x.get(), io.splits, w.dw1, w.main_grad1, s);
     });
     if (i > 0) tl.push_back(ms);  // the first run picks cuBLASLt algorithms
   }
