@@ -85,6 +85,11 @@ Tolerance tolerance_for(DType output) {
   return {0, 0, 0};
 }
 
+Tolerance chain_tolerance_for(DType storage) {
+  const Tolerance single = tolerance_for(storage);
+  return {2 * single.rtol, 10 * single.atol, single.rel_fro};
+}
+
 double relative_error(const std::vector<double>& got, const std::vector<double>& ref, int64_t cols,
                       const std::vector<bool>& mask) {
   double num = 0.0, den = 0.0;
