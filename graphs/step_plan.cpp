@@ -43,10 +43,10 @@ StepPlan plan_step(const Config& config) {
   LayoutWalker weights;
   lay_out_weights(config, weights);
   plan.weight_bytes = weights.bytes();
-  const std::string gemm = kernels::foundation_tile_config().to_string();
   plan.kernels = {
       "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
-      "fc1 fprop/dgrad/wgrad, fc2 fprop/dgrad/wgrad: " + gemm + ", persistent, device tile scheduler",
+      "fc1, fc2 fprop: " + kernels::fprop_tile_config().to_string() + ", persistent, device tile scheduler",
+      "fc1, fc2 dgrad, wgrad: " + kernels::foundation_tile_config().to_string() + ", persistent, device tile scheduler",
       "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
   };
   if (config.layer.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");

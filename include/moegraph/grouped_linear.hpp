@@ -116,7 +116,6 @@ class GroupedLinear {
                  void* dweight, float* main_grad, cudaStream_t stream);
 
   GroupedLinearOptions options_;
-  int persistent_blocks_ = 0;
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_;

@@ -40,19 +40,22 @@ struct WgradParams {
   float* main_grad = nullptr;       // [G, N, K] fp32, accumulated (beta = 1)
 };
 
-// The tile configuration of the foundation kernels, printable.
+// A kernel's tile configuration, printable.
 struct GemmTileConfig {
+  const char* name;
   int block_m, block_n, block_k, stages, threads;
   std::string to_string() const;
 };
-GemmTileConfig foundation_tile_config();
+GemmTileConfig foundation_tile_config();  // WMMA: dgrad and wgrad
+GemmTileConfig fprop_tile_config();       // wgmma: fprop
 
-// Raises the kernels' shared-memory limit and returns the resident blocks per SM that size the
-// persistent grid. Must be called (by set-up, before capture) before the launchers of that dtype.
-int prepare_grouped_gemm(DType dtype);
+// Raises the kernels' shared-memory limits and records how many CTAs of each fit on an SM (the
+// persistent grids). Must run at set-up, before capture, before the launchers of that dtype.
+void prepare_grouped_gemm(DType dtype);
 
-void launch_ragged_gemm(DType dtype, RaggedGemmKind kind, const RaggedGemmParams& p, int grid,
+// `sm_count`: multiprocessors of the device; each kernel launches sm_count x its occupancy CTAs.
+void launch_ragged_gemm(DType dtype, RaggedGemmKind kind, const RaggedGemmParams& p, int sm_count,
                         cudaStream_t stream);
-void launch_grouped_wgrad(DType dtype, const WgradParams& p, int grid, cudaStream_t stream);
+void launch_grouped_wgrad(DType dtype, const WgradParams& p, int sm_count, cudaStream_t stream);
 
 }  // namespace moegraph::kernels

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
 
@@ -49,14 +50,6 @@ template <class T> struct WmmaType;
 template <> struct WmmaType<__nv_bfloat16> { using type = __nv_bfloat16; };
 template <> struct WmmaType<__half> { using type = half; };
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Loads one operand tile whose origin is `g`. Element (mn, red) lives at g[mn * ld + red]
 // (RED_INNER) or g[red * ld + mn]. Out-of-range chunks (mn >= mn_lim or red >= red_lim) are

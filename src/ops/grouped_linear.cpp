@@ -88,7 +88,7 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   int device = 0;
   MG_CUDA_CHECK(cudaGetDevice(&device));
   MG_CUDA_CHECK(cudaDeviceGetAttribute(&scratch_->sm_count, cudaDevAttrMultiProcessorCount, device));
-  persistent_blocks_ = scratch_->sm_count * kernels::prepare_grouped_gemm(options_.dtype);
+  kernels::prepare_grouped_gemm(options_.dtype);
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
   MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
@@ -102,8 +102,9 @@ std::string GroupedLinear::describe() const {
   return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
                         " dtype=", dtype_name(o.dtype), " capacity_rows=", o.capacity_rows,
                         " row_align=", o.row_align, " slots=", o.wgrad_slots,
-                        " | fprop, dgrad, wgrad: ", kernels::foundation_tile_config().to_string(),
-                        " persistent_grid=", persistent_blocks_);
+                        " | fprop: ", kernels::fprop_tile_config().to_string(),
+                        " | dgrad, wgrad: ", kernels::foundation_tile_config().to_string(),
+                        " | persistent over ", scratch_->sm_count, " SMs");
 }
 
 std::size_t GroupedLinear::device_bytes() const {
@@ -123,7 +124,7 @@ void GroupedLinear::run_fprop(const ForwardArgs& args, const int32_t* splits, co
   p.bias = args.bias;
   p.bias_scale = bias_scale;
   p.c = args.y;
-  kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kFprop, p, persistent_blocks_, stream);
+  kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kFprop, p, scratch_->sm_count, stream);
 }
 
 namespace {
@@ -177,7 +178,7 @@ void GroupedLinear::run_wgrad(const void* dy, const void* x, const int32_t* spli
   p.num_groups = options_.num_groups;
   p.dweight = dweight;
   p.main_grad = main_grad;
-  kernels::launch_grouped_wgrad(options_.dtype, p, persistent_blocks_, stream);
+  kernels::launch_grouped_wgrad(options_.dtype, p, scratch_->sm_count, stream);
 }
 
 void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode mode, cudaStream_t stream) {
@@ -209,7 +210,7 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
     p.offsets = offsets;
     p.num_groups = g;
     p.c = args.dx;
-    kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kDgrad, p, persistent_blocks_, stream);
+    kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kDgrad, p, scratch_->sm_count, stream);
   }
   if (args.dbias != nullptr || args.dbias_scale != nullptr) {
     kernels::BiasGradParams p;
