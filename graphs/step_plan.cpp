@@ -45,8 +45,7 @@ StepPlan plan_step(const Config& config) {
   plan.weight_bytes = weights.bytes();
   plan.kernels = {
       "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
-      "fc1, fc2 fprop: " + kernels::fprop_tile_config().to_string() + ", persistent, device tile scheduler",
-      "fc1, fc2 dgrad, wgrad: " + kernels::foundation_tile_config().to_string() + ", persistent, device tile scheduler",
+      "fc1, fc2 fprop/dgrad/wgrad: " + kernels::wgmma_tile_config().to_string() + ", persistent, device tile scheduler",
       "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
   };
   if (config.layer.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");

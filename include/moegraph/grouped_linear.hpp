@@ -29,6 +29,7 @@ struct GroupedLinearOptions {
   bool bias = false;           // bias [G, N]
   int wgrad_slots = 1;         // forward_train contexts that may be in flight at once
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
+  bool reference_kernels = false;  // the simple WMMA kernels instead of wgmma (differential tests)
 };
 
 // Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.

@@ -1,8 +1,8 @@
-// Instantiates exactly the kernels that are used, for bf16 and fp16: fprop on wgmma (sm_90a),
-// dgrad and wgrad on the foundation WMMA kernels.
+// Instantiates exactly the kernels that are used, for bf16 and fp16: fprop, dgrad and wgrad on
+// wgmma (sm_90a), and the same three on the foundation WMMA kernels (the reference path).
 #include <sstream>
 
-#include "kernels/grouped_gemm/sm90_grouped_fprop_wgmma.cuh"
+#include "kernels/grouped_gemm/sm90_grouped_gemm_wgmma.cuh"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_wmma.cuh"
 #include "moegraph/error.hpp"
 
@@ -17,17 +17,17 @@ std::string GemmTileConfig::to_string() const {
 }
 
 GemmTileConfig foundation_tile_config() { return {"wmma_cp_async", BM, BN, BK, STAGES, THREADS}; }
-GemmTileConfig fprop_tile_config() {
-  using namespace wgmma_fprop;
-  return {"wgmma_cp_async_sw128", wgmma_fprop::BM, wgmma_fprop::BN, wgmma_fprop::BK, wgmma_fprop::STAGES,
-          wgmma_fprop::THREADS};
+GemmTileConfig wgmma_tile_config() {
+  namespace w = wgmma_gemm;
+  return {"wgmma_cp_async_sw128", w::BM, w::BN, w::BK, w::STAGES, w::THREADS};
 }
 
 namespace {
 
 // Resident CTAs per SM of each kernel, found by prepare() before any capture; launches read them.
 struct Occupancy {
-  int fprop = 0, dgrad = 0, wgrad = 0;
+  int fprop = 0, dgrad = 0, wgrad = 0;           // wgmma kernels
+  int ref_fprop = 0, ref_dgrad = 0, ref_wgrad = 0;  // WMMA reference kernels
 };
 Occupancy g_occupancy[2];  // [bf16, fp16]
 int dtype_index(DType dtype) { return dtype == DType::kFP16 ? 1 : 0; }
@@ -47,30 +47,34 @@ const Occupancy& occupancy(DType dtype) {
   return o;
 }
 
+namespace w = wgmma_gemm;
+
 template <class T>
 void launch_ragged(RaggedGemmKind kind, const RaggedGemmParams& p, int sm_count, const Occupancy& occ,
                    cudaStream_t stream) {
-  if (kind == RaggedGemmKind::kFprop) {
-    wgmma_fprop::grouped_fprop_wgmma_kernel<T>
-        <<<sm_count * occ.fprop, wgmma_fprop::THREADS, wgmma_fprop::kSmemBytes, stream>>>(p);
-  } else {
-    ragged_gemm_kernel<T, false><<<sm_count * occ.dgrad, THREADS, kSmemBytes, stream>>>(p);
-  }
+  const bool fprop = kind == RaggedGemmKind::kFprop;
+  if (p.reference && fprop) ragged_gemm_kernel<T, true><<<sm_count * occ.ref_fprop, THREADS, kSmemBytes, stream>>>(p);
+  else if (p.reference) ragged_gemm_kernel<T, false><<<sm_count * occ.ref_dgrad, THREADS, kSmemBytes, stream>>>(p);
+  else if (fprop) w::ragged_gemm_kernel<T, false><<<sm_count * occ.fprop, w::THREADS, w::kSmemBytes, stream>>>(p);
+  else w::ragged_gemm_kernel<T, true><<<sm_count * occ.dgrad, w::THREADS, w::kSmemBytes, stream>>>(p);
   MG_LAUNCH_CHECK();
 }
 
 template <class T>
 void launch_wgrad(const WgradParams& p, int sm_count, const Occupancy& occ, cudaStream_t stream) {
-  grouped_wgrad_kernel<T><<<sm_count * occ.wgrad, THREADS, kSmemBytes, stream>>>(p);
+  if (p.reference) grouped_wgrad_kernel<T><<<sm_count * occ.ref_wgrad, THREADS, kSmemBytes, stream>>>(p);
+  else w::grouped_wgrad_kernel<T><<<sm_count * occ.wgrad, w::THREADS, w::kSmemBytes, stream>>>(p);
   MG_LAUNCH_CHECK();
 }
 
 template <class T>
 void prepare(Occupancy& o) {
-  o.fprop = allow_and_measure(wgmma_fprop::grouped_fprop_wgmma_kernel<T>, wgmma_fprop::kSmemBytes,
-                              wgmma_fprop::THREADS);
-  o.dgrad = allow_and_measure(ragged_gemm_kernel<T, false>, kSmemBytes, THREADS);
-  o.wgrad = allow_and_measure(grouped_wgrad_kernel<T>, kSmemBytes, THREADS);
+  o.fprop = allow_and_measure(w::ragged_gemm_kernel<T, false>, w::kSmemBytes, w::THREADS);
+  o.dgrad = allow_and_measure(w::ragged_gemm_kernel<T, true>, w::kSmemBytes, w::THREADS);
+  o.wgrad = allow_and_measure(w::grouped_wgrad_kernel<T>, w::kSmemBytes, w::THREADS);
+  o.ref_fprop = allow_and_measure(ragged_gemm_kernel<T, true>, kSmemBytes, THREADS);
+  o.ref_dgrad = allow_and_measure(ragged_gemm_kernel<T, false>, kSmemBytes, THREADS);
+  o.ref_wgrad = allow_and_measure(grouped_wgrad_kernel<T>, kSmemBytes, THREADS);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@ struct RaggedGemmParams {
   const void* bias = nullptr;       // [G, N] (fprop only) or null
   const float* bias_scale = nullptr;// [capacity_rows] or null
   void* c = nullptr;                // [capacity_rows, cols], row-major
+  bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
 };
 
 // dW_e = dy_e^T · x_e over group e's rows: written (empty group: zeros) or added into main_grad.
@@ -38,6 +39,7 @@ struct WgradParams {
   int num_groups = 0;
   void* dweight = nullptr;          // [G, N, K] in the input dtype, or
   float* main_grad = nullptr;       // [G, N, K] fp32, accumulated (beta = 1)
+  bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
 };
 
 // A kernel's tile configuration, printable.
@@ -46,8 +48,8 @@ struct GemmTileConfig {
   int block_m, block_n, block_k, stages, threads;
   std::string to_string() const;
 };
-GemmTileConfig foundation_tile_config();  // WMMA: dgrad and wgrad
-GemmTileConfig fprop_tile_config();       // wgmma: fprop
+GemmTileConfig wgmma_tile_config();       // the default kernels: fprop, dgrad, wgrad on wgmma
+GemmTileConfig foundation_tile_config();  // the reference kernels (WMMA)
 
 // Raises the kernels' shared-memory limits and records how many CTAs of each fit on an SM (the
 // persistent grids). Must run at set-up, before capture, before the launchers of that dtype.

@@ -87,6 +87,15 @@ __device__ __forceinline__ uint64_t kmajor_sw128_desc(uint32_t smem_addr) {
          (uint64_t{1} << 62);
 }
 
+// An MN-major tile (the M or N index contiguous) with the 128-byte swizzle, as atoms of 64
+// MN-elements x 8 K-rows (1024 bytes; chunk c of K-row r at r * 128 + ((c ^ r) * 16)). `mn_atom_stride`
+// is the byte distance between atoms along MN (the leading-byte-offset); K-groups of 8 rows are
+// 1024 bytes apart (the stride-byte-offset). Advancing the start by 2048 bytes steps K by 16.
+__device__ __forceinline__ uint64_t mnmajor_sw128_desc(uint32_t smem_addr, uint32_t mn_atom_stride) {
+  return static_cast<uint64_t>((smem_addr & 0x3ffff) >> 4) | (static_cast<uint64_t>(mn_atom_stride >> 4) << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

@@ -102,8 +102,8 @@ std::string GroupedLinear::describe() const {
   return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
                         " dtype=", dtype_name(o.dtype), " capacity_rows=", o.capacity_rows,
                         " row_align=", o.row_align, " slots=", o.wgrad_slots,
-                        " | fprop: ", kernels::fprop_tile_config().to_string(),
-                        " | dgrad, wgrad: ", kernels::foundation_tile_config().to_string(),
+                        " | fprop, dgrad, wgrad: ",
+                        (o.reference_kernels ? kernels::foundation_tile_config() : kernels::wgmma_tile_config()).to_string(),
                         " | persistent over ", scratch_->sm_count, " SMs");
 }
 
@@ -124,6 +124,7 @@ void GroupedLinear::run_fprop(const ForwardArgs& args, const int32_t* splits, co
   p.bias = args.bias;
   p.bias_scale = bias_scale;
   p.c = args.y;
+  p.reference = options_.reference_kernels;
   kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kFprop, p, scratch_->sm_count, stream);
 }
 
@@ -178,6 +179,7 @@ void GroupedLinear::run_wgrad(const void* dy, const void* x, const int32_t* spli
   p.num_groups = options_.num_groups;
   p.dweight = dweight;
   p.main_grad = main_grad;
+  p.reference = options_.reference_kernels;
   kernels::launch_grouped_wgrad(options_.dtype, p, scratch_->sm_count, stream);
 }
 
@@ -210,6 +212,7 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
     p.offsets = offsets;
     p.num_groups = g;
     p.c = args.dx;
+    p.reference = options_.reference_kernels;
     kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kDgrad, p, scratch_->sm_count, stream);
   }
   if (args.dbias != nullptr || args.dbias_scale != nullptr) {

@@ -29,6 +29,7 @@ struct CaseSpec {
   int64_t capacity_extra = 0;   // padding rows past the last group (0: capacity exactly full)
   bool bias = false, scale = false, main_grad = false, delay_wgrad = false;
   int wgrad_slots = 1;
+  bool reference_kernels = false;  // the WMMA reference kernels instead of wgmma
   // Tolerance of the outputs in `dtype` (default: tolerance_for(dtype)). The fp32 outputs
   // (main_grad, dbias_scale) always use the fp32 entry of the table.
   std::optional<Tolerance> tolerance = std::nullopt;

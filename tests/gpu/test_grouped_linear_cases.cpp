@@ -60,5 +60,15 @@ TEST_P(GroupedLinearCase, AllPhasesMatchFp64Reference) {
 INSTANTIATE_TEST_SUITE_P(Cases, GroupedLinearCase, ::testing::ValuesIn(cases()),
                          [](const auto& info) { return info.param.name; });
 
+// The same table on the foundation WMMA kernels, kept as the reference path.
+std::vector<CaseSpec> reference_kernel_cases() {
+  std::vector<CaseSpec> out = cases();
+  for (CaseSpec& c : out) c.reference_kernels = true, c.name += "_wmma_reference";
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(ReferenceKernels, GroupedLinearCase, ::testing::ValuesIn(reference_kernel_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 }  // namespace
 }  // namespace moegraph::test

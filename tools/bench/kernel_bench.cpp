@@ -155,8 +155,7 @@ int run_kernel_bench(bool quick) {
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   kernels::prepare_grouped_gemm(DType::kBF16);
   const int grid = prop.multiProcessorCount;  // the launchers scale it by each kernel's occupancy
-  std::printf("grouped kernels: fprop %s; dgrad, wgrad %s; persistent\n", kernels::fprop_tile_config().to_string().c_str(),
-              kernels::foundation_tile_config().to_string().c_str());
+  std::printf("grouped kernels: %s, persistent\n", kernels::wgmma_tile_config().to_string().c_str());
   cudaStream_t stream;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
