@@ -45,9 +45,19 @@ StepPlan plan_step(const Config& config) {
   plan.weight_bytes = weights.bytes();
   plan.kernels = {
       "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
-      "fc1, fc2 fprop/dgrad/wgrad: " + kernels::wgmma_tile_config().to_string() + ", persistent, device tile scheduler",
+      "fc1, fc2 fprop/dgrad/wgrad: wgmma_cp_async_sw128, 128 x tile_n x 64, persistent, device tile scheduler",
       "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
   };
+  for (const BucketPlan& b : plan.buckets) {
+    std::string line = detail::concat("bucket ", b.tokens, " tile_n fprop/dgrad/wgrad:");
+    for (const GroupedLinearOptions& o : {fc1_options(config, b.rows), fc2_options(config, b.rows)}) {
+      line += o.in_features == config.layer.hidden ? " fc1 " : ", fc2 ";
+      for (kernels::GemmPhase ph : {kernels::GemmPhase::kFprop, kernels::GemmPhase::kDgrad, kernels::GemmPhase::kWgrad})
+        line += detail::concat(ph == kernels::GemmPhase::kFprop ? "" : "/",
+                               kernels::choose_tile_n(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features));
+    }
+    plan.kernels.push_back(line);
+  }
   if (config.layer.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (config.training.enabled) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
   return plan;

@@ -30,6 +30,7 @@ struct GroupedLinearOptions {
   int wgrad_slots = 1;         // forward_train contexts that may be in flight at once
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
   bool reference_kernels = false;  // the simple WMMA kernels instead of wgmma (differential tests)
+  int tile_n = 0;                  // wgmma tile width: 0 = chosen from the shapes, or 128 / 256
 };
 
 // Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
@@ -117,6 +118,7 @@ class GroupedLinear {
                  void* dweight, float* main_grad, cudaStream_t stream);
 
   GroupedLinearOptions options_;
+  int tile_n_fprop_ = 128, tile_n_dgrad_ = 128, tile_n_wgrad_ = 128;  // chosen at set-up from the shapes
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_;

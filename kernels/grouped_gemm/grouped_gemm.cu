@@ -1,5 +1,6 @@
 // Instantiates exactly the kernels that are used, for bf16 and fp16: fprop, dgrad and wgrad on
 // wgmma (sm_90a), and the same three on the foundation WMMA kernels (the reference path).
+#include <cstdlib>
 #include <sstream>
 
 #include "kernels/grouped_gemm/sm90_grouped_gemm_wgmma.cuh"
@@ -17,16 +18,31 @@ std::string GemmTileConfig::to_string() const {
 }
 
 GemmTileConfig foundation_tile_config() { return {"wmma_cp_async", BM, BN, BK, STAGES, THREADS}; }
-GemmTileConfig wgmma_tile_config() {
+GemmTileConfig wgmma_tile_config(int tile_n) {
   namespace w = wgmma_gemm;
-  return {"wgmma_cp_async_sw128", w::BM, w::BN, w::BK, w::STAGES, w::THREADS};
+  return tile_n == 256 ? GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 256, w::BK, w::Tile256::STAGES, w::THREADS}
+                       : GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 128, w::BK, w::Tile128::STAGES, w::THREADS};
+}
+
+int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k) {
+  if (const char* env = std::getenv("MOEGRAPH_TILE_N")) {
+    const int forced = std::atoi(env);
+    MG_CHECK(forced == 128 || forced == 256, "MOEGRAPH_TILE_N must be 128 or 256, got '", env, "'");
+    return forced;
+  }
+  // The wide tile pays off when every expert holds many rows (full tiles along M, long wgrad
+  // reductions) and the output is wide; small or memory-bound problems want two CTAs per SM.
+  const int64_t rows_per_group = capacity_rows / groups;
+  const int64_t out_cols = phase == GemmPhase::kFprop ? n : k;
+  return rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
 }
 
 namespace {
 
 // Resident CTAs per SM of each kernel, found by prepare() before any capture; launches read them.
 struct Occupancy {
-  int fprop = 0, dgrad = 0, wgrad = 0;           // wgmma kernels
+  int fprop = 0, dgrad = 0, wgrad = 0;              // wgmma, 128-wide tiles
+  int fprop256 = 0, dgrad256 = 0, wgrad256 = 0;     // wgmma, 256-wide tiles
   int ref_fprop = 0, ref_dgrad = 0, ref_wgrad = 0;  // WMMA reference kernels
 };
 Occupancy g_occupancy[2];  // [bf16, fp16]
@@ -49,29 +65,47 @@ const Occupancy& occupancy(DType dtype) {
 
 namespace w = wgmma_gemm;
 
+template <class T, class Shape>
+void launch_ragged_wgmma(bool fprop, const RaggedGemmParams& p, int grid, cudaStream_t stream) {
+  if (fprop) w::ragged_gemm_kernel<T, Shape, false><<<grid, w::THREADS, Shape::kSmemBytes, stream>>>(p);
+  else w::ragged_gemm_kernel<T, Shape, true><<<grid, w::THREADS, Shape::kSmemBytes, stream>>>(p);
+}
+
 template <class T>
 void launch_ragged(RaggedGemmKind kind, const RaggedGemmParams& p, int sm_count, const Occupancy& occ,
                    cudaStream_t stream) {
+  MG_CHECK(p.reference || p.tile_n == 128 || p.tile_n == 256, "tile_n must be 128 or 256, got ", p.tile_n);
   const bool fprop = kind == RaggedGemmKind::kFprop;
   if (p.reference && fprop) ragged_gemm_kernel<T, true><<<sm_count * occ.ref_fprop, THREADS, kSmemBytes, stream>>>(p);
   else if (p.reference) ragged_gemm_kernel<T, false><<<sm_count * occ.ref_dgrad, THREADS, kSmemBytes, stream>>>(p);
-  else if (fprop) w::ragged_gemm_kernel<T, false><<<sm_count * occ.fprop, w::THREADS, w::kSmemBytes, stream>>>(p);
-  else w::ragged_gemm_kernel<T, true><<<sm_count * occ.dgrad, w::THREADS, w::kSmemBytes, stream>>>(p);
+  else if (p.tile_n == 256) launch_ragged_wgmma<T, w::Tile256>(fprop, p, sm_count * (fprop ? occ.fprop256 : occ.dgrad256), stream);
+  else launch_ragged_wgmma<T, w::Tile128>(fprop, p, sm_count * (fprop ? occ.fprop : occ.dgrad), stream);
   MG_LAUNCH_CHECK();
 }
 
 template <class T>
 void launch_wgrad(const WgradParams& p, int sm_count, const Occupancy& occ, cudaStream_t stream) {
-  if (p.reference) grouped_wgrad_kernel<T><<<sm_count * occ.ref_wgrad, THREADS, kSmemBytes, stream>>>(p);
-  else w::grouped_wgrad_kernel<T><<<sm_count * occ.wgrad, w::THREADS, w::kSmemBytes, stream>>>(p);
+  MG_CHECK(p.reference || p.tile_n == 128 || p.tile_n == 256, "tile_n must be 128 or 256, got ", p.tile_n);
+  if (p.reference) {
+    grouped_wgrad_kernel<T><<<sm_count * occ.ref_wgrad, THREADS, kSmemBytes, stream>>>(p);
+  } else if (p.tile_n == 256) {
+    w::grouped_wgrad_kernel<T, w::Tile256><<<sm_count * occ.wgrad256, w::THREADS, w::Tile256::kSmemBytes, stream>>>(p);
+  } else {
+    w::grouped_wgrad_kernel<T, w::Tile128><<<sm_count * occ.wgrad, w::THREADS, w::Tile128::kSmemBytes, stream>>>(p);
+  }
   MG_LAUNCH_CHECK();
 }
 
 template <class T>
 void prepare(Occupancy& o) {
-  o.fprop = allow_and_measure(w::ragged_gemm_kernel<T, false>, w::kSmemBytes, w::THREADS);
-  o.dgrad = allow_and_measure(w::ragged_gemm_kernel<T, true>, w::kSmemBytes, w::THREADS);
-  o.wgrad = allow_and_measure(w::grouped_wgrad_kernel<T>, w::kSmemBytes, w::THREADS);
+  using S1 = w::Tile128;
+  using S2 = w::Tile256;
+  o.fprop = allow_and_measure(w::ragged_gemm_kernel<T, S1, false>, S1::kSmemBytes, w::THREADS);
+  o.dgrad = allow_and_measure(w::ragged_gemm_kernel<T, S1, true>, S1::kSmemBytes, w::THREADS);
+  o.wgrad = allow_and_measure(w::grouped_wgrad_kernel<T, S1>, S1::kSmemBytes, w::THREADS);
+  o.fprop256 = allow_and_measure(w::ragged_gemm_kernel<T, S2, false>, S2::kSmemBytes, w::THREADS);
+  o.dgrad256 = allow_and_measure(w::ragged_gemm_kernel<T, S2, true>, S2::kSmemBytes, w::THREADS);
+  o.wgrad256 = allow_and_measure(w::grouped_wgrad_kernel<T, S2>, S2::kSmemBytes, w::THREADS);
   o.ref_fprop = allow_and_measure(ragged_gemm_kernel<T, true>, kSmemBytes, THREADS);
   o.ref_dgrad = allow_and_measure(ragged_gemm_kernel<T, false>, kSmemBytes, THREADS);
   o.ref_wgrad = allow_and_measure(grouped_wgrad_kernel<T>, kSmemBytes, THREADS);

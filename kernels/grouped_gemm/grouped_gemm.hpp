@@ -27,6 +27,7 @@ struct RaggedGemmParams {
   const float* bias_scale = nullptr;// [capacity_rows] or null
   void* c = nullptr;                // [capacity_rows, cols], row-major
   bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
+  int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
 };
 
 // dW_e = dy_e^T · x_e over group e's rows: written (empty group: zeros) or added into main_grad.
@@ -40,6 +41,7 @@ struct WgradParams {
   void* dweight = nullptr;          // [G, N, K] in the input dtype, or
   float* main_grad = nullptr;       // [G, N, K] fp32, accumulated (beta = 1)
   bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
+  int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
 };
 
 // A kernel's tile configuration, printable.
@@ -48,8 +50,14 @@ struct GemmTileConfig {
   int block_m, block_n, block_k, stages, threads;
   std::string to_string() const;
 };
-GemmTileConfig wgmma_tile_config();       // the default kernels: fprop, dgrad, wgrad on wgmma
-GemmTileConfig foundation_tile_config();  // the reference kernels (WMMA)
+GemmTileConfig wgmma_tile_config(int tile_n);  // the default kernels: fprop, dgrad, wgrad on wgmma
+GemmTileConfig foundation_tile_config();       // the reference kernels (WMMA)
+
+enum class GemmPhase { kFprop, kDgrad, kWgrad };
+// The wgmma tile width for a phase of a layer with `groups` experts, `capacity_rows` rows and
+// weights [groups, n, k]; decided at set-up from these shapes alone (the splits live on the
+// device). MOEGRAPH_TILE_N=128|256 overrides it (for tuning).
+int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k);
 
 // Raises the kernels' shared-memory limits and records how many CTAs of each fit on an SM (the
 // persistent grids). Must run at set-up, before capture, before the launchers of that dtype.

@@ -17,31 +17,43 @@
 
 namespace moegraph::kernels::wgmma_gemm {
 
-constexpr int BM = 128, BN = 128, BK = 64;  // (BLOCK_M, BLOCK_N) x BLOCK_K
-constexpr int STAGES = 3, THREADS = 256;    // 2 warpgroups; 3 stages let 2 CTAs share an SM
-constexpr int kTileBytes = 128 * 64 * 2;    // either layout: 128 M/N x 64 K of 16-bit elements
-constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + slack to align the tiles to 1024 bytes
-constexpr int kHalfTileBytes = kTileBytes / 2;           // a warpgroup's 64 rows, either layout
-constexpr uint32_t kMnAtomStride = 8 * 1024;             // MN-major: 8 K-groups per 64-wide MN atom
-static_assert(BM == 128 && BN == 128 && BK == 64);
+constexpr int BM = 128, BK = 64, THREADS = 256;  // 2 warpgroups of 64 rows; BK * 2 bytes = one swizzle row
+constexpr int kTileBytesA = BM * BK * 2;         // either layout: 128 M x 64 K of 16-bit elements
+constexpr int kHalfTileBytes = kTileBytesA / 2;  // a warpgroup's 64 rows, either layout
+constexpr uint32_t kMnAtomStride = 8 * 1024;     // MN-major: 8 K-groups per 64-wide MN atom
+
+// (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64. 128 x 128 with 3 stages fits 2 CTAs per SM
+// (latency hiding for small or memory-bound problems); 128 x 256 with 4 stages is one CTA with
+// a quarter less operand traffic per FLOP (large problems).
+template <int kBN, int kStages, int kCtasPerSm>
+struct TileShape {
+  static constexpr int BN = kBN, STAGES = kStages, CTAS_PER_SM = kCtasPerSm;
+  static constexpr int kTileBytesB = BN * BK * 2;
+  static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
+  static constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + slack to align tiles to 1024 bytes
+  static constexpr int kStageLd = BN + 4;                         // fp32 epilogue staging row (padded)
+  static_assert(BM * kStageLd * 4 <= STAGES * kStageBytes, "the epilogue staging reuses the pipeline");
+};
+using Tile128 = TileShape<128, 3, 2>;
+using Tile256 = TileShape<256, 4, 1>;
 
 // One 128 (M or N) x 64 (K) operand tile from global memory origin g (row stride ld), masked:
 // K-major: element (mn, k) at g[mn * ld + k]; valid while mn < mn_lim and k < k_lim.
 // MN-major: element (mn, k) at g[k * ld + mn]; valid while k < k_lim and mn < mn_lim.
 // Limits on the contiguous index are multiples of 8, so a 16-byte chunk is all in or all out.
-template <class T, bool kMnMajor>
+template <class T, bool kMnMajor, int kExt>
 __device__ __forceinline__ void load_tile(uint8_t* tile, const T* g, int64_t ld, int64_t mn_lim, int64_t k_lim,
                                           const T* safe) {
+  constexpr int kChunksPerKRow = kExt / 8;  // MN-major: 16-byte chunks along one k-row
 #pragma unroll
-  for (int i = 0; i < 1024 / THREADS; ++i) {
+  for (int i = 0; i < kExt * 8 / THREADS; ++i) {
     const int c = threadIdx.x + i * THREADS;
     if constexpr (!kMnMajor) {
       const int row = c >> 3, chunk = c & 7;  // row = mn, chunk of 8 along k
       const bool valid = row < mn_lim && chunk * 8 < k_lim;
       cp_async_16(tile + row * 128 + ((chunk ^ (row & 7)) << 4), valid ? g + row * ld + chunk * 8 : safe, valid);
     } else {
-      const int k = c >> 4, chunk = c & 15;   // 64 k-rows of 16 chunks (128 mn)
+      const int k = c / kChunksPerKRow, chunk = c % kChunksPerKRow;  // 64 k-rows of kExt mn
       const bool valid = k < k_lim && chunk * 8 < mn_lim;
       uint8_t* dst = tile + (chunk >> 3) * kMnAtomStride + (k >> 3) * 1024 + (k & 7) * 128 +
                      (((chunk & 7) ^ (k & 7)) << 4);
@@ -58,20 +70,22 @@ __device__ __forceinline__ uint64_t tile_desc(uint32_t addr) {
 template <bool kMnMajor>
 __host__ __device__ constexpr uint32_t kstep_bytes() { return kMnMajor ? 2048 : 32; }
 
-using Acc = float[BN / 2];
+template <class Shape>
+using Acc = float[Shape::BN / 2];
 
-// acc = A(this warpgroup's 64 rows, 0..red_len) · B(0..red_len, 128 columns).
+// acc = A(this warpgroup's 64 rows, 0..red_len) · B(0..red_len, BN columns).
 // a / b: tile origins at reduction index 0; tiles advance by BK along the reduction.
-template <class T, bool kAMn, bool kBMn>
+template <class T, class Shape, bool kAMn, bool kBMn>
 __device__ __forceinline__ void mainloop(uint8_t* smem, const T* a, int64_t lda, int64_t a_mn_lim, const T* b,
                                          int64_t ldb, int64_t b_mn_lim, int64_t red_len, const T* a_safe,
-                                         const T* b_safe, Acc& acc) {
+                                         const T* b_safe, Acc<Shape>& acc) {
+  constexpr int STAGES = Shape::STAGES, BN = Shape::BN, kStageBytes = Shape::kStageBytes;
   const int wg = threadIdx.x / 128;
   auto load_stage = [&](int kt) {
     uint8_t* stage = smem + (kt % STAGES) * kStageBytes;
     const int64_t r0 = static_cast<int64_t>(kt) * BK;
-    load_tile<T, kAMn>(stage, kAMn ? a + r0 * lda : a + r0, lda, a_mn_lim, red_len - r0, a_safe);
-    load_tile<T, kBMn>(stage + kTileBytes, kBMn ? b + r0 * ldb : b + r0, ldb, b_mn_lim, red_len - r0, b_safe);
+    load_tile<T, kAMn, BM>(stage, kAMn ? a + r0 * lda : a + r0, lda, a_mn_lim, red_len - r0, a_safe);
+    load_tile<T, kBMn, BN>(stage + kTileBytesA, kBMn ? b + r0 * ldb : b + r0, ldb, b_mn_lim, red_len - r0, b_safe);
   };
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
@@ -87,12 +101,12 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const T* a, int64_t lda,
     __syncthreads();  // stage kt is in shared memory for every thread
     const uint8_t* stage = smem + (kt % STAGES) * kStageBytes;
     const uint32_t a_addr = sm90::smem_addr(stage + wg * kHalfTileBytes);
-    const uint32_t b_addr = sm90::smem_addr(stage + kTileBytes);
+    const uint32_t b_addr = sm90::smem_addr(stage + kTileBytesA);
     sm90::fence_registers(acc);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-      sm90::Wgmma<T>::template mma<kAMn, kBMn>(acc, tile_desc<kAMn>(a_addr + kk * kstep_bytes<kAMn>()),
+      sm90::Wgmma<T, BN>::template mma<kAMn, kBMn>(acc, tile_desc<kAMn>(a_addr + kk * kstep_bytes<kAMn>()),
                                                tile_desc<kBMn>(b_addr + kk * kstep_bytes<kBMn>()), 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // this warpgroup's MMAs of stage kt-1 have finished reading it
@@ -111,10 +125,9 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const T* a, int64_t lda,
 // (and main_grad's loads can all be issued before its stores). Layout of m64nNk16: warp w of the
 // warpgroup holds rows 16w + lane/4 (+8); registers 4j + {0,1} are columns 8j + 2(lane%4) + {0,1}
 // of the first row, 4j + {2,3} of the second.
-constexpr int kStageLd = BN + 4;  // fp32 staging row, padded against bank conflicts
-static_assert(BM * kStageLd * 4 <= STAGES * kStageBytes);
-
-__device__ __forceinline__ void stage_accumulators(float* staging, const Acc& acc) {
+template <class Shape>
+__device__ __forceinline__ void stage_accumulators(float* staging, const Acc<Shape>& acc) {
+  constexpr int BN = Shape::BN, kStageLd = Shape::kStageLd;
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp_in_wg = (threadIdx.x % 128) / 32;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -129,9 +142,9 @@ __device__ __forceinline__ void stage_accumulators(float* staging, const Acc& ac
 
 // f(row, col, v[8]) for each 8-column chunk of the staged tile this thread writes; ends with a
 // barrier so the next tile may reuse shared memory.
-template <class F>
+template <class Shape, class F>
 __device__ __forceinline__ void for_each_chunk8(const float* staging, F f) {
-  constexpr int kChunksPerRow = BN / 8;
+  constexpr int kChunksPerRow = Shape::BN / 8, kStageLd = Shape::kStageLd;
 #pragma unroll 2
   for (int c = threadIdx.x; c < BM * kChunksPerRow; c += THREADS) {
     const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
@@ -153,9 +166,11 @@ __device__ __forceinline__ void store8(T* dst, const float (&v)[8]) {
 
 // main_grad[row][col] += staged tile, as float4s: every load is issued before any store (the
 // compiler may not reorder a load past a store that could alias it).
+template <class Shape>
 __device__ __forceinline__ void accumulate_main_grad(const float* staging, float* main_grad, int64_t ld,
                                                      int64_t row_lim, int64_t col_lim) {
-  constexpr int kVecsPerRow = BN / 4, kRounds = 4, kPerRound = BM * kVecsPerRow / THREADS / kRounds;
+  constexpr int kVecsPerRow = Shape::BN / 4, kStageLd = Shape::kStageLd, kPerRound = 4;
+  constexpr int kRounds = BM * kVecsPerRow / THREADS / kPerRound;
 #pragma unroll 1
   for (int round = 0; round < kRounds; ++round) {  // rounds keep the batch within the register budget
     float4 old[kPerRound];
@@ -181,8 +196,9 @@ __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
 }
 
 // fprop (kDgrad = false) and dgrad (true): rows ragged by group; gap rows written as zero.
-template <class T, bool kDgrad>
-__global__ void __launch_bounds__(THREADS, 2) ragged_gemm_kernel(RaggedGemmParams p) {
+template <class T, class Shape, bool kDgrad>
+__global__ void __launch_bounds__(THREADS, Shape::CTAS_PER_SM) ragged_gemm_kernel(RaggedGemmParams p) {
+  constexpr int BN = Shape::BN;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
@@ -207,12 +223,12 @@ __global__ void __launch_bounds__(THREADS, 2) ragged_gemm_kernel(RaggedGemmParam
     const T* w_e = w + static_cast<int64_t>(e) * p.n * p.k;
     // fprop: B(k, n) = W_e[n][k] (K-major, origin row n0); dgrad: B(n, k) = W_e[n][k] (MN-major, origin column n0).
     const T* b_origin = kDgrad ? w_e + n0 : w_e + n0 * p.k;
-    Acc acc;
-    mainloop<T, false, kDgrad>(smem, a_all + row0 * red, red, data_rows, b_origin, p.k, cols - n0, red, a_all, w,
+    Acc<Shape> acc;
+    mainloop<T, Shape, false, kDgrad>(smem, a_all + row0 * red, red, data_rows, b_origin, p.k, cols - n0, red, a_all, w,
                                acc);
     float* staging = reinterpret_cast<float*>(smem);
-    stage_accumulators(staging, acc);
-    for_each_chunk8(staging, [&](int row, int col, float (&v)[8]) {
+    stage_accumulators<Shape>(staging, acc);
+    for_each_chunk8<Shape>(staging, [&](int row, int col, float (&v)[8]) {
       if (row >= span_rows || n0 + col >= cols) return;
       if (row >= data_rows) {
 #pragma unroll
@@ -230,8 +246,9 @@ __global__ void __launch_bounds__(THREADS, 2) ragged_gemm_kernel(RaggedGemmParam
 
 // dW_e[n][k] = sum over group e's rows r of dy[r][n] x[r][k]: tiles (group, n tile, k tile), the
 // reduction over the group's rows; written (empty group: zeros) or added into fp32 main_grad.
-template <class T>
-__global__ void __launch_bounds__(THREADS, 2) grouped_wgrad_kernel(WgradParams p) {
+template <class T, class Shape>
+__global__ void __launch_bounds__(THREADS, Shape::CTAS_PER_SM) grouped_wgrad_kernel(WgradParams p) {
+  constexpr int BN = Shape::BN;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = aligned_smem(smem_raw);
   const T* dy = static_cast<const T*>(p.dy);
@@ -247,10 +264,10 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_wgrad_kernel(WgradParams p
     const int64_t n0 = (local / tiles_k) * BM, k0 = (local % tiles_k) * BN;
     const int64_t rows = group_rows(p.splits, p.offsets, e);
     if (rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
-    Acc acc;
+    Acc<Shape> acc;
     if (rows > 0) {
       const int64_t r0 = p.offsets[e];
-      mainloop<T, true, true>(smem, dy + r0 * p.n + n0, p.n, p.n - n0, x + r0 * p.k + k0, p.k, p.k - k0, rows, dy, x,
+      mainloop<T, Shape, true, true>(smem, dy + r0 * p.n + n0, p.n, p.n - n0, x + r0 * p.k + k0, p.k, p.k - k0, rows, dy, x,
                               acc);
     } else {
 #pragma unroll
@@ -258,11 +275,11 @@ __global__ void __launch_bounds__(THREADS, 2) grouped_wgrad_kernel(WgradParams p
     }
     const int64_t out0 = static_cast<int64_t>(e) * p.n * p.k + n0 * p.k + k0;
     float* staging = reinterpret_cast<float*>(smem);
-    stage_accumulators(staging, acc);
+    stage_accumulators<Shape>(staging, acc);
     if (p.main_grad != nullptr) {
-      accumulate_main_grad(staging, p.main_grad + out0, p.k, p.n - n0, p.k - k0);
+      accumulate_main_grad<Shape>(staging, p.main_grad + out0, p.k, p.n - n0, p.k - k0);
     } else {
-      for_each_chunk8(staging, [&](int row, int col, float (&v)[8]) {
+      for_each_chunk8<Shape>(staging, [&](int row, int col, float (&v)[8]) {
         if (n0 + row < p.n && k0 + col < p.k) store8(dweight + out0 + row * p.k + col, v);
       });
     }

@@ -89,6 +89,14 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   MG_CUDA_CHECK(cudaGetDevice(&device));
   MG_CUDA_CHECK(cudaDeviceGetAttribute(&scratch_->sm_count, cudaDevAttrMultiProcessorCount, device));
   kernels::prepare_grouped_gemm(options_.dtype);
+  const auto& o = options_;
+  auto choose = [&](kernels::GemmPhase phase) {
+    return o.tile_n != 0 ? o.tile_n
+                         : kernels::choose_tile_n(phase, o.num_groups, o.capacity_rows, o.out_features, o.in_features);
+  };
+  tile_n_fprop_ = choose(kernels::GemmPhase::kFprop);
+  tile_n_dgrad_ = choose(kernels::GemmPhase::kDgrad);
+  tile_n_wgrad_ = choose(kernels::GemmPhase::kWgrad);
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
   MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
@@ -102,8 +110,11 @@ std::string GroupedLinear::describe() const {
   return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
                         " dtype=", dtype_name(o.dtype), " capacity_rows=", o.capacity_rows,
                         " row_align=", o.row_align, " slots=", o.wgrad_slots,
-                        " | fprop, dgrad, wgrad: ",
-                        (o.reference_kernels ? kernels::foundation_tile_config() : kernels::wgmma_tile_config()).to_string(),
+                        o.reference_kernels
+                            ? " | fprop, dgrad, wgrad: " + kernels::foundation_tile_config().to_string()
+                            : " | fprop: " + kernels::wgmma_tile_config(tile_n_fprop_).to_string() +
+                                  " | dgrad: " + kernels::wgmma_tile_config(tile_n_dgrad_).to_string() +
+                                  " | wgrad: " + kernels::wgmma_tile_config(tile_n_wgrad_).to_string(),
                         " | persistent over ", scratch_->sm_count, " SMs");
 }
 
@@ -125,6 +136,7 @@ void GroupedLinear::run_fprop(const ForwardArgs& args, const int32_t* splits, co
   p.bias_scale = bias_scale;
   p.c = args.y;
   p.reference = options_.reference_kernels;
+  p.tile_n = tile_n_fprop_;
   kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kFprop, p, scratch_->sm_count, stream);
 }
 
@@ -180,6 +192,7 @@ void GroupedLinear::run_wgrad(const void* dy, const void* x, const int32_t* spli
   p.dweight = dweight;
   p.main_grad = main_grad;
   p.reference = options_.reference_kernels;
+  p.tile_n = tile_n_wgrad_;
   kernels::launch_grouped_wgrad(options_.dtype, p, scratch_->sm_count, stream);
 }
 
@@ -213,6 +226,7 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
     p.num_groups = g;
     p.c = args.dx;
     p.reference = options_.reference_kernels;
+    p.tile_n = tile_n_dgrad_;
     kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kDgrad, p, scratch_->sm_count, stream);
   }
   if (args.dbias != nullptr || args.dbias_scale != nullptr) {

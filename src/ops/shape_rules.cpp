@@ -21,6 +21,8 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ",
            dtype_name(o.dtype));
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
+  MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
+           o.tile_n);
 }
 
 HostOffsets host_group_offsets(std::span<const int32_t> splits, int row_align, int64_t capacity) {

@@ -38,6 +38,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   o.wgrad_slots = spec.wgrad_slots;
   o.delay_wgrad = spec.delay_wgrad;
   o.reference_kernels = spec.reference_kernels;
+  o.tile_n = spec.tile_n;
   op = std::make_unique<GroupedLinear>(o);
 
   const int64_t g = spec.groups, n = spec.n, k = spec.k;

@@ -70,5 +70,15 @@ std::vector<CaseSpec> reference_kernel_cases() {
 INSTANTIATE_TEST_SUITE_P(ReferenceKernels, GroupedLinearCase, ::testing::ValuesIn(reference_kernel_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// And on the 256-wide wgmma tiles, which the heuristic picks only for large problems.
+std::vector<CaseSpec> wide_tile_cases() {
+  std::vector<CaseSpec> out = cases();
+  for (CaseSpec& c : out) c.tile_n = 256, c.name += "_tile256";
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(WideTiles, GroupedLinearCase, ::testing::ValuesIn(wide_tile_cases()),
+                         [](const auto& info) { return info.param.name; });
+
 }  // namespace
 }  // namespace moegraph::test

@@ -57,7 +57,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "capacity_rows must be a multiple of row_align (128), got 1000"},
         BadCase{"no_capacity", [](auto& o) { o.capacity_rows = 0; }, "capacity_rows must be at least 1, got 0"},
         BadCase{"fp32_activations", [](auto& o) { o.dtype = DType::kFP32; }, "dtype must be bf16 or fp16, got fp32"},
-        BadCase{"no_slots", [](auto& o) { o.wgrad_slots = 0; }, "wgrad_slots must be in [1, 64], got 0"}),
+        BadCase{"no_slots", [](auto& o) { o.wgrad_slots = 0; }, "wgrad_slots must be in [1, 64], got 0"},
+        BadCase{"bad_tile", [](auto& o) { o.tile_n = 64; }, "tile_n must be 0 (automatic), 128 or 256, got 64"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(Validation, ErrorCarriesFileAndLine) {

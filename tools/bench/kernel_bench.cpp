@@ -83,6 +83,7 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
       kernels::WgradParams p;
       p.dy = b.dy[set].get(), p.x = b.x[set].get(), p.n = s.n, p.k = s.k;
       p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.dweight = b.dw.get();
+      p.tile_n = kernels::choose_tile_n(kernels::GemmPhase::kWgrad, s.groups, s.rows, s.n, s.k);
       kernels::launch_grouped_wgrad(DType::kBF16, p, grid, stream);
       return;
     }
@@ -91,6 +92,8 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
     p.a = fprop ? b.x[set].get() : b.dy[set].get();
     p.w = b.w.get(), p.n = s.n, p.k = s.k, p.splits = splits, p.offsets = offsets, p.num_groups = s.groups;
     p.c = b.out_rows[set].get();
+    p.tile_n = kernels::choose_tile_n(fprop ? kernels::GemmPhase::kFprop : kernels::GemmPhase::kDgrad, s.groups, s.rows,
+                                      s.n, s.k);
     kernels::launch_ragged_gemm(DType::kBF16, fprop ? kernels::RaggedGemmKind::kFprop : kernels::RaggedGemmKind::kDgrad,
                                 p, grid, stream);
   };
@@ -155,7 +158,7 @@ int run_kernel_bench(bool quick) {
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   kernels::prepare_grouped_gemm(DType::kBF16);
   const int grid = prop.multiProcessorCount;  // the launchers scale it by each kernel's occupancy
-  std::printf("grouped kernels: %s, persistent\n", kernels::wgmma_tile_config().to_string().c_str());
+  std::printf("grouped kernels: wgmma_cp_async_sw128 128 x tile_n x 64 (tile_n per shape and phase), persistent\n");
   cudaStream_t stream;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -199,7 +202,11 @@ int run_kernel_bench(bool quick) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
         const double flops = 2.0 * s.rows * s.n * s.k;
         const double weight_gb = active * s.n * s.k * 2 / 1e9;
-        table.add({s.name, routing_name(routing), phase_name(phase), fmt(r.grouped_ms, 3),
+        const kernels::GemmPhase gp = phase == Phase::kFprop   ? kernels::GemmPhase::kFprop
+                                      : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
+                                                               : kernels::GemmPhase::kWgrad;
+        table.add({s.name, routing_name(routing), phase_name(phase),
+                   std::to_string(kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k)), fmt(r.grouped_ms, 3),
                    fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0), fmt(r.dense_ms, 3),
                    fmt(flops / r.dense_ms / 1e9, 1), fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2),
                    fmt(r.legacy_ms / r.grouped_ms, 2)});
@@ -210,7 +217,7 @@ int run_kernel_bench(bool quick) {
   std::fprintf(stderr, "\n");
   std::printf("\nmedian of %d graph replays (legacy: %d eager runs), bf16, fresh routing per replay\n", replays,
               std::min(replays, 20));
-  table.print({"shape", "routing", "phase", "grouped ms", "TFLOP/s", "W GB/s", "dense ms", "dense TFLOP/s",
+  table.print({"shape", "routing", "phase", "tile_n", "grouped ms", "TFLOP/s", "W GB/s", "dense ms", "dense TFLOP/s",
                "legacy ms", "vs dense", "vs legacy"});
   cudaStreamDestroy(stream);
   return 0;
