@@ -25,17 +25,23 @@ constexpr uint32_t kMnAtomStride = 8 * 1024;     // MN-major: 8 K-groups per 64-
 // (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64. 128 x 128 with 3 stages fits 2 CTAs per SM
 // (latency hiding for small or memory-bound problems); 128 x 256 with 4 stages is one CTA with
 // a quarter less operand traffic per FLOP (large problems).
-template <int kBN, int kStages, int kCtasPerSm>
+// kOneBarrier: refill the slot of stage kt-2 right after the top-of-loop barrier (its MMAs are known
+// complete in both warpgroups there), so the K loop needs one CTA-wide barrier instead of two, at
+// the price of one stage of prefetch distance (STAGES - 2 instead of STAGES - 1).
+template <int kBN, int kStages, int kCtasPerSm, bool kOneBarrier>
 struct TileShape {
   static constexpr int BN = kBN, STAGES = kStages, CTAS_PER_SM = kCtasPerSm;
+  static constexpr bool ONE_BARRIER = kOneBarrier;
+  static constexpr int PREFETCH = kOneBarrier ? kStages - 2 : kStages - 1;  // stages loaded ahead
+  static_assert(PREFETCH >= 1);
   static constexpr int kTileBytesB = BN * BK * 2;
   static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
   static constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + slack to align tiles to 1024 bytes
   static constexpr int kStageLd = BN + 4;                         // fp32 epilogue staging row (padded)
   static_assert(BM * kStageLd * 4 <= STAGES * kStageBytes, "the epilogue staging reuses the pipeline");
 };
-using Tile128 = TileShape<128, 3, 2>;
-using Tile256 = TileShape<256, 4, 1>;
+using Tile128 = TileShape<128, 3, 2, false>;
+using Tile256 = TileShape<256, 4, 1, true>;
 
 // One 128 (M or N) x 64 (K) operand tile from global memory origin g (row stride ld), masked:
 // K-major: element (mn, k) at g[mn * ld + k]; valid while mn < mn_lim and k < k_lim.
@@ -89,16 +95,22 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const T* a, int64_t lda,
   };
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+  constexpr int PREFETCH = Shape::PREFETCH;
   const int ktiles = static_cast<int>((red_len + BK - 1) / BK);
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 0; s < PREFETCH; ++s) {
     if (s < ktiles) load_stage(s);
     cp_async_commit();
   }
   for (int kt = 0; kt < ktiles; ++kt) {
-    cp_async_wait<STAGES - 2>();
+    cp_async_wait<PREFETCH - 1>();  // one group committed per stage: stage kt has landed
     sm90::fence_proxy_async_smem();
     __syncthreads();  // stage kt is in shared memory for every thread
+    if constexpr (Shape::ONE_BARRIER) {
+      // Every thread has passed last iteration's wgmma_wait<1>: stage kt-2's slot is free.
+      if (kt + PREFETCH < ktiles) load_stage(kt + PREFETCH);
+      cp_async_commit();
+    }
     const uint8_t* stage = smem + (kt % STAGES) * kStageBytes;
     const uint32_t a_addr = sm90::smem_addr(stage + wg * kHalfTileBytes);
     const uint32_t b_addr = sm90::smem_addr(stage + kTileBytesA);
@@ -107,13 +119,15 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, const T* a, int64_t lda,
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
       sm90::Wgmma<T, BN>::template mma<kAMn, kBMn>(acc, tile_desc<kAMn>(a_addr + kk * kstep_bytes<kAMn>()),
-                                               tile_desc<kBMn>(b_addr + kk * kstep_bytes<kBMn>()), 1);
+                                                   tile_desc<kBMn>(b_addr + kk * kstep_bytes<kBMn>()), 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // this warpgroup's MMAs of stage kt-1 have finished reading it
     sm90::fence_registers(acc);
-    __syncthreads();        // ... and the other warpgroup's: its slot may be refilled
-    if (kt + STAGES - 1 < ktiles) load_stage(kt + STAGES - 1);
-    cp_async_commit();
+    if constexpr (!Shape::ONE_BARRIER) {
+      __syncthreads();      // ... and the other warpgroup's: stage kt-1's slot may be refilled
+      if (kt + PREFETCH < ktiles) load_stage(kt + PREFETCH);
+      cp_async_commit();
+    }
   }
   sm90::wgmma_wait<0>();
   sm90::fence_registers(acc);
