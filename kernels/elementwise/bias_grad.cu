@@ -2,6 +2,7 @@
 #include <cuda_fp16.h>
 
 #include "kernels/common/ragged_tiles.cuh"
+#include "kernels/common/vector_io.cuh"
 #include "kernels/elementwise/elementwise.hpp"
 #include "moegraph/error.hpp"
 
@@ -11,14 +12,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kColsPerBlock = 256;  // 32 lanes x 8 columns; 8 warps stride over the rows
 constexpr int kRowLanes = kThreads / 32;
-
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
-  alignas(16) T in[8];
-  *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(in[i]);
-}
 
 // partials[chunk][col] = sum over the chunk's rows of s_r * dy[r][col].
 template <class T>

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/common/vector_io.cuh"
 #include "kernels/elementwise/elementwise.hpp"
 #include "moegraph/error.hpp"
 
@@ -9,23 +10,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 8;  // 16-byte accesses; ffn is a multiple of 16
-
-template <class T>
-struct Vec8 {
-  float v[kVec];
-  __device__ void load(const T* p) {
-    alignas(16) T in[kVec];
-    *reinterpret_cast<uint4*>(in) = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) v[i] = static_cast<float>(in[i]);
-  }
-  __device__ void store(T* p) const {
-    alignas(16) T out[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) out[i] = static_cast<T>(v[i]);
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(out);
-  }
-};
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
@@ -39,26 +23,25 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ 
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const int64_t row = i / vecs_per_row, col = (i % vecs_per_row) * kVec;
-    Vec8<T> gate, up;
-    gate.load(h + row * 2 * ffn + col);
-    up.load(h + row * 2 * ffn + ffn + col);
+    float gate[kVec], up[kVec];
+    load8(h + row * 2 * ffn + col, gate);
+    load8(h + row * 2 * ffn + ffn + col, up);
     if constexpr (!kBackward) {
-      Vec8<T> a;
+      float a[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) a.v[j] = gate.v[j] * sigmoid(gate.v[j]) * up.v[j];
-      a.store(out + row * ffn + col);
+      for (int j = 0; j < kVec; ++j) a[j] = gate[j] * sigmoid(gate[j]) * up[j];
+      store8(out + row * ffn + col, a);
     } else {
-      Vec8<T> g, dgate, dup;
-      g.load(da + row * ffn + col);
+      float g[kVec], dgate[kVec], dup[kVec];
+      load8(da + row * ffn + col, g);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float s = sigmoid(gate.v[j]);
-        const float silu = gate.v[j] * s;
-        dup.v[j] = g.v[j] * silu;
-        dgate.v[j] = g.v[j] * up.v[j] * s * (1.0f + gate.v[j] * (1.0f - s));
+        const float s = sigmoid(gate[j]);
+        dup[j] = g[j] * gate[j] * s;
+        dgate[j] = g[j] * up[j] * s * (1.0f + gate[j] * (1.0f - s));
       }
-      dgate.store(out + row * 2 * ffn + col);
-      dup.store(out + row * 2 * ffn + ffn + col);
+      store8(out + row * 2 * ffn + col, dgate);
+      store8(out + row * 2 * ffn + ffn + col, dup);
     }
   }
 }

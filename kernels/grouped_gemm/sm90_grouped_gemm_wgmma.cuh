@@ -12,6 +12,7 @@
 
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/ragged_tiles.cuh"
+#include "kernels/common/vector_io.cuh"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
 #include "kernels/grouped_gemm/sm90_wgmma_ops.cuh"
 
@@ -168,14 +169,6 @@ __device__ __forceinline__ void for_each_chunk8(const float* staging, F f) {
     f(row, col, v);
   }
   __syncthreads();
-}
-
-template <class T>
-__device__ __forceinline__ void store8(T* dst, const float (&v)[8]) {
-  alignas(16) T out[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<T>(v[i]);
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
 }
 
 // main_grad[row][col] += staged tile, as float4s: every load is issued before any store (the

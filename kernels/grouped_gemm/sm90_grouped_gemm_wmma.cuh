@@ -11,6 +11,7 @@
 
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/ragged_tiles.cuh"
+#include "kernels/common/vector_io.cuh"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
 
 namespace moegraph::kernels::wmma_gemm {
@@ -151,16 +152,6 @@ __device__ __forceinline__ void stage_accumulators(float* staging, AccFrag<T> (&
   __syncthreads();
 }
 
-template <class T>
-__device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
-
-template <class T>
-__device__ __forceinline__ void store8(T* dst, const float (&v)[8]) {
-  alignas(16) T out[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<T>(v[i]);
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(out);
-}
 
 // fprop and dgrad. A_RI: A is row-major with the reduction contiguous (always, here).
 // B_RI: fprop reads W_e as [N][K] (K = reduction contiguous); dgrad reads it as [N][K] with
@@ -220,7 +211,7 @@ __global__ void __launch_bounds__(THREADS, 2) ragged_gemm_kernel(RaggedGemmParam
           const float s = p.bias_scale != nullptr ? p.bias_scale[row0 + row] : 1.0f;
           const T* b = bias + static_cast<int64_t>(e) * cols + n0 + col;
 #pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] += s * to_float(b[i]);
+          for (int i = 0; i < 8; ++i) v[i] += s * static_cast<float>(b[i]);
         }
       } else {
 #pragma unroll
