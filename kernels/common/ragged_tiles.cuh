@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "kernels/common/vector_io.cuh"
+
 namespace moegraph::kernels {
 
 constexpr int kMaxGroups = 1024;
@@ -79,6 +81,46 @@ __device__ __forceinline__ int find_group(const int* prefix, int num_groups, int
     if (prefix[mid] <= t) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// Where virtual M-tile `mt` (of TILE rows) of a row-ragged GEMM lies: its group, its first row, the
+// rows of the group's aligned span it covers (written), and those that hold data (the rest are
+// alignment gap rows, written as zero).
+struct RaggedTile {
+  int group;
+  int64_t row0, span_rows, data_rows;
+};
+
+template <int TILE>
+__device__ __forceinline__ RaggedTile locate_ragged_tile(const int* prefix, const int32_t* splits,
+                                                         const int64_t* offsets, int num_groups, int mt) {
+  RaggedTile t;
+  t.group = find_group(prefix, num_groups, mt);
+  const int64_t local_row = static_cast<int64_t>(mt - prefix[t.group]) * TILE;
+  t.row0 = offsets[t.group] + local_row;
+  t.span_rows = min(static_cast<int64_t>(TILE), group_span(offsets, t.group) - local_row);
+  t.data_rows = max(int64_t{0}, min(t.span_rows, group_rows(splits, offsets, t.group) - local_row));
+  return t;
+}
+
+// The epilogue of a row-ragged GEMM for 8 output columns [n0 + col, n0 + col + 8) of tile row
+// `row`: gap rows become zero, data rows get s_r * b_e added (bias may be null, bias_scale too),
+// and rows past the span or columns past `cols` are left alone.
+template <class T>
+__device__ __forceinline__ void store_ragged_chunk8(T* c, int64_t cols, const RaggedTile& t, int64_t n0, int row,
+                                                    int col, float (&v)[8], const T* bias,
+                                                    const float* bias_scale) {
+  if (row >= t.span_rows || n0 + col >= cols) return;
+  if (row >= t.data_rows) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // alignment gap rows read as zero downstream
+  } else if (bias != nullptr) {
+    const float s = bias_scale != nullptr ? bias_scale[t.row0 + row] : 1.0f;
+    const T* b = bias + static_cast<int64_t>(t.group) * cols + n0 + col;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] += s * static_cast<float>(b[i]);
+  }
+  store8(c + (t.row0 + row) * cols + n0 + col, v);
 }
 
 }  // namespace moegraph::kernels

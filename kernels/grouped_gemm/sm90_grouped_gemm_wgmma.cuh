@@ -221,32 +221,18 @@ __global__ void __launch_bounds__(THREADS, Shape::CTAS_PER_SM) ragged_gemm_kerne
   const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int mt = static_cast<int>(t / tiles_n), nt = static_cast<int>(t % tiles_n);
-    const int e = find_group(tile_prefix, p.num_groups, mt);
-    const int64_t local_row = static_cast<int64_t>(mt - tile_prefix[e]) * BM;
-    const int64_t row0 = p.offsets[e] + local_row;
-    const int64_t span_rows = min(static_cast<int64_t>(BM), group_span(p.offsets, e) - local_row);
-    const int64_t data_rows = max(int64_t{0}, min(span_rows, group_rows(p.splits, p.offsets, e) - local_row));
+    const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
     const int64_t n0 = static_cast<int64_t>(nt) * BN;
-    const T* w_e = w + static_cast<int64_t>(e) * p.n * p.k;
+    const T* w_e = w + static_cast<int64_t>(tile.group) * p.n * p.k;
     // fprop: B(k, n) = W_e[n][k] (K-major, origin row n0); dgrad: B(n, k) = W_e[n][k] (MN-major, origin column n0).
     const T* b_origin = kDgrad ? w_e + n0 : w_e + n0 * p.k;
     Acc<Shape> acc;
-    mainloop<T, Shape, false, kDgrad>(smem, a_all + row0 * red, red, data_rows, b_origin, p.k, cols - n0, red, a_all, w,
-                               acc);
+    mainloop<T, Shape, false, kDgrad>(smem, a_all + tile.row0 * red, red, tile.data_rows, b_origin, p.k, cols - n0,
+                                      red, a_all, w, acc);
     float* staging = reinterpret_cast<float*>(smem);
     stage_accumulators<Shape>(staging, acc);
     for_each_chunk8<Shape>(staging, [&](int row, int col, float (&v)[8]) {
-      if (row >= span_rows || n0 + col >= cols) return;
-      if (row >= data_rows) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // alignment gap rows read as zero downstream
-      } else if (bias != nullptr) {
-        const float s = p.bias_scale != nullptr ? p.bias_scale[row0 + row] : 1.0f;
-        const T* b = bias + static_cast<int64_t>(e) * cols + n0 + col;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] += s * static_cast<float>(b[i]);
-      }
-      store8(c_all + (row0 + row) * cols + n0 + col, v);
+      store_ragged_chunk8(c_all, cols, tile, n0, row, col, v, bias, p.bias_scale);
     });
   }
 }

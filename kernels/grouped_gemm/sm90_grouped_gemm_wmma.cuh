@@ -177,13 +177,9 @@ __global__ void __launch_bounds__(THREADS, 2) ragged_gemm_kernel(RaggedGemmParam
 
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int mt = static_cast<int>(t / tiles_n), nt = static_cast<int>(t % tiles_n);
-    const int e = find_group(tile_prefix, p.num_groups, mt);
-    const int64_t local_row = static_cast<int64_t>(mt - tile_prefix[e]) * BM;
-    const int64_t row0 = p.offsets[e] + local_row;
-    const int64_t span_rows = min(static_cast<int64_t>(BM), group_span(p.offsets, e) - local_row);
-    const int64_t data_rows = max(int64_t{0}, min(span_rows, group_rows(p.splits, p.offsets, e) - local_row));
+    const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
     const int64_t n0 = static_cast<int64_t>(nt) * BN;
-    const T* w_e = w_all + static_cast<int64_t>(e) * p.n * p.k;
+    const T* w_e = w_all + static_cast<int64_t>(tile.group) * p.n * p.k;
 
     AccFrag<T> acc[FM][FN];
 #pragma unroll
@@ -193,31 +189,17 @@ __global__ void __launch_bounds__(THREADS, 2) ragged_gemm_kernel(RaggedGemmParam
 
     // fprop: B(red = k, mn = n) = W_e[n][k];  dgrad: B(red = n, mn = k) = W_e[n][k]
     const T* b_origin = B_RI ? w_e + n0 * p.k : w_e + n0;
-    mainloop<T, true, B_RI>(smem, a_all + row0 * red, red, data_rows, b_origin, p.k, cols - n0, red,
+    mainloop<T, true, B_RI>(smem, a_all + tile.row0 * red, red, tile.data_rows, b_origin, p.k, cols - n0, red,
                             a_all, w_all, acc);
     stage_accumulators<T>(staging, acc);
 
     constexpr int kChunksPerRow = BN / 8;
     for (int c = threadIdx.x; c < BM * kChunksPerRow; c += THREADS) {
       const int row = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
-      if (row >= span_rows || n0 + col >= cols) continue;
-      float v[8];
-      if (row < data_rows) {
-        const float4 lo = *reinterpret_cast<const float4*>(staging + row * STAGE_LD + col);
-        const float4 hi = *reinterpret_cast<const float4*>(staging + row * STAGE_LD + col + 4);
-        v[0] = lo.x; v[1] = lo.y; v[2] = lo.z; v[3] = lo.w;
-        v[4] = hi.x; v[5] = hi.y; v[6] = hi.z; v[7] = hi.w;
-        if (bias != nullptr) {
-          const float s = p.bias_scale != nullptr ? p.bias_scale[row0 + row] : 1.0f;
-          const T* b = bias + static_cast<int64_t>(e) * cols + n0 + col;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) v[i] += s * static_cast<float>(b[i]);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = 0.0f;  // alignment gap rows read as zero downstream
-      }
-      store8(c_all + (row0 + row) * cols + n0 + col, v);
+      const float4 lo = *reinterpret_cast<const float4*>(staging + row * STAGE_LD + col);
+      const float4 hi = *reinterpret_cast<const float4*>(staging + row * STAGE_LD + col + 4);
+      float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      store_ragged_chunk8(c_all, cols, tile, n0, row, col, v, bias, p.bias_scale);
     }
     __syncthreads();  // staging is read before the next tile's loads overwrite it
   }

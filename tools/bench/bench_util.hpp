@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moegraph/error.hpp"
+#include "src/verify/data.hpp"
 
 namespace moegraph::bench {
 
@@ -45,21 +46,9 @@ inline double median(std::vector<float> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-enum class Routing { kUniform, kSkewed };
+// Routings come from the verification library (src/verify): the same draws as the tests.
+using verify::Routing;
 inline const char* routing_name(Routing r) { return r == Routing::kUniform ? "uniform" : "zipf1.2"; }
-
-// Multinomial routing of `rows` rows over `groups` experts: uniform, or Zipf(skew) over a random
-// expert order.
-inline std::vector<int32_t> random_routing(std::mt19937_64& rng, int groups, int64_t rows, Routing routing,
-                                           double skew = 1.2) {
-  std::vector<double> w(groups);
-  for (int e = 0; e < groups; ++e) w[e] = routing == Routing::kUniform ? 1.0 : 1.0 / std::pow(e + 1.0, skew);
-  std::shuffle(w.begin(), w.end(), rng);
-  std::discrete_distribution<int> pick(w.begin(), w.end());
-  std::vector<int32_t> s(groups, 0);
-  for (int64_t r = 0; r < rows; ++r) ++s[pick(rng)];
-  return s;
-}
 
 inline std::string fmt(double v, int digits) {
   char buf[64];

@@ -190,7 +190,7 @@ int run_kernel_bench(bool quick) {
     MG_CUDA_CHECK(cudaMemset(b.error.get(), 0, sizeof(DeviceErrorRecord)));
     for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
       std::vector<std::vector<int32_t>> routings;
-      for (int i = 0; i < 16; ++i) routings.push_back(random_routing(rng, s.groups, s.rows, routing));
+      for (int i = 0; i < 16; ++i) routings.push_back(verify::random_splits(rng, s.groups, s.rows, routing));
       std::vector<int32_t> flat;
       for (auto& r : routings) flat.insert(flat.end(), r.begin(), r.end());
       b.routings = DeviceBuffer(flat.size() * 4);

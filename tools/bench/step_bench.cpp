@@ -24,8 +24,7 @@ std::vector<int32_t> draw_routing(std::mt19937_64& rng, const Config& c, int64_t
     std::vector<int32_t> s(c.routing.fixed_splits.begin(), c.routing.fixed_splits.end());
     return s;
   }
-  return random_routing(rng, c.layer.experts, rows, c.routing.kind == RoutingKind::kUniform ? Routing::kUniform : Routing::kSkewed,
-                        c.routing.skew);
+  return verify::random_splits(rng, c.layer.experts, rows, c.routing.kind == RoutingKind::kUniform ? 0.0 : c.routing.skew);
 }
 
 // The routings replayed for one bucket at one fill, on the device, one row of `experts` each.
