@@ -56,9 +56,23 @@ struct BenchConfig {
   double fill = 1.0;                  // fraction of each bucket's tokens actually routed, (0, 1]
 };
 
+// What a step runs: the whole MoE layer (router, dispatch, experts, combine), or the expert MLP
+// alone on rows already grouped by expert (splits drawn by the benchmark's routing).
+enum class StepKind { kMoeLayer, kExperts };
+
+struct RouterConfig {
+  std::string score = "softmax";      // "softmax" or "sigmoid"
+  bool renormalize = false;           // the chosen top-k weights are divided by their sum
+  double aux_loss_coef = 0.0;         // >= 0; 0: no auxiliary load-balancing loss
+  double capacity_factor = 0.0;       // 0: dropless; > 0: at most ceil(cf * tokens * top_k / experts) rows per expert
+  bool fuse_weights = false;          // routing weights applied in the SwiGLU output (FC2 bias scaled) instead of at the combine
+};
+
 struct Config {
   std::string name = "default";
+  StepKind step = StepKind::kMoeLayer;
   LayerConfig layer;
+  RouterConfig router;
   PrecisionConfig precision;
   TrainingConfig training;
   std::vector<int64_t> buckets;       // capacities in tokens, strictly increasing, >= 1
@@ -76,5 +90,6 @@ Config default_config();
 std::string to_json(const Config& config);
 
 std::string_view routing_kind_name(RoutingKind kind);
+std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
 
 }  // namespace moegraph

@@ -3,6 +3,7 @@
 #include "moegraph/config.hpp"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -26,7 +27,10 @@ constexpr int64_t kMaxReplays = 1'000'000;
 // Identical in content to configs/qwen3-30b-a3b.json (a host test compares the two).
 constexpr const char* kDefaultConfigJson = R"json({
   "name": "qwen3-30b-a3b",
+  "step": "moe_layer",
   "layer": {"experts": 128, "hidden": 2048, "ffn": 768, "top_k": 8, "bias": false, "activation": "swiglu"},
+  "router": {"score": "softmax", "renormalize": true, "aux_loss_coef": 0.001,
+             "capacity_factor": 0.0, "fuse_weights": false},
   "precision": {"recipe": "bf16", "dtype": "bf16"},
   "training": {"enabled": true, "delay_wgrad": true, "wgrad_slots": 2, "main_grad_fp32": true},
   "buckets": [1024, 2048, 4096],
@@ -53,6 +57,36 @@ LayerConfig read_layer(const Json& value) {
   MG_CONFIG_CHECK(layer.activation == "swiglu", "layer.activation must be \"swiglu\" (the only one implemented), got ",
                   config_detail::quoted_excerpt(layer.activation));
   return layer;
+}
+
+StepKind step_kind_from(const std::string& name) {
+  for (StepKind kind : {StepKind::kMoeLayer, StepKind::kExperts})
+    if (step_kind_name(kind) == name) return kind;
+  MG_CONFIG_FAIL("step must be \"moe_layer\" or \"experts\", got ", config_detail::quoted_excerpt(name));
+}
+
+RouterConfig read_router(const Json& value) {
+  const JsonObject o(value, "router", {"score", "renormalize", "aux_loss_coef", "capacity_factor", "fuse_weights"});
+  RouterConfig router;
+  if (const Json* v = o.find("score")) router.score = config_detail::string(*v, o.path("score"));
+  MG_CONFIG_CHECK(router.score == "softmax" || router.score == "sigmoid",
+                  "router.score must be \"softmax\" or \"sigmoid\", got ", config_detail::quoted_excerpt(router.score));
+  if (const Json* v = o.find("renormalize")) router.renormalize = config_detail::boolean(*v, o.path("renormalize"));
+  // JSON cannot write NaN or infinity (1e400 is a syntax error), so only the sign can be wrong in a
+  // document; isfinite states the whole rule anyway, so a future reader cannot slip past it.
+  if (const Json* v = o.find("aux_loss_coef"))
+    router.aux_loss_coef = config_detail::number(*v, o.path("aux_loss_coef"));
+  MG_CONFIG_CHECK(std::isfinite(router.aux_loss_coef) && router.aux_loss_coef >= 0,
+                  "router.aux_loss_coef must be a finite number >= 0 (0 turns the auxiliary loss off), got ",
+                  router.aux_loss_coef);
+  if (const Json* v = o.find("capacity_factor"))
+    router.capacity_factor = config_detail::number(*v, o.path("capacity_factor"));
+  MG_CONFIG_CHECK(std::isfinite(router.capacity_factor) && router.capacity_factor >= 0,
+                  "router.capacity_factor must be 0 (dropless) or a finite number > 0 (at most ceil(capacity_factor "
+                  "* tokens * top_k / experts) rows per expert), got ",
+                  router.capacity_factor);
+  if (const Json* v = o.find("fuse_weights")) router.fuse_weights = config_detail::boolean(*v, o.path("fuse_weights"));
+  return router;
 }
 
 PrecisionConfig read_precision(const Json& value) {
@@ -156,11 +190,14 @@ BenchConfig read_bench(const Json& value) {
 
 Config read_config(const Json& document) {
   const JsonObject o(document, "",
-                     {"name", "layer", "precision", "training", "buckets", "row_align", "routing", "bench"});
+                     {"name", "step", "layer", "router", "precision", "training", "buckets", "row_align", "routing",
+                      "bench"});
   Config config;
   if (const Json* v = o.find("name")) config.name = config_detail::string(*v, "name");
   MG_CONFIG_CHECK(!config.name.empty(), "name must not be empty");
+  if (const Json* v = o.find("step")) config.step = step_kind_from(config_detail::string(*v, "step"));
   config.layer = read_layer(o.required("layer"));
+  if (const Json* v = o.find("router")) config.router = read_router(*v);
   if (const Json* v = o.find("precision")) config.precision = read_precision(*v);
   if (const Json* v = o.find("training")) config.training = read_training(*v);
   config.buckets = read_buckets(o.required("buckets"));
@@ -174,6 +211,11 @@ Config read_config(const Json& document) {
   const Json no_routing = Json::object();
   const Json* routing = o.find("routing");
   config.routing = read_routing(routing ? *routing : no_routing, config.layer, config.buckets);
+  // In the whole layer the router's choices are the splits; fixed ones could only be ignored.
+  MG_CONFIG_CHECK(config.routing.kind != RoutingKind::kFixed || config.step == StepKind::kExperts,
+                  "routing.kind \"fixed\" requires step \"experts\", got step \"", step_kind_name(config.step),
+                  "\" (with the whole MoE layer the router decides the splits; fixed splits can only drive the "
+                  "expert MLP alone)");
   if (const Json* v = o.find("bench")) config.bench = read_bench(*v);
   // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
   MG_CONFIG_CHECK(config.routing.kind != RoutingKind::kFixed || config.bench.fill == 1.0,
@@ -189,6 +231,14 @@ std::string_view routing_kind_name(RoutingKind kind) {
     case RoutingKind::kUniform: return "uniform";
     case RoutingKind::kZipf: return "zipf";
     case RoutingKind::kFixed: return "fixed";
+  }
+  return "?";
+}
+
+std::string_view step_kind_name(StepKind kind) {
+  switch (kind) {
+    case StepKind::kMoeLayer: return "moe_layer";
+    case StepKind::kExperts: return "experts";
   }
   return "?";
 }
@@ -225,6 +275,7 @@ std::string to_json(const Config& c) {
   for (int64_t s : c.routing.fixed_splits) splits.push_back(s);
   const Json document = {
       {"name", c.name},
+      {"step", std::string(step_kind_name(c.step))},
       {"layer",
        {{"experts", c.layer.experts},
         {"hidden", c.layer.hidden},
@@ -232,6 +283,12 @@ std::string to_json(const Config& c) {
         {"top_k", c.layer.top_k},
         {"bias", c.layer.bias},
         {"activation", c.layer.activation}}},
+      {"router",
+       {{"score", c.router.score},
+        {"renormalize", c.router.renormalize},
+        {"aux_loss_coef", c.router.aux_loss_coef},
+        {"capacity_factor", c.router.capacity_factor},
+        {"fuse_weights", c.router.fuse_weights}}},
       {"precision", {{"recipe", c.precision.recipe}, {"dtype", std::string(dtype_name(c.precision.dtype))}}},
       {"training",
        {{"enabled", c.training.enabled},

@@ -63,6 +63,7 @@ std::string with(std::initializer_list<std::pair<const char*, const char*>> edit
 
 Json fixed_base() {
   Json doc = base();
+  doc["step"] = "experts";  // the whole layer's router would decide the splits itself
   doc["buckets"] = {64};
   doc["routing"] = Json::parse(R"({"kind": "fixed", "fixed_splits": [16, 16, 16, 16, 16, 16, 16, 16]})");
   return doc;
@@ -145,6 +146,30 @@ std::vector<BadDoc> bad_docs() {
       {"FillZero", with({{"/bench/fill", "0"}}), "bench.fill must be in (0, 1], got 0"},
       {"FillAboveOne", with({{"/bench/fill", "1.5"}}), "bench.fill must be in (0, 1], got 1.5"},
       {"NameEmpty", with({{"/name", R"("")"}}), "name must not be empty"},
+      // The step and the router.
+      {"StepUnknown", with({{"/step", R"("layer")"}}), R"(step must be "moe_layer" or "experts", got "layer")"},
+      {"StepCase", with({{"/step", R"("MoE_Layer")"}}), R"(step must be "moe_layer" or "experts", got "MoE_Layer")"},
+      {"StepNumber", with({{"/step", "1"}}), "step must be a string, got number 1"},
+      {"RouterArray", with({{"/router", "[]"}}), "router must be an object, got array"},
+      {"ScoreRelu", with({{"/router/score", R"("relu")"}}),
+       R"(router.score must be "softmax" or "sigmoid", got "relu")"},
+      {"ScoreNumber", with({{"/router/score", "0"}}), "router.score must be a string, got number 0"},
+      {"RenormalizeInt", with({{"/router/renormalize", "1"}}),
+       "router.renormalize must be a boolean (true or false), got number 1"},
+      {"FuseWeightsString", with({{"/router/fuse_weights", R"("false")"}}),
+       R"(router.fuse_weights must be a boolean (true or false), got string "false")"},
+      {"AuxNegative", with({{"/router/aux_loss_coef", "-0.01"}}),
+       "router.aux_loss_coef must be a finite number >= 0 (0 turns the auxiliary loss off), got -0.01"},
+      {"AuxString", with({{"/router/aux_loss_coef", R"("0.01")"}}),
+       R"(router.aux_loss_coef must be a number, got string "0.01")"},
+      {"AuxNull", with({{"/router/aux_loss_coef", "null"}}), "router.aux_loss_coef must be a number, got null"},
+      {"CapacityNegative", with({{"/router/capacity_factor", "-1.25"}}),
+       "router.capacity_factor must be 0 (dropless) or a finite number > 0 (at most ceil(capacity_factor * tokens * "
+       "top_k / experts) rows per expert), got -1.25"},
+      {"CapacityTinyNegative", with({{"/router/capacity_factor", "-1e-300"}}),
+       "router.capacity_factor must be 0 (dropless) or a finite number > 0"},
+      {"CapacityBool", with({{"/router/capacity_factor", "true"}}),
+       "router.capacity_factor must be a number, got boolean true"},
       // Inconsistent values.
       {"TopKAboveExperts", with({{"/layer/experts", "4"}, {"/layer/top_k", "6"}}),
        "layer.top_k must be at most layer.experts (4), got 6"},
@@ -165,6 +190,11 @@ std::vector<BadDoc> bad_docs() {
        "routing.fixed_splits[3] must be in [0, 8388608], got -5"},
       {"FixedSplitsWithPartialFill", with({{"/bench", R"({"fill": 0.5})"}}, fixed_base()),
        R"(bench.fill must be 1 with routing.kind "fixed" (the fixed splits fill every bucket), got 0.5)"},
+      {"FixedWithMoeLayer", with({{"/step", R"("moe_layer")"}}, fixed_base()),
+       R"(routing.kind "fixed" requires step "experts", got step "moe_layer" (with the whole MoE layer the router )"
+       R"(decides the splits; fixed splits can only drive the expert MLP alone))"},
+      {"FixedWithDefaultStep", with({{"/step", nullptr}}, fixed_base()),
+       R"(routing.kind "fixed" requires step "experts", got step "moe_layer")"},
       {"SplitsWithZipf", with({{"/routing/kind", R"("zipf")"}}, fixed_base()),
        R"(routing.fixed_splits must be empty unless routing.kind is "fixed", got 8 entries with routing.kind "zipf")"},
       // Missing required keys.
@@ -176,10 +206,21 @@ std::vector<BadDoc> bad_docs() {
       {"UnknownNested", with({{"/layer/hidden", nullptr}, {"/layer/hiden", "256"}}),
        R"(unknown key "layer.hiden"; did you mean "layer.hidden"?)"},
       {"UnknownCase", with({{"/routing/Seed", "1"}}), R"(unknown key "routing.Seed"; did you mean "routing.seed"?)"},
+      {"UnknownRouterKey", with({{"/router/renormalise", "true"}}),
+       R"(unknown key "router.renormalise"; did you mean "router.renormalize"?)"},
+      {"UnknownRouterKeyCase", with({{"/router/Capacity_Factor", "1.0"}}),
+       R"(unknown key "router.Capacity_Factor"; did you mean "router.capacity_factor"?)"},
+      {"UnknownRouterKeyTypo", with({{"/router/aux_loss_coeff", "0.01"}}),
+       R"(unknown key "router.aux_loss_coeff"; did you mean "router.aux_loss_coef"?)"},
+      {"UnknownRouterFar", with({{"/router/topk", "2"}}),
+       R"(unknown key "router.topk"; valid keys in "router": score, renormalize, aux_loss_coef, capacity_factor, )"
+       "fuse_weights"},
+      {"UnknownStepTypo", with({{"/stpe", R"("experts")"}}), R"(unknown key "stpe"; did you mean "step"?)"},
       {"UnknownFarNested", with({{"/bench/x", "1"}}),
        R"(unknown key "bench.x"; valid keys in "bench": replays, warmup, fill)"},
       {"UnknownFarTopLevel", with({{"/zzzzzz", "1"}}),
-       R"(unknown key "zzzzzz"; valid keys at the top level: name, layer, precision, training, buckets, row_align, routing, bench)"},
+       R"(unknown key "zzzzzz"; valid keys at the top level: name, step, layer, router, precision, training, buckets, )"
+       "row_align, routing, bench"},
       // Duplicates would silently keep one value.
       {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
       {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},
@@ -314,6 +355,24 @@ TEST(ConfigPresets, ParseWithExpectedValues) {
   EXPECT_EQ(decode.routing.kind, RoutingKind::kUniform);
   EXPECT_EQ(decode.buckets, (std::vector<int64_t>{1, 8, 32, 64, 128, 256}));
 
+  // Each preset's router is the model's: top-k renormalized softmax (Mixtral, Qwen3), renormalized
+  // sigmoid (DeepSeek-V3), plain softmax weights without a balancing loss for decode.
+  struct Router {
+    const Config& config;
+    const char* score;
+    bool renormalize;
+    double aux_loss_coef;
+  };
+  for (const Router& r : {Router{mixtral, "softmax", true, 0.01}, Router{deepseek, "sigmoid", true, 0.0001},
+                          Router{qwen, "softmax", true, 0.001}, Router{decode, "softmax", false, 0.0}}) {
+    EXPECT_EQ(r.config.step, StepKind::kMoeLayer) << r.config.name;
+    EXPECT_EQ(r.config.router.score, r.score) << r.config.name;
+    EXPECT_EQ(r.config.router.renormalize, r.renormalize) << r.config.name;
+    EXPECT_EQ(r.config.router.aux_loss_coef, r.aux_loss_coef) << r.config.name;
+    EXPECT_EQ(r.config.router.capacity_factor, 0.0) << r.config.name;
+    EXPECT_FALSE(r.config.router.fuse_weights) << r.config.name;
+  }
+
   // The benchmark keeps every bucket's routed rows small enough to fit GPU memory quickly.
   for (const std::string& name : kPresets) {
     const Config c = load_config(preset_path(name));
@@ -335,6 +394,15 @@ TEST(ConfigDefaults, MissingKeysTakeTheStructDefaults) {
   EXPECT_EQ(c.training.wgrad_slots, d.training.wgrad_slots);
   EXPECT_EQ(c.training.main_grad_fp32, d.training.main_grad_fp32);
   EXPECT_EQ(c.row_align, d.row_align);
+  EXPECT_EQ(c.step, d.step);
+  EXPECT_EQ(c.step, StepKind::kMoeLayer);
+  EXPECT_EQ(c.router.score, d.router.score);
+  EXPECT_EQ(c.router.score, "softmax");
+  EXPECT_EQ(c.router.renormalize, d.router.renormalize);
+  EXPECT_EQ(c.router.aux_loss_coef, d.router.aux_loss_coef);
+  EXPECT_EQ(c.router.capacity_factor, d.router.capacity_factor);
+  EXPECT_EQ(c.router.capacity_factor, 0.0);  // dropless unless asked
+  EXPECT_EQ(c.router.fuse_weights, d.router.fuse_weights);
   EXPECT_EQ(c.routing.kind, d.routing.kind);
   EXPECT_EQ(c.routing.skew, d.routing.skew);
   EXPECT_EQ(c.routing.seed, d.routing.seed);
@@ -345,13 +413,51 @@ TEST(ConfigDefaults, MissingKeysTakeTheStructDefaults) {
   // to_json writes every key, defaults included.
   const Json j = Json::parse(to_json(c));
   for (const char* pointer :
-       {"/name", "/layer/top_k", "/layer/bias", "/layer/activation", "/precision/recipe", "/precision/dtype",
-        "/training/enabled", "/training/delay_wgrad", "/training/wgrad_slots", "/training/main_grad_fp32", "/buckets",
-        "/row_align", "/routing/kind", "/routing/skew", "/routing/seed", "/routing/fixed_splits", "/bench/replays",
-        "/bench/warmup", "/bench/fill"})
+       {"/name", "/step", "/layer/top_k", "/layer/bias", "/layer/activation", "/router/score", "/router/renormalize",
+        "/router/aux_loss_coef", "/router/capacity_factor", "/router/fuse_weights", "/precision/recipe",
+        "/precision/dtype", "/training/enabled", "/training/delay_wgrad", "/training/wgrad_slots",
+        "/training/main_grad_fp32", "/buckets", "/row_align", "/routing/kind", "/routing/skew", "/routing/seed",
+        "/routing/fixed_splits", "/bench/replays", "/bench/warmup", "/bench/fill"})
     EXPECT_TRUE(j.contains(Json::json_pointer(pointer))) << pointer;
   EXPECT_EQ(j["precision"]["dtype"], "bf16");
   EXPECT_EQ(j["routing"]["kind"], "uniform");
+  EXPECT_EQ(j["step"], "moe_layer");
+  EXPECT_EQ(j["router"]["score"], "softmax");
+}
+
+TEST(ConfigDefaults, AnEmptyRouterObjectIsTheDefaultRouter) {
+  const Config c = parse_config(with({{"/router", "{}"}}), "empty router");
+  const Config d;
+  EXPECT_EQ(c.router.score, d.router.score);
+  EXPECT_EQ(c.router.renormalize, d.router.renormalize);
+  EXPECT_EQ(c.router.aux_loss_coef, d.router.aux_loss_coef);
+  EXPECT_EQ(c.router.capacity_factor, d.router.capacity_factor);
+  EXPECT_EQ(c.router.fuse_weights, d.router.fuse_weights);
+}
+
+TEST(ConfigRouter, BoundaryValuesAreAccepted) {
+  // 0 is dropless / no loss; any positive factor, however small, is a (tiny) capacity.
+  const Config zero = parse_config(with({{"/router/aux_loss_coef", "0"}, {"/router/capacity_factor", "0"}}), "zero");
+  EXPECT_EQ(zero.router.aux_loss_coef, 0.0);
+  EXPECT_EQ(zero.router.capacity_factor, 0.0);
+  const Config tiny = parse_config(with({{"/router/capacity_factor", "1e-300"}}), "tiny");
+  EXPECT_EQ(tiny.router.capacity_factor, 1e-300);
+  // Integers are numbers.
+  const Config integral = parse_config(with({{"/router/capacity_factor", "2"}, {"/router/aux_loss_coef", "1"}}), "int");
+  EXPECT_EQ(integral.router.capacity_factor, 2.0);
+  EXPECT_EQ(integral.router.aux_loss_coef, 1.0);
+}
+
+TEST(ConfigStep, ExpertsStepAcceptsFixedRoutingAndEveryOtherKind) {
+  const Config fixed = parse_config(fixed_base().dump(), "fixed");
+  EXPECT_EQ(fixed.step, StepKind::kExperts);
+  EXPECT_EQ(fixed.routing.kind, RoutingKind::kFixed);
+  for (const char* kind : {R"("uniform")", R"("zipf")"}) {
+    const Config layer = parse_config(with({{"/step", R"("moe_layer")"}, {"/routing/kind", kind}}), kind);
+    EXPECT_EQ(layer.step, StepKind::kMoeLayer);
+    const Config experts = parse_config(with({{"/step", R"("experts")"}, {"/routing/kind", kind}}), kind);
+    EXPECT_EQ(experts.step, StepKind::kExperts);
+  }
 }
 
 TEST(ConfigRoundTrip, ToJsonParsesBackToTheSameJson) {
@@ -365,14 +471,35 @@ TEST(ConfigRoundTrip, ToJsonParsesBackToTheSameJson) {
                                       fixed_base()),
                                  "fixed"));
   configs.push_back(parse_config(with({{"/bench/fill", "0.25"}}), "partial fill"));
-  const Config& fixed = configs[configs.size() - 2];
+  // A router that no preset has: sigmoid without renormalization, a capacity, fused weights.
+  configs.push_back(parse_config(with({{"/router", R"({"score": "sigmoid", "renormalize": false,
+                                                       "aux_loss_coef": 0.02, "capacity_factor": 1.25,
+                                                       "fuse_weights": true})"}}),
+                                 "router"));
+  const Config& fixed = configs[configs.size() - 3];
+  EXPECT_EQ(fixed.step, StepKind::kExperts);
+  EXPECT_EQ(Json::parse(to_json(fixed))["step"], "experts");
+  const Config& router = configs.back();
+  EXPECT_EQ(router.router.score, "sigmoid");
+  EXPECT_FALSE(router.router.renormalize);
+  EXPECT_EQ(router.router.aux_loss_coef, 0.02);
+  EXPECT_EQ(router.router.capacity_factor, 1.25);
+  EXPECT_TRUE(router.router.fuse_weights);
   EXPECT_EQ(fixed.precision.dtype, DType::kFP16);
   EXPECT_EQ(fixed.routing.seed, 18446744073709551615u);
   EXPECT_EQ(fixed.routing.fixed_splits, std::vector<int64_t>(8, 16));
-  EXPECT_EQ(configs.back().bench.fill, 0.25);
+  EXPECT_EQ(configs[configs.size() - 2].bench.fill, 0.25);
   for (const Config& c : configs) {
     const std::string once = to_json(c);
-    EXPECT_EQ(to_json(parse_config(once, "round-trip")), once) << c.name;
+    const Config again = parse_config(once, "round-trip");
+    EXPECT_EQ(to_json(again), once) << c.name;
+    // The text comparison would also pass if to_json dropped a key; compare the new fields directly.
+    EXPECT_EQ(again.step, c.step) << c.name;
+    EXPECT_EQ(again.router.score, c.router.score) << c.name;
+    EXPECT_EQ(again.router.renormalize, c.router.renormalize) << c.name;
+    EXPECT_EQ(again.router.aux_loss_coef, c.router.aux_loss_coef) << c.name;
+    EXPECT_EQ(again.router.capacity_factor, c.router.capacity_factor) << c.name;
+    EXPECT_EQ(again.router.fuse_weights, c.router.fuse_weights) << c.name;
   }
 }
 
@@ -386,6 +513,11 @@ TEST(ConfigRoutingKind, Names) {
   EXPECT_EQ(routing_kind_name(RoutingKind::kUniform), "uniform");
   EXPECT_EQ(routing_kind_name(RoutingKind::kZipf), "zipf");
   EXPECT_EQ(routing_kind_name(RoutingKind::kFixed), "fixed");
+}
+
+TEST(ConfigStepKind, Names) {
+  EXPECT_EQ(step_kind_name(StepKind::kMoeLayer), "moe_layer");
+  EXPECT_EQ(step_kind_name(StepKind::kExperts), "experts");
 }
 
 }  // namespace
