@@ -117,6 +117,16 @@ void ExpertMlpBucket::wgrad(cudaStream_t stream) {
   fc1_->backward_dw(stream);
 }
 
+std::vector<PlannedBuffer> ExpertMlpBucket::sub_buffers(const LayoutWalker::Entry& e) const {
+  std::vector<PlannedBuffer> out;
+  const bool fc1 = e.name == "fc1.workspace", fc2 = e.name == "fc2.workspace";
+  if (!fc1 && !fc2) return out;
+  const GroupedLinearOptions o = fc1 ? fc1_options(config_, rows_) : fc2_options(config_, rows_);
+  for (const auto& w : GroupedLinear::workspace_buffers(o))
+    out.push_back({(fc1 ? "  fc1." : "  fc2.") + w.name, e.offset + w.offset, w.bytes});
+  return out;
+}
+
 void ExpertMlpBucket::check_device_errors(cudaStream_t stream) {
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::string first;  // every record is read and cleared; the first problem is reported

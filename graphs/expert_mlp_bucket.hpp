@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "graphs/bucket_step.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/common/device_buffer.hpp"
@@ -20,23 +21,24 @@ int64_t bucket_rows(const Config& config, int64_t tokens);
 GroupedLinearOptions fc1_options(const Config& config, int64_t rows);
 GroupedLinearOptions fc2_options(const Config& config, int64_t rows);
 
-class ExpertMlpBucket {
+class ExpertMlpBucket final : public BucketStep {
  public:
   // Walks the bucket's buffers over `walk`: with a null base it only sizes them (and builds
   // nothing else), with the arena's base it also creates the operators on their workspaces.
   ExpertMlpBucket(const Config& config, int64_t tokens, LayoutWalker& walk, const StepWeights& weights,
                   bool create_operators);
 
-  BucketIO io() const { return io_; }
+  BucketIO io() const override { return io_; }
   // Inference forward: y = FC2(SwiGLU(FC1(x))).
-  void forward(cudaStream_t stream);
+  void forward(cudaStream_t stream) override;
   // Training forward; `slot` (in [0, wgrad_slots)) keeps this micro-batch's SwiGLU input and offsets.
-  void forward_train(int slot, cudaStream_t stream);
+  void forward_train(int slot, cudaStream_t stream) override;
   // Backward of the micro-batch in `slot`: dx and bias grads, wgrads at once or queued.
-  void backward(int slot, cudaStream_t stream);
+  void backward(int slot, cudaStream_t stream) override;
   // The queued wgrads of the oldest backward (FC2 then FC1).
-  void wgrad(cudaStream_t stream);
-  void check_device_errors(cudaStream_t stream);
+  void wgrad(cudaStream_t stream) override;
+  void check_device_errors(cudaStream_t stream) override;
+  std::vector<PlannedBuffer> sub_buffers(const LayoutWalker::Entry& buffer) const override;
 
  private:
   void swiglu_and_fc2(const int64_t* offsets, void* h1, bool train, cudaStream_t stream);

@@ -3,7 +3,8 @@
 #include <chrono>
 #include <cmath>
 
-#include "graphs/expert_mlp_bucket.hpp"
+#include "graphs/bucket_step.hpp"
+#include "src/common/device_buffer.hpp"
 #include "graphs/graph_exec.hpp"
 #include "graphs/step_weights.hpp"
 #include "kernels/elementwise/elementwise.hpp"
@@ -42,19 +43,25 @@ StepGraphs::StepGraphs(const Config& config) : config_(config), plan_(plan_step(
   const auto& l = config_.layer;
   kernels::launch_fill_uniform(dt, weights_.w1, l.experts * 2 * l.ffn * l.hidden, 1.0f / std::sqrt(float(l.hidden)), 1, s);
   kernels::launch_fill_uniform(dt, weights_.w2, l.experts * l.hidden * l.ffn, 1.0f / std::sqrt(float(l.ffn)), 2, s);
+  // Router rows of norm ~1 against unit-variance x: logits spread about 1, a realistic routing.
+  if (weights_.router != nullptr)
+    kernels::launch_fill_uniform(dt, weights_.router, l.experts * l.hidden, std::sqrt(3.0f / float(l.hidden)), 5, s);
   if (l.bias) {
     kernels::launch_fill_uniform(dt, weights_.b1, l.experts * 2 * l.ffn, 0.1f, 3, s);
     kernels::launch_fill_uniform(dt, weights_.b2, l.experts * l.hidden, 0.1f, 4, s);
   }
   for (int64_t tokens : config_.buckets) {
     LayoutWalker walk(static_cast<std::byte*>(memory_->arena.get()));
-    buckets_.push_back(std::make_unique<ExpertMlpBucket>(config_, tokens, walk, weights_, true));
+    buckets_.push_back(make_bucket_step(config_, tokens, walk, weights_, true));
   }
   for (int slot = slots_of(config_) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
 
-  // Warm-up: one eager step per bucket (all experts empty: valid, and every kernel is loaded).
+  // Warm-up: one eager step per bucket (no tokens, or all experts empty: valid, and every kernel
+  // is loaded).
   for (int b = 0; b < num_buckets(); ++b) {
-    MG_CUDA_CHECK(cudaMemsetAsync(io(b).splits, 0, l.experts * sizeof(int32_t), s));
+    const BucketIO bio = io(b);
+    if (bio.splits != nullptr) MG_CUDA_CHECK(cudaMemsetAsync(bio.splits, 0, l.experts * sizeof(int32_t), s));
+    if (bio.num_tokens != nullptr) MG_CUDA_CHECK(cudaMemsetAsync(bio.num_tokens, 0, sizeof(int32_t), s));
     run_eager(b, StepPhase::kForward, s);
     if (!config_.training.enabled) continue;
     run_eager(b, StepPhase::kForwardTrain, s);
@@ -68,7 +75,7 @@ StepGraphs::StepGraphs(const Config& config) : config_(config), plan_(plan_step(
   const int slots = slots_of(config_);
   for (int b = 0; b < num_buckets(); ++b) {
     const auto t0 = std::chrono::steady_clock::now();
-    ExpertMlpBucket& bucket = *buckets_[b];
+    BucketStep& bucket = *buckets_[b];
     auto g = std::make_unique<Graphs>();
     g->forward = GraphExec(s, [&] { bucket.forward(s); });
     if (config_.training.enabled) {
@@ -116,7 +123,7 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
             " forward_train awaiting backward and ", awaiting_wgrad_.size(),
             " queued wgrads; buckets share one arena, so ", step_phase_name(phase), " of bucket ", b,
             " must wait until they finish");
-  ExpertMlpBucket& bucket = *buckets_[b];
+  BucketStep& bucket = *buckets_[b];
   // Eager runs also happen during set-up, before the graphs exist.
   auto graphs = [&]() -> Graphs& { return *graphs_.at(b); };
   switch (phase) {
@@ -166,6 +173,12 @@ void StepGraphs::run_eager(int bucket, StepPhase phase, cudaStream_t stream) { l
 
 void StepGraphs::check_device_errors(cudaStream_t stream) {
   for (auto& b : buckets_) b->check_device_errors(stream);
+}
+
+uint64_t StepGraphs::read_dropped(cudaStream_t stream) {
+  uint64_t total = 0;
+  for (auto& b : buckets_) total += b->read_dropped(stream);
+  return total;
 }
 
 }  // namespace moegraph

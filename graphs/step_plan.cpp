@@ -2,7 +2,9 @@
 // arena, the weights, and the kernels chosen.
 #include <sstream>
 
+#include "graphs/bucket_step.hpp"
 #include "graphs/expert_mlp_bucket.hpp"
+#include "src/ops/moe/op_spec.hpp"
 #include "graphs/step_weights.hpp"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
 
@@ -22,18 +24,14 @@ StepPlan plan_step(const Config& config) {
   StepPlan plan;
   for (int64_t tokens : config.buckets) {
     LayoutWalker walk;
-    ExpertMlpBucket sizing(config, tokens, walk, StepWeights{}, /*create_operators=*/false);
+    const auto sizing = make_bucket_step(config, tokens, walk, StepWeights{}, /*create=*/false);
     BucketPlan b;
     b.tokens = tokens;
-    b.rows = sizing.io().rows;
+    b.rows = sizing->io().rows;
     for (const auto& e : walk.entries()) {
       b.buffers.push_back({e.name, e.offset, e.bytes});
       // The operators' workspaces, buffer by buffer (their saved-context slots and scratch).
-      const bool fc1 = e.name == "fc1.workspace", fc2 = e.name == "fc2.workspace";
-      if (!fc1 && !fc2) continue;
-      const GroupedLinearOptions o = fc1 ? fc1_options(config, b.rows) : fc2_options(config, b.rows);
-      for (const auto& w : GroupedLinear::workspace_buffers(o))
-        b.buffers.push_back({(fc1 ? "  fc1." : "  fc2.") + w.name, e.offset + w.offset, w.bytes});
+      for (PlannedBuffer& sub : sizing->sub_buffers(e)) b.buffers.push_back(std::move(sub));
     }
     b.bytes = walk.bytes();
     plan.arena_bytes = std::max(plan.arena_bytes, b.bytes);
@@ -43,11 +41,18 @@ StepPlan plan_step(const Config& config) {
   LayoutWalker weights;
   lay_out_weights(config, weights);
   plan.weight_bytes = weights.bytes();
-  plan.kernels = {
+  if (config.step == StepKind::kMoeLayer) {
+    std::vector<layer::OpSpec> ops = layer::moe_layer_ops(moe_layer_options(config, config.buckets.front()));
+    if (config.router.fuse_weights) layer::fuse_routing_weights(ops);
+    plan.kernels.push_back("moe layer: " + layer::describe(ops));
+    plan.kernels.push_back("router: logits by cuBLASLt (bf16 in, fp32 out), scores + top-k one warp per token");
+    plan.kernels.push_back("dispatch: stable counting sort by expert, row gather; combine: fp32 sum of k rows per token");
+  }
+  plan.kernels.insert(plan.kernels.end(), {
       "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
       "fc1, fc2 fprop/dgrad/wgrad: wgmma_cp_async_sw128, 128 x tile_n x 64, persistent, device tile scheduler",
       "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
-  };
+  });
   for (const BucketPlan& b : plan.buckets) {
     std::string line = detail::concat("bucket ", b.tokens, " tile_n fprop/dgrad/wgrad:");
     for (const GroupedLinearOptions& o : {fc1_options(config, b.rows), fc2_options(config, b.rows)}) {

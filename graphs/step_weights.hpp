@@ -10,6 +10,8 @@ inline StepWeights lay_out_weights(const Config& c, LayoutWalker& walk) {
   const std::size_t es = dtype_size(c.precision.dtype);
   const int64_t g = c.layer.experts, h = c.layer.hidden, f2 = 2 * c.layer.ffn, f = c.layer.ffn;
   StepWeights w;
+  const bool layer = c.step == StepKind::kMoeLayer;
+  if (layer) w.router = walk.take("router", g * h * es);
   w.w1 = walk.take("w1", g * f2 * h * es);
   w.w2 = walk.take("w2", g * h * f * es);
   if (c.layer.bias) {
@@ -18,9 +20,11 @@ inline StepWeights lay_out_weights(const Config& c, LayoutWalker& walk) {
   }
   if (!c.training.enabled) return w;
   if (c.training.main_grad_fp32) {
+    if (layer) w.main_grad_router = walk.take<float>("main_grad_router", g * h * sizeof(float));
     w.main_grad1 = walk.take<float>("main_grad1", g * f2 * h * sizeof(float));
     w.main_grad2 = walk.take<float>("main_grad2", g * h * f * sizeof(float));
   } else {
+    if (layer) w.d_router = walk.take("d_router", g * h * es);
     w.dw1 = walk.take("dw1", g * f2 * h * es);
     w.dw2 = walk.take("dw2", g * h * f * es);
   }

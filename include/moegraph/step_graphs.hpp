@@ -1,7 +1,7 @@
 // The capture-and-replay runtime: one MoE expert step per shape bucket, captured once into CUDA
 // graphs per phase and replayed for any routing and any token count up to the bucket's capacity.
-// Until the MoE layer exists, the step is the expert MLP on already-permuted rows:
-// FC1 (grouped, N = 2 * ffn) -> SwiGLU -> FC2 (grouped).
+// The step (config "step") is the whole MoE layer — router, dispatch, FC1 -> SwiGLU -> FC2, combine
+// (MoeLayer) — or the expert MLP alone on rows already grouped by expert.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -45,18 +45,25 @@ struct StepPlan {
 // Lays out every bucket with a null base: no GPU needed (moegraph-bench --plan).
 StepPlan plan_step(const Config& config);
 
-// A bucket's device buffers: the caller writes x and splits (and dy), reads y (and dx).
+// A bucket's device buffers. Whole layer: the caller writes x [tokens, hidden] and num_tokens (and
+// dy), reads y, aux_loss (and dx); the router makes the splits. Experts only: the caller writes x
+// [rows, hidden] grouped by expert and splits (and dy), reads y (and dx), all [rows, hidden].
 struct BucketIO {
-  int64_t tokens = 0, rows = 0;
-  void* x = nullptr;          // [rows, hidden], rows grouped by expert (row_align applies)
-  int32_t* splits = nullptr;  // [experts]
-  void* y = nullptr;          // [rows, hidden]
-  void* dy = nullptr;         // [rows, hidden]
-  void* dx = nullptr;         // [rows, hidden]
+  int64_t tokens = 0, rows = 0;  // capacity in tokens; permuted rows (tokens * top_k + alignment padding)
+  void* x = nullptr;
+  int32_t* splits = nullptr;      // experts only: [experts]
+  int32_t* num_tokens = nullptr;  // whole layer: device scalar, 0..tokens
+  float* aux_loss = nullptr;      // whole layer: device scalar (router.aux_loss_coef > 0)
+  void* y = nullptr;
+  void* dy = nullptr;
+  void* dx = nullptr;
 };
 
 // Device parameters and gradients shared by every bucket. Fill the weights before replaying.
 struct StepWeights {
+  void* router = nullptr;  // [experts, hidden] (whole layer)
+  float* main_grad_router = nullptr;
+  void* d_router = nullptr;
   void* w1 = nullptr;  // [experts, 2 * ffn, hidden]
   void* w2 = nullptr;  // [experts, hidden, ffn]
   void* b1 = nullptr;  // [experts, 2 * ffn] (layer.bias)
@@ -66,7 +73,7 @@ struct StepWeights {
   void* db1 = nullptr, *db2 = nullptr;
 };
 
-class ExpertMlpBucket;  // graphs/expert_mlp_bucket.hpp
+class BucketStep;  // graphs/bucket_step.hpp
 
 class StepGraphs {
  public:
@@ -98,6 +105,9 @@ class StepGraphs {
   void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
   // Synchronizes `stream` and reports invalid device splits seen by any bucket (clears them).
   void check_device_errors(cudaStream_t stream);
+  // Synchronizes `stream`: (token, expert) assignments dropped by router.capacity_factor in every
+  // bucket since the last call (0 when dropless or experts only).
+  uint64_t read_dropped(cudaStream_t stream);
 
  private:
   struct Graphs;
@@ -106,7 +116,7 @@ class StepGraphs {
 
   Config config_;
   StepPlan plan_;
-  std::vector<std::unique_ptr<ExpertMlpBucket>> buckets_;
+  std::vector<std::unique_ptr<BucketStep>> buckets_;
   std::vector<std::unique_ptr<Graphs>> graphs_;
   StepWeights weights_;
   struct Memory;

@@ -1,8 +1,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/common/row_lanes.cuh"
 #include "kernels/common/vector_io.cuh"
 #include "kernels/elementwise/elementwise.hpp"
+#include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 
 namespace moegraph::kernels {
@@ -14,10 +16,12 @@ constexpr int kVec = 8;  // 16-byte accesses; ffn is a multiple of 16
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
 // Grid-stride over the 8-wide vectors of the used rows: the work follows the routed rows.
-template <class T, bool kBackward>
+// kWeighted (forward only): a = w_r * silu(gate) * up with w_r = row_weight[r].
+template <class T, bool kBackward, bool kWeighted = false>
 __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ h, const T* __restrict__ da,
                                                           T* __restrict__ out, int64_t ffn, const int64_t* offsets,
-                                                          int num_groups) {
+                                                          int num_groups, const float* __restrict__ row_weight) {
+  static_assert(!(kBackward && kWeighted), "the weighted backward reduces per row: swiglu_weighted_backward_kernel");
   const int64_t vecs_per_row = ffn / kVec;
   const int64_t total = offsets[num_groups] * vecs_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < total;
@@ -30,6 +34,11 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ 
       float a[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) a[j] = gate[j] * sigmoid(gate[j]) * up[j];
+      if constexpr (kWeighted) {
+        const float w = row_weight[row];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) a[j] *= w;
+      }
       store8(out + row * ffn + col, a);
     } else {
       float g[kVec], dgate[kVec], dup[kVec];
@@ -46,12 +55,77 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ 
   }
 }
 
-template <class T, bool kBackward>
+template <class T, bool kBackward, bool kWeighted = false>
 void launch(const void* h, const void* da, void* out, int64_t ffn, const int64_t* offsets, int num_groups, int grid,
-            cudaStream_t stream) {
+            cudaStream_t stream, const float* row_weight = nullptr) {
   MG_CHECK(ffn % kVec == 0, "swiglu needs ffn to be a multiple of ", kVec, ", got ", ffn);
-  swiglu_kernel<T, kBackward><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(h), static_cast<const T*>(da),
-                                                             static_cast<T*>(out), ffn, offsets, num_groups);
+  swiglu_kernel<T, kBackward, kWeighted><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(h), static_cast<const T*>(da), static_cast<T*>(out), ffn, offsets, num_groups, row_weight);
+  MG_LAUNCH_CHECK();
+}
+
+// The backward of a = w_r * silu(gate) * up: `lanes` threads per row (a fixed-order reduction of
+// d_row_weight[r] = <da_r, silu(gate_r) * up_r> + extra[r]), rows r < offsets[G].
+template <class T>
+__global__ void __launch_bounds__(kThreads) swiglu_weighted_backward_kernel(
+    const T* __restrict__ h, const float* __restrict__ row_weight, const T* __restrict__ da, T* __restrict__ dh,
+    const float* __restrict__ extra, float* __restrict__ d_row_weight, int64_t ffn, const int64_t* offsets,
+    int num_groups, int lanes) {
+  const int64_t vectors = ffn / kVec;
+  for_each_row(offsets[num_groups], lanes, [&](int64_t r, int lane, bool active) {
+    float dot = 0.0f;
+    if (active) {
+      const float w = row_weight != nullptr ? row_weight[r] : 1.0f;
+      const T* gate_row = h + r * 2 * ffn;
+      for (int64_t v = lane; v < vectors; v += lanes) {
+        const int64_t col = v * kVec;
+        float gate[kVec], up[kVec], g[kVec], dgate[kVec], dup[kVec];
+        load8(gate_row + col, gate);
+        load8(gate_row + ffn + col, up);
+        load8(da + r * ffn + col, g);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const float s = sigmoid(gate[j]);
+          const float silu = gate[j] * s;
+          dot = fmaf(g[j], silu * up[j], dot);
+          const float gw = g[j] * w;
+          dup[j] = gw * silu;
+          dgate[j] = gw * up[j] * s * (1.0f + gate[j] * (1.0f - s));
+        }
+        store8(dh + r * 2 * ffn + col, dgate);
+        store8(dh + r * 2 * ffn + ffn + col, dup);
+      }
+    }
+    dot = row_lanes_sum(dot, lanes);  // all 32 lanes: the step is warp-uniform
+    if (active && lane == 0 && d_row_weight != nullptr) d_row_weight[r] = dot + (extra != nullptr ? extra[r] : 0.0f);
+  });
+}
+
+void check_weighted_args(DType dtype, int64_t ffn, int experts, const void* a, const void* b) {
+  MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, "swiglu_weighted: dtype must be bf16 or fp16");
+  MG_CHECK(ffn > 0 && ffn % kVec == 0, "swiglu_weighted needs ffn to be a positive multiple of ", kVec, ", got ", ffn);
+  MG_CHECK(experts >= 1, "swiglu_weighted: experts must be positive, got ", experts);
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(a) % 16 == 0 && reinterpret_cast<std::uintptr_t>(b) % 16 == 0,
+           "swiglu_weighted: buffers must be 16-byte aligned");
+}
+
+template <class T>
+void launch_weighted_forward(const void* h, const float* row_weight, void* a, int64_t ffn, const int64_t* offsets,
+                             int experts, cudaStream_t stream) {
+  static const int blocks_per_sm = resident_blocks_per_sm(swiglu_kernel<T, false, true>, kThreads);
+  const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
+  launch<T, false, true>(h, nullptr, a, ffn, offsets, experts, grid, stream, row_weight);
+}
+
+template <class T>
+void launch_weighted_backward(const void* h, const float* row_weight, const void* da, void* dh, const float* extra,
+                              float* d_row_weight, int64_t ffn, const int64_t* offsets, int experts,
+                              cudaStream_t stream) {
+  static const int blocks_per_sm = resident_blocks_per_sm(swiglu_weighted_backward_kernel<T>, kThreads);
+  const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
+  swiglu_weighted_backward_kernel<T><<<grid, kThreads, 0, stream>>>(
+      static_cast<const T*>(h), row_weight, static_cast<const T*>(da), static_cast<T*>(dh), extra, d_row_weight, ffn,
+      offsets, experts, lanes_per_row(ffn / kVec));
   MG_LAUNCH_CHECK();
 }
 
@@ -67,6 +141,25 @@ void launch_swiglu_backward(DType dtype, const void* h, const void* da, void* dh
                             int num_groups, int grid, cudaStream_t stream) {
   if (dtype == DType::kFP16) launch<__half, true>(h, da, dh, ffn, offsets, num_groups, grid, stream);
   else launch<__nv_bfloat16, true>(h, da, dh, ffn, offsets, num_groups, grid, stream);
+}
+
+void launch_swiglu_weighted_forward(DType dtype, const void* h, const float* row_weight, void* a, int64_t ffn,
+                                    const int64_t* offsets, int experts, cudaStream_t stream) {
+  check_weighted_args(dtype, ffn, experts, h, a);
+  MG_CHECK(row_weight != nullptr, "swiglu_weighted_forward: row_weight is required");
+  if (dtype == DType::kFP16) launch_weighted_forward<__half>(h, row_weight, a, ffn, offsets, experts, stream);
+  else launch_weighted_forward<__nv_bfloat16>(h, row_weight, a, ffn, offsets, experts, stream);
+}
+
+void launch_swiglu_weighted_backward(DType dtype, const void* h, const float* row_weight, const void* da, void* dh,
+                                     const float* extra, float* d_row_weight, int64_t ffn, const int64_t* offsets,
+                                     int experts, cudaStream_t stream) {
+  check_weighted_args(dtype, ffn, experts, h, dh);
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(da) % 16 == 0, "swiglu_weighted_backward: da must be 16-byte aligned");
+  if (dtype == DType::kFP16)
+    launch_weighted_backward<__half>(h, row_weight, da, dh, extra, d_row_weight, ffn, offsets, experts, stream);
+  else
+    launch_weighted_backward<__nv_bfloat16>(h, row_weight, da, dh, extra, d_row_weight, ffn, offsets, experts, stream);
 }
 
 }  // namespace moegraph::kernels

@@ -76,6 +76,10 @@ LtGemm::Plan& LtGemm::plan_for(const RowMajorGemm& g) {
   return *plans_.emplace(key, std::move(plan)).first->second;
 }
 
+void LtGemm::prepare(const RowMajorGemm& g) {
+  if (g.m != 0 && g.n != 0) plan_for(g);
+}
+
 void LtGemm::run(const RowMajorGemm& g, cudaStream_t stream) {
   if (g.m == 0 || g.n == 0) return;
   Plan& plan = plan_for(g);

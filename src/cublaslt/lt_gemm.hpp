@@ -38,6 +38,8 @@ class LtGemm {
   // The first run of a shape asks cuBLASLt's heuristic (not capturable); later runs of the same
   // shape reuse the cached plan and may be captured.
   void run(const RowMajorGemm& g, cudaStream_t stream);
+  // Asks the heuristic for this shape now (set-up, before capture); pointers are not used.
+  void prepare(const RowMajorGemm& g);
 
  private:
   struct Plan;

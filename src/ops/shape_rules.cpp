@@ -52,6 +52,9 @@ std::string describe_device_error(const DeviceErrorRecord& e, int row_align) {
     case 2:
       return detail::concat("splits need ", e.value, " rows (row_align ", row_align, ") but capacity_rows is ",
                             e.limit, "; the total passes capacity at group ", e.group);
+    case 3:  // kernels::kErrorTokenCount
+      return detail::concat("num_tokens = ", e.value, " is outside [0, ", e.limit,
+                            "] (the bucket's capacity in tokens); the step ran on the clamped count");
     default: return detail::concat("unknown device error code ", e.code);
   }
 }

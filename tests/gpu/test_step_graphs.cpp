@@ -17,6 +17,7 @@ namespace {
 Config small_config(bool delay, int row_align, bool main_grad) {
   Config c;
   c.name = "step_test";
+  c.step = StepKind::kExperts;
   c.layer.experts = 8;
   c.layer.hidden = 128;
   c.layer.ffn = 64;

@@ -1,8 +1,12 @@
 // Set-up errors: unsupported shapes are refused before any GPU work, naming field, value and rule.
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <string>
+
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
+#include "moegraph/moe_layer.hpp"
 #include "moegraph/moegraph.h"
 
 namespace moegraph {
@@ -100,6 +104,158 @@ TEST(CAbi, BadOptionsGiveInvalidArgumentWithoutTouchingTheGpu) {
   EXPECT_EQ(mg_grouped_linear_create(nullptr, &op), MG_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(mg_grouped_linear_backward_dw(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(mg_last_error()).find("null mg_grouped_linear handle"), std::string::npos);
+}
+
+mg_moe_layer_options good_moe() {
+  mg_moe_layer_options o;
+  mg_moe_layer_options_init(&o);
+  o.experts = 8;
+  o.hidden = 256;
+  o.ffn = 512;
+  o.top_k = 2;
+  o.max_tokens = 1024;
+  return o;
+}
+
+TEST(CAbi, MoeLayerOptionsInitGivesTheCppDefaults) {
+  mg_moe_layer_options o;
+  std::memset(&o, 0x5a, sizeof o);
+  mg_moe_layer_options_init(&o);
+  const MoeLayerOptions d;
+  EXPECT_EQ(o.experts, d.experts);
+  EXPECT_EQ(o.hidden, d.hidden);
+  EXPECT_EQ(o.ffn, d.ffn);
+  EXPECT_EQ(o.top_k, 1);
+  EXPECT_EQ(o.top_k, d.top_k);
+  EXPECT_EQ(o.bias, 0);
+  EXPECT_EQ(o.score, MG_ROUTER_SOFTMAX);
+  EXPECT_EQ(o.renormalize, 0);
+  EXPECT_EQ(o.aux_loss_coef, d.aux_loss_coef);
+  EXPECT_EQ(o.capacity_factor, d.capacity_factor);
+  EXPECT_EQ(o.fuse_weights, 0);
+  EXPECT_EQ(o.max_tokens, d.max_tokens);
+  EXPECT_EQ(o.row_align, 1);
+  EXPECT_EQ(o.dtype, MG_DTYPE_BF16);
+  EXPECT_EQ(o.training, 1);
+  EXPECT_EQ(o.wgrad_slots, 1);
+  EXPECT_EQ(o.delay_wgrad, 0);
+  EXPECT_EQ(o.main_grad_fp32, 1);
+  mg_moe_layer_options_init(nullptr);  // no-op, no crash
+}
+
+TEST(CAbi, MoeLayerWorkspaceBytesMatchesTheCppApi) {
+  mg_moe_layer_options o = good_moe();
+  o.bias = 1;
+  o.score = MG_ROUTER_SIGMOID;
+  o.renormalize = 1;
+  o.capacity_factor = 1.25;
+  o.row_align = 128;
+  o.dtype = MG_DTYPE_FP16;
+  o.wgrad_slots = 2;
+  o.delay_wgrad = 1;
+  size_t bytes = 0;
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &bytes), MG_OK) << mg_last_error();
+  EXPECT_GT(bytes, 0u);
+  EXPECT_STREQ(mg_last_error(), "");
+
+  MoeLayerOptions cpp;
+  cpp.experts = 8;
+  cpp.hidden = 256;
+  cpp.ffn = 512;
+  cpp.top_k = 2;
+  cpp.max_tokens = 1024;
+  cpp.bias = true;
+  cpp.score = RouterScore::kSigmoid;
+  cpp.renormalize = true;
+  cpp.capacity_factor = 1.25;
+  cpp.row_align = 128;
+  cpp.dtype = DType::kFP16;
+  cpp.wgrad_slots = 2;
+  cpp.delay_wgrad = true;
+  EXPECT_EQ(bytes, MoeLayer::workspace_bytes(cpp));
+
+  // Inference-only options need less.
+  mg_moe_layer_options inference = good_moe();
+  inference.training = 0;
+  size_t inference_bytes = 0;
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&inference, &inference_bytes), MG_OK) << mg_last_error();
+  EXPECT_GT(inference_bytes, 0u);
+  size_t training_bytes = 0;
+  const mg_moe_layer_options training = good_moe();
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&training, &training_bytes), MG_OK) << mg_last_error();
+  EXPECT_LT(inference_bytes, training_bytes);
+}
+
+struct MoeBadCase {
+  const char* name;
+  void (*mutate)(mg_moe_layer_options&);
+  const char* expected;
+};
+
+class CAbiInvalidMoeOptions : public ::testing::TestWithParam<MoeBadCase> {};
+
+// Both workspace_bytes and create refuse, before any GPU work, naming the field.
+TEST_P(CAbiInvalidMoeOptions, GiveInvalidArgumentNamingTheField) {
+  mg_moe_layer_options o = good_moe();
+  GetParam().mutate(o);
+  size_t bytes = 123;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_NE(std::string(mg_last_error()).find(GetParam().expected), std::string::npos) << mg_last_error();
+
+  const mg_moe_layer_weights w{};
+  mg_moe_layer* layer = reinterpret_cast<mg_moe_layer*>(0x1);
+  EXPECT_EQ(mg_moe_layer_create(&o, &w, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(layer, nullptr);
+  EXPECT_NE(std::string(mg_last_error()).find(GetParam().expected), std::string::npos) << mg_last_error();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CAbiInvalidMoeOptions,
+    ::testing::Values(
+        MoeBadCase{"hidden_not_multiple_of_16", [](auto& o) { o.hidden = 100; },
+                   "hidden must be a positive multiple of 16, got 100"},
+        MoeBadCase{"no_experts", [](auto& o) { o.experts = 0; }, "experts must be in [1, 1024], got 0"},
+        MoeBadCase{"top_k_over_experts", [](auto& o) { o.experts = 2; o.top_k = 4; }, "top_k must be in"},
+        MoeBadCase{"no_max_tokens", [](auto& o) { o.max_tokens = 0; }, "max_tokens must be in [1, 2^24], got 0"},
+        MoeBadCase{"bad_score", [](auto& o) { o.score = static_cast<mg_router_score>(7); },
+                   "score must be MG_ROUTER_SOFTMAX or MG_ROUTER_SIGMOID, got 7"},
+        MoeBadCase{"bad_dtype", [](auto& o) { o.dtype = static_cast<mg_dtype>(2); },
+                   "dtype must be MG_DTYPE_BF16 or MG_DTYPE_FP16, got 2"},
+        MoeBadCase{"negative_capacity_factor", [](auto& o) { o.capacity_factor = -1; }, "capacity_factor must be"},
+        MoeBadCase{"delay_without_training", [](auto& o) { o.training = 0; o.delay_wgrad = 1; },
+                   "delay_wgrad needs training"}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(CAbi, MoeLayerNullArgumentsAndHandles) {
+  const mg_moe_layer_options o = good_moe();
+  const mg_moe_layer_weights w{};
+  mg_moe_layer* layer = nullptr;
+  size_t bytes = 0;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(nullptr, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_create(nullptr, &w, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_create(&o, nullptr, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_create(&o, &w, nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mg_last_error()).find("mg_moe_layer_create needs"), std::string::npos) << mg_last_error();
+
+  const auto null_handle = [] { return std::string(mg_last_error()).find("null mg_moe_layer handle") != std::string::npos; };
+  const mg_moe_layer_io io{};
+  EXPECT_EQ(mg_moe_layer_forward(nullptr, &io, 0, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
+  EXPECT_EQ(mg_moe_layer_forward(nullptr, &io, 1, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
+  EXPECT_EQ(mg_moe_layer_backward(nullptr, &io, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
+  EXPECT_EQ(mg_moe_layer_backward_dw(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
+  uint64_t dropped = 99;
+  EXPECT_EQ(mg_moe_layer_read_dropped(nullptr, nullptr, &dropped), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
+  EXPECT_EQ(dropped, 0u);
+  EXPECT_EQ(mg_moe_layer_check_device_errors(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
+  mg_moe_layer_destroy(nullptr);  // no-op, no crash
 }
 
 }  // namespace

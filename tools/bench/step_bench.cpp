@@ -1,7 +1,8 @@
 // Per bucket: capture time, eager step time, graph replay time (at the configured fill and at 25%),
 // host CPU time per replay, TFLOP/s, and the ratios to the dense cuBLASLt GEMMs of the same total
 // rows and to the per-expert cuBLASLt loop. A fresh routing before every replay, L2 flushed before
-// every timed run, medians.
+// every timed run, medians. Whole-layer step: fresh random x (so the router routes anew) and the
+// token count written on the device before each replay; experts only: fresh device splits.
 #include "tools/bench/step_bench.hpp"
 
 #include <chrono>
@@ -14,6 +15,7 @@
 #include "moegraph/step_graphs.hpp"
 #include "src/cublaslt/lt_gemm.hpp"
 #include "src/ops/legacy_loop.hpp"
+#include "src/ops/moe/op_spec.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace moegraph::bench {
@@ -87,20 +89,35 @@ struct Baselines {
 
 struct Row {
   int64_t tokens, rows;
+  uint64_t dropped;
   double capture_ms, eager_ms, replay_ms, replay_quarter_ms, host_us, dense_ms, legacy_ms, flops;
 };
 
 int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream_t s, DeviceBuffer& l2_flush, Row& row) {
   const BucketIO io = step.io(b);
   const bool train = c.training.enabled;
+  const bool layer = c.step == StepKind::kMoeLayer;
   const int64_t h = c.layer.hidden, f = c.layer.ffn;
   std::mt19937_64 rng(c.routing.seed + b);
-  const int64_t routed_rows = std::max<int64_t>(1, static_cast<int64_t>(io.tokens * c.bench.fill)) * c.layer.top_k;
-  const int64_t quarter_rows = std::max<int64_t>(1, io.tokens / 4) * c.layer.top_k;
+  const int64_t full_tokens = std::max<int64_t>(1, static_cast<int64_t>(io.tokens * c.bench.fill));
+  const int64_t quarter_tokens = std::max<int64_t>(1, io.tokens / 4);
+  const int64_t routed_rows = full_tokens * c.layer.top_k, quarter_rows = quarter_tokens * c.layer.top_k;
   RoutingPool full(rng, c, routed_rows, 16);
   RoutingPool quarter(rng, c, c.routing.kind == RoutingKind::kFixed ? routed_rows : quarter_rows, 16);
-  kernels::launch_fill_uniform(c.precision.dtype, io.x, io.rows * h, 1.0f, 11 + b, s);
-  if (train) kernels::launch_fill_uniform(c.precision.dtype, io.dy, io.rows * h, 1.0f, 13 + b, s);
+  // The whole layer routes by itself; the legacy baseline still needs splits of its own.
+  DeviceBuffer own_splits(layer ? c.layer.experts * sizeof(int32_t) : 0);
+  int32_t* splits = layer ? own_splits.as<int32_t>() : io.splits;
+  const int64_t io_rows = layer ? io.tokens : io.rows;
+  kernels::launch_fill_uniform(c.precision.dtype, io.x, io_rows * h, 1.0f, 11 + b, s);
+  if (train) kernels::launch_fill_uniform(c.precision.dtype, io.dy, io_rows * h, 1.0f, 13 + b, s);
+  // A fresh routing for replay i.
+  auto reroute = [&](const RoutingPool& pool, int i) {
+    if (!layer) return pool.select(i, io.splits, s);
+    const int32_t n = static_cast<int32_t>(pool.rows / c.layer.top_k);
+    MG_CUDA_CHECK(cudaMemcpyAsync(io.num_tokens, &n, sizeof(n), cudaMemcpyHostToDevice, s));
+    kernels::launch_fill_uniform(c.precision.dtype, io.x, io_rows * h, 1.0f, 1000 + 17 * b + i, s);
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));  // `n` lives on this stack frame
+  };
 
   auto step_once = [&](bool graph) {
     if (!train) {
@@ -117,7 +134,7 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
     std::vector<float> t;
     double host = 0;
     for (int i = 0; i < c.bench.warmup + count; ++i) {
-      pool.select(i, io.splits, s);
+      reroute(pool, i);
       flush();
       const auto h0 = std::chrono::steady_clock::now();
       double launch_us = 0;
@@ -137,6 +154,7 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
   row.replay_ms = timed(full, replays, true, &row.host_us);
   row.replay_quarter_ms = timed(quarter, replays, true, nullptr);
   step.check_device_errors(s);
+  row.dropped = step.read_dropped(s);
   row.flops = (train ? 18.0 : 6.0) * routed_rows * h * f;
 
   // Baselines on the same total rows.
@@ -155,16 +173,16 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
   const StepWeights& w = step.weights();
   std::vector<float> tl;
   for (int i = 0; i < std::min(replays, 10) + 1; ++i) {
-    full.select(i, io.splits, s);
+    full.select(i, splits, s);
     flush();
     const float ms = timer.time(s, [&] {
-      fc1.fprop_not_capturable(base.x.get(), io.splits, w.w1, base.h1.get(), s);
-      fc2.fprop_not_capturable(base.a.get(), io.splits, w.w2, base.y.get(), s);
+      fc1.fprop_not_capturable(base.x.get(), splits, w.w1, base.h1.get(), s);
+      fc2.fprop_not_capturable(base.a.get(), splits, w.w2, base.y.get(), s);
       if (!train) return;
-      fc2.dgrad_not_capturable(base.y.get(), io.splits, w.w2, base.a.get(), s);
-      fc2.wgrad_not_capturable(base.y.get(), base.a.get(), io.splits, w.dw2, w.main_grad2, s);
-      fc1.dgrad_not_capturable(base.h1.get(), io.splits, w.w1, base.x.get(), s);
-      fc1.wgrad_not_capturable(base.h1.get(), base.x.get(), io.splits, w.dw1, w.main_grad1, s);
+      fc2.dgrad_not_capturable(base.y.get(), splits, w.w2, base.a.get(), s);
+      fc2.wgrad_not_capturable(base.y.get(), base.a.get(), splits, w.dw2, w.main_grad2, s);
+      fc1.dgrad_not_capturable(base.h1.get(), splits, w.w1, base.x.get(), s);
+      fc1.wgrad_not_capturable(base.h1.get(), base.x.get(), splits, w.dw1, w.main_grad1, s);
     });
     if (i > 0) tl.push_back(ms);  // the first run picks cuBLASLt algorithms
   }
@@ -198,9 +216,24 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   MG_CUDA_CHECK(cudaStreamDestroy(s));
 
   const char* what = c.training.enabled ? "train step (forward_train + backward + wgrad)" : "inference forward";
+  if (c.step == StepKind::kMoeLayer) {
+    std::vector<layer::OpSpec> ops = layer::moe_layer_ops(moe_layer_options(c, c.buckets.front()));
+    if (c.router.fuse_weights) layer::fuse_routing_weights(ops);
+    std::printf("step: whole MoE layer (%s router%s%s): %s\n", c.router.score.c_str(),
+                c.router.renormalize ? ", renormalized" : "", c.router.aux_loss_coef > 0 ? ", aux loss" : "",
+                layer::describe(ops).c_str());
+  } else {
+    std::printf("step: experts only (FC1 -> SwiGLU -> FC2 on grouped rows, %s routing)\n",
+                std::string(routing_kind_name(c.routing.kind)).c_str());
+  }
   std::printf("%s, median of %d replays (eager and legacy: %d), fill %.2f, arena %.1f MiB for %d graphs\n\n", what,
               replays, std::min(replays, 10), c.bench.fill, step.plan().arena_bytes / 1048576.0, step.graph_count());
   Table table;
+  uint64_t dropped = 0;
+  for (const Row& r : rows) dropped += r.dropped;
+  if (c.router.capacity_factor > 0)
+    std::printf("capacity factor %.3g: %llu (token, expert) assignments dropped over all replays\n\n",
+                c.router.capacity_factor, static_cast<unsigned long long>(dropped));
   for (const Row& r : rows)
     table.add({std::to_string(r.tokens), std::to_string(r.rows), fmt(r.capture_ms, 1), fmt(r.eager_ms, 3),
                fmt(r.replay_ms, 3), fmt(r.replay_quarter_ms, 3), fmt(r.host_us, 1), fmt(r.flops / r.replay_ms / 1e9, 1),
@@ -220,7 +253,8 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                                 {"eager_ms", r.eager_ms}, {"replay_ms", r.replay_ms},
                                 {"replay_quarter_fill_ms", r.replay_quarter_ms}, {"host_us_per_replay", r.host_us},
                                 {"tflops", r.flops / r.replay_ms / 1e9}, {"dense_ms", r.dense_ms},
-                                {"legacy_ms", r.legacy_ms}, {"flops", r.flops}});
+                                {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped}});
+    out["step"] = std::string(step_kind_name(c.step));
     std::ofstream f(options.json_path);
     MG_CHECK(f.good(), "cannot write ", options.json_path);
     f << out.dump(2) << "\n";

@@ -1,0 +1,69 @@
+#include "graphs/moe_layer_bucket.hpp"
+
+#include "graphs/expert_mlp_bucket.hpp"
+#include "moegraph/error.hpp"
+
+namespace moegraph {
+
+MoeLayerBucket::MoeLayerBucket(const Config& config, int64_t tokens, LayoutWalker& walk, const StepWeights& w,
+                               bool create)
+    : options_(moe_layer_options(config, tokens)) {
+  const std::size_t es = dtype_size(config.precision.dtype);
+  const int64_t h = config.layer.hidden;
+  io_.tokens = tokens;
+  io_.rows = moe_layer_rows(options_);
+  io_.x = walk.take("x", tokens * h * es);
+  io_.num_tokens = walk.take<int32_t>("num_tokens", sizeof(int32_t));
+  io_.y = walk.take("y", tokens * h * es);
+  io_.aux_loss = walk.take<float>("aux_loss", sizeof(float));
+  if (config.training.enabled) {
+    io_.dy = walk.take("dy", tokens * h * es);
+    io_.dx = walk.take("dx", tokens * h * es);
+  }
+  void* workspace = walk.take("layer.workspace", MoeLayer::workspace_bytes(options_));
+  if (!create) return;
+  MoeLayerWeights lw;
+  lw.router = w.router;
+  lw.w1 = w.w1, lw.b1 = w.b1, lw.w2 = w.w2, lw.b2 = w.b2;
+  lw.main_grad_router = w.main_grad_router, lw.main_grad1 = w.main_grad1, lw.main_grad2 = w.main_grad2;
+  lw.d_router = w.d_router, lw.dw1 = w.dw1, lw.dw2 = w.dw2, lw.db1 = w.db1, lw.db2 = w.db2;
+  layer_ = std::make_unique<MoeLayer>(options_, lw, workspace);
+}
+
+MoeLayerIO MoeLayerBucket::layer_io() const {
+  MoeLayerIO io;
+  io.x = io_.x;
+  io.num_tokens = io_.num_tokens;
+  io.y = io_.y;
+  io.aux_loss = io_.aux_loss;
+  io.dy = io_.dy;
+  io.dx = io_.dx;
+  return io;
+}
+
+void MoeLayerBucket::check_device_errors(cudaStream_t stream) {
+  try {
+    layer_->check_device_errors(stream);
+  } catch (const Error& e) {
+    if (e.kind() != ErrorKind::kDeviceSplits) throw;
+    detail::throw_error(__FILE__, __LINE__, detail::concat("bucket of ", io_.tokens, " tokens: ", e.message()),
+                        ErrorKind::kDeviceSplits);
+  }
+}
+
+std::vector<PlannedBuffer> MoeLayerBucket::sub_buffers(const LayoutWalker::Entry& buffer) const {
+  std::vector<PlannedBuffer> out;
+  if (buffer.name != "layer.workspace") return out;
+  for (const auto& b : MoeLayer::workspace_buffers(options_))
+    out.push_back({"  layer." + b.name, buffer.offset + b.offset, b.bytes});
+  return out;
+}
+
+std::unique_ptr<BucketStep> make_bucket_step(const Config& config, int64_t tokens, LayoutWalker& walk,
+                                             const StepWeights& weights, bool create) {
+  if (config.step == StepKind::kMoeLayer)
+    return std::make_unique<MoeLayerBucket>(config, tokens, walk, weights, create);
+  return std::make_unique<ExpertMlpBucket>(config, tokens, walk, weights, create);
+}
+
+}  // namespace moegraph

@@ -1,0 +1,128 @@
+// MoeLayer: a whole MoE layer on device-resident routing. Router (x · W_r^T, softmax or sigmoid,
+// top-k, optional renormalization and auxiliary loss) -> dispatch (tokens to expert-contiguous
+// rows) -> FC1 (grouped, N = 2 * ffn) -> SwiGLU -> FC2 (grouped) -> combine, and backward through
+// all of it, router included. The token count of a step is a device scalar and the per-expert
+// splits are produced on the device, so every phase is graph-capturable and one capture serves any
+// routing and any token count up to max_tokens.
+// Every enqueue method never synchronizes, allocates or reads device memory on the host; set-up
+// (the constructor) may do all three and must happen before capture.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moegraph/types.hpp"
+
+namespace moegraph {
+
+struct Config;
+
+enum class RouterScore { kSoftmax, kSigmoid };
+
+struct MoeLayerOptions {
+  int experts = 0;                  // E, 1..1024
+  int64_t hidden = 0, ffn = 0;      // multiples of 16
+  int top_k = 1;                    // 1..8, at most experts
+  bool bias = false;                // FC1 and FC2 biases
+  RouterScore score = RouterScore::kSoftmax;
+  bool renormalize = false;         // the chosen weights sum to 1
+  double aux_loss_coef = 0.0;       // 0: no auxiliary loss
+  double capacity_factor = 0.0;     // 0: dropless; else at most ceil(cf * n * k / E) rows per expert
+  bool fuse_weights = false;        // weights applied in the SwiGLU output (FC2 bias scaled) instead of at the combine
+  int64_t max_tokens = 0;           // the bucket's capacity in tokens
+  int row_align = 1;                // 1, 16, 32, 128
+  DType dtype = DType::kBF16;
+  bool training = true;             // reserve what forward_train / backward need
+  int wgrad_slots = 1;              // forward_train contexts in flight at once
+  bool delay_wgrad = false;         // backward queues the weight gradients for backward_dw()
+  bool main_grad_fp32 = true;       // weight gradients accumulate into fp32 main_grad (else written)
+};
+
+// The options of one bucket of a config (layer, router, precision, training, row_align).
+MoeLayerOptions moe_layer_options(const Config& config, int64_t max_tokens);
+// Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
+void validate(const MoeLayerOptions& options);
+// Rows of the permuted (expert-contiguous) buffers: max_tokens * top_k plus the worst-case
+// alignment padding, so dropless routing always fits.
+int64_t moe_layer_rows(const MoeLayerOptions& options);
+
+// Parameters and their gradients (device). The gradient set follows main_grad_fp32: fp32 main_grad_*
+// accumulated into, or d* written in the activation dtype. Biases only with options.bias.
+struct MoeLayerWeights {
+  const void* router = nullptr;  // [E, hidden]
+  const void* w1 = nullptr;      // [E, 2 * ffn, hidden]  (gate | up)
+  const void* b1 = nullptr;      // [E, 2 * ffn]
+  const void* w2 = nullptr;      // [E, hidden, ffn]
+  const void* b2 = nullptr;      // [E, hidden]
+  float* main_grad_router = nullptr, *main_grad1 = nullptr, *main_grad2 = nullptr;
+  void* d_router = nullptr, *dw1 = nullptr, *dw2 = nullptr;
+  void* db1 = nullptr, *db2 = nullptr;
+};
+
+// One step's activations (device). Rows at or past *num_tokens are neither read nor written,
+// except dx, whose rows [n, max_tokens) are written as zero.
+struct MoeLayerIO {
+  const void* x = nullptr;            // [max_tokens, hidden]
+  const int32_t* num_tokens = nullptr;  // device scalar n, 0 <= n <= max_tokens
+  void* y = nullptr;                  // [max_tokens, hidden]
+  float* aux_loss = nullptr;          // device scalar; may be null when aux_loss_coef == 0
+  const void* dy = nullptr;           // backward: [max_tokens, hidden]
+  void* dx = nullptr;                 // backward: [max_tokens, hidden]
+};
+
+namespace layer {
+class LayerProgram;  // src/ops/moe/layer_program.hpp
+}
+
+class MoeLayer {
+ public:
+  // Validates, builds the operator program (applying fusions), and lays out its workspace
+  // (allocated here when `workspace` is null). Before capture.
+  MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace = nullptr);
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  // Workspace size and its named buffers, for these options. Touches no GPU.
+  static std::size_t workspace_bytes(const MoeLayerOptions& options);
+  struct WorkspaceBuffer {
+    std::string name;
+    std::size_t offset, bytes;
+  };
+  static std::vector<WorkspaceBuffer> workspace_buffers(const MoeLayerOptions& options);
+
+  const MoeLayerOptions& options() const { return options_; }
+  // The operators in order (after fusion) and the kernels they use.
+  std::string describe() const;
+
+  void forward(const MoeLayerIO& io, cudaStream_t stream);        // inference: saves nothing
+  void forward_train(const MoeLayerIO& io, cudaStream_t stream);  // saves into the next free slot
+  // Backward of the oldest forward_train: dx, the router and bias gradients, and the weight
+  // gradients at once or queued (options.delay_wgrad).
+  void backward(const MoeLayerIO& io, cudaStream_t stream);
+  void backward_dw(cudaStream_t stream);                          // the oldest queued weight gradients
+  int queued_wgrads() const;
+  int pending_backwards() const;
+
+  // Device views of the latest forward's routing (valid until the next forward of the same slot):
+  // per-expert rows [E] and aligned row offsets [E + 1].
+  const int32_t* splits() const;
+  const int64_t* offsets() const;
+
+  // Synchronizes `stream`. Returns the (token, expert) assignments dropped by the capacity factor
+  // since the last call (and resets the counter); 0 when dropless.
+  uint64_t read_dropped(cudaStream_t stream);
+  // Synchronizes `stream` and throws moegraph::Error (kDeviceSplits) for an invalid token count
+  // or invalid splits recorded by any kernel of the layer (then clears the records).
+  void check_device_errors(cudaStream_t stream);
+
+ private:
+  MoeLayerOptions options_;
+  std::unique_ptr<layer::LayerProgram> program_;
+};
+
+}  // namespace moegraph

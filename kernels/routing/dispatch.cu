@@ -1,0 +1,315 @@
+// The dispatch plan (a stable counting sort of the (token, j) assignments by expert) and the row
+// permutation it drives.
+//
+// The assignments a = t * k + j, t < n, are cut into chunks of `chunk` consecutive assignments
+// (a host-side function of max_tokens and k, so grids never depend on device data):
+//   1. count:  per chunk, per expert assignment counts -> workspace [chunks, E];
+//   2. scan:   one block: each expert's exclusive scan over the chunks (in place), its total,
+//              the capacity cut, the aligned offsets (exactly as launch_group_offsets), drops;
+//   3. place:  per chunk, each warp recounts its slice, the block turns the counts into per-warp
+//              rank bases, and each warp walks its slice again in order, 32 assignments at a time,
+//              ranking equal experts with __match_any_sync. Rank < kept rows -> row offsets[e] + rank.
+// No float atomics and no order-dependent integer atomics: every output is bit-reproducible.
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/common/ragged_tiles.cuh"
+#include "kernels/common/row_lanes.cuh"
+#include "kernels/routing/moe_routing.hpp"
+#include "kernels/routing/routing_common.cuh"
+#include "moegraph/error.hpp"
+
+namespace moegraph::kernels {
+namespace {
+
+constexpr int kThreads = 256;  // count and place kernels
+constexpr int kWarps = kThreads / 32;
+constexpr int kScanThreads = 1024;  // one thread per expert
+constexpr int64_t kMinChunk = 2048;
+constexpr int64_t kMaxChunks = 256;  // bounds the workspace and the single-block scan
+constexpr unsigned kFullMask = 0xffffffffu;
+static_assert(kScanThreads >= kMaxExperts);
+
+// Assignments per chunk: a multiple of kThreads (each warp's slice is whole 32-wide steps).
+int64_t chunk_assignments(int64_t max_tokens, int top_k) {
+  const int64_t per_chunk = (max_tokens * top_k + kMaxChunks - 1) / kMaxChunks;
+  return std::max(kMinChunk, (per_chunk + kThreads - 1) / kThreads * kThreads);
+}
+
+int64_t chunk_count(int64_t max_tokens, int top_k) {
+  const int64_t chunk = chunk_assignments(max_tokens, top_k);
+  return (max_tokens * top_k + chunk - 1) / chunk;
+}
+
+// The expert of assignment a, or -1 past the slice end or for an id outside [0, E).
+__device__ __forceinline__ int expert_key(const int32_t* ids, int64_t a, int64_t end, int experts) {
+  if (a >= end) return -1;
+  const int e = ids[a];
+  return e >= 0 && e < experts ? e : -1;
+}
+
+// ---- 1. counts per chunk ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) dispatch_count_kernel(DispatchParams p, int64_t chunk) {
+  __shared__ int hist[kMaxExperts];
+  const int64_t used = load_token_count(p.num_tokens, p.max_tokens) * p.top_k;
+  const int64_t chunks_used = (used + chunk - 1) / chunk;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int64_t c = blockIdx.x; c < chunks_used; c += gridDim.x) {
+    for (int e = threadIdx.x; e < p.experts; e += kThreads) hist[e] = 0;
+    __syncthreads();
+    const int64_t end = std::min(c * chunk + chunk, used);
+    for (int64_t base = c * chunk + warp * 32; base < end; base += kThreads) {  // warp-uniform
+      const int key = expert_key(p.topk_ids, base + lane, end, p.experts);
+      const unsigned peers = __match_any_sync(kFullMask, key);
+      if (key >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&hist[key], __popc(peers));  // sums: order-free
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < p.experts; e += kThreads) p.workspace[c * p.experts + e] = hist[e];
+    __syncthreads();
+  }
+}
+
+// ---- 2. the plan (one block) -----------------------------------------------------------------------
+__global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(DispatchParams p, int64_t chunk) {
+  using Scan = cub::BlockScan<int64_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // raking spills at 1024 threads
+  using Reduce = cub::BlockReduce<int64_t, kScanThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ typename Reduce::TempStorage reduce_storage;
+  __shared__ int part[32][33];  // [chunk part][expert of the tile]
+  __shared__ int expert_total[kMaxExperts];
+  __shared__ int first_past_capacity;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int experts = p.experts;
+  const int64_t n = load_token_count(p.num_tokens, p.max_tokens, tid == 0 ? p.error : nullptr);
+  const int64_t used = n * p.top_k;
+  const int chunks_used = static_cast<int>((used + chunk - 1) / chunk);
+
+  // Per expert (a lane of a 32-expert tile), the chunks are split into 32 parts (one per warp):
+  // part sums, their exclusive scan, then each part's chunks rewritten as exclusive bases.
+  const int per_part = (chunks_used + 31) / 32;
+  const int c_begin = std::min(warp * per_part, chunks_used), c_end = std::min(c_begin + per_part, chunks_used);
+  for (int e0 = 0; e0 < experts; e0 += 32) {
+    const int e = e0 + lane;
+    int sum = 0;
+    if (e < experts) {
+#pragma unroll 4
+      for (int c = c_begin; c < c_end; ++c) sum += p.workspace[static_cast<int64_t>(c) * experts + e];
+    }
+    part[warp][lane] = sum;
+    __syncthreads();
+    if (warp == 0) {
+      int run = 0;
+#pragma unroll 8
+      for (int w = 0; w < 32; ++w) {
+        const int v = part[w][lane];
+        part[w][lane] = run;
+        run += v;
+      }
+      if (e < experts) expert_total[e] = run;
+    }
+    __syncthreads();
+    if (e < experts) {
+      int run = part[warp][lane];
+#pragma unroll 4
+      for (int c = c_begin; c < c_end; ++c) {
+        int* cell = p.workspace + static_cast<int64_t>(c) * experts + e;
+        const int v = *cell;
+        *cell = run;
+        run += v;
+      }
+    }
+    __syncthreads();  // `part` is reused by the next tile
+  }
+
+  // C = ceil(capacity_factor * n * k / E) in double; 0 means dropless.
+  int64_t keep = INT64_MAX;
+  if (p.capacity_factor > 0.0) {
+    const double c = ceil(p.capacity_factor * static_cast<double>(n) * p.top_k / p.experts);
+    keep = c < 9.0e18 ? static_cast<int64_t>(c) : INT64_MAX;
+  }
+  const int e = tid;
+  int64_t count = 0, split = 0, span = 0;
+  if (e < experts) {
+    count = expert_total[e];
+    split = std::min(count, keep);
+    span = (split + p.row_align - 1) / p.row_align * p.row_align;
+    p.counts[e] = static_cast<int32_t>(count);
+    p.splits[e] = static_cast<int32_t>(split);
+  }
+  if (tid == 0) {
+    first_past_capacity = experts;
+    p.offsets[0] = 0;
+  }
+  int64_t end, total;
+  Scan(scan_storage).InclusiveSum(span, end, total);
+  __syncthreads();  // first_past_capacity is initialized
+  if (e < experts) {
+    if (end > p.capacity_rows) atomicMin(&first_past_capacity, e);
+    p.offsets[e + 1] = std::min(end, p.capacity_rows);
+  }
+  const int64_t dropped = Reduce(reduce_storage).Sum(count - split);
+  __syncthreads();  // first_past_capacity is final
+  if (tid == 0) {
+    if (total > p.capacity_rows && p.error != nullptr)
+      raise_routing_error(p.error, 2 /* launch_group_offsets' code */, first_past_capacity, total, p.capacity_rows);
+    if (p.dropped != nullptr && dropped > 0) atomicAdd(p.dropped, static_cast<unsigned long long>(dropped));
+  }
+}
+
+// ---- 3. rows --------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) dispatch_place_kernel(DispatchParams p, int64_t chunk) {
+  __shared__ int rank_base[kWarps][kMaxExperts];  // per warp: the next rank of each expert
+  __shared__ int row_start[kMaxExperts + 1];      // offsets (capacity_rows < 2^31)
+  __shared__ int row_limit[kMaxExperts];          // rows kept: the split, clamped into the span
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int experts = p.experts, k = p.top_k;
+  const int64_t used = load_token_count(p.num_tokens, p.max_tokens) * k;
+  const int64_t chunks_used = (used + chunk - 1) / chunk;
+  for (int e = tid; e < experts; e += kThreads) {
+    const int64_t start = p.offsets[e], span = p.offsets[e + 1] - start;
+    const int64_t split = p.splits[e];
+    row_start[e] = static_cast<int>(start);
+    row_limit[e] = static_cast<int>(split < 0 ? 0 : std::min(split, span));
+  }
+  if (tid == 0) row_start[experts] = static_cast<int>(p.offsets[experts]);
+  __syncthreads();
+
+  const int64_t slice = chunk / kWarps;
+  const unsigned lower_lanes = (1u << lane) - 1;
+  for (int64_t c = blockIdx.x; c < chunks_used; c += gridDim.x) {
+    const int64_t begin = c * chunk + warp * slice, end = std::min(begin + slice, used);
+    for (int e = lane; e < experts; e += 32) rank_base[warp][e] = 0;
+    __syncwarp();
+    for (int64_t base = begin; base < end; base += 32) {  // warp-uniform; each warp owns its row
+      const int key = expert_key(p.topk_ids, base + lane, end, experts);
+      const unsigned peers = __match_any_sync(kFullMask, key);
+      if (key >= 0 && __ffs(peers) - 1 == lane) rank_base[warp][key] += __popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int e = tid; e < experts; e += kThreads) {
+      int run = p.workspace[c * experts + e];  // assignments to e in earlier chunks
+      for (int w = 0; w < kWarps; ++w) {
+        const int v = rank_base[w][e];
+        rank_base[w][e] = run;
+        run += v;
+      }
+    }
+    __syncthreads();
+    for (int64_t base = begin; base < end; base += 32) {
+      const int64_t a = base + lane;
+      const int key = expert_key(p.topk_ids, a, end, experts);
+      const unsigned peers = __match_any_sync(kFullMask, key);
+      const int rank = key >= 0 ? rank_base[warp][key] + __popc(peers & lower_lanes) : 0;
+      __syncwarp();  // every lane has read its base before the leader advances it
+      if (key >= 0 && __ffs(peers) - 1 == lane) rank_base[warp][key] += __popc(peers);
+      __syncwarp();
+      if (a < end) {
+        const int row = key >= 0 && rank < row_limit[key] ? row_start[key] + rank : -1;
+        p.row_of[a] = row;
+        if (row >= 0) {
+          p.token_of_row[row] = static_cast<int32_t>(a / k);
+          if (p.row_weight != nullptr) p.row_weight[row] = p.topk_weights != nullptr ? p.topk_weights[a] : 1.0f;
+        }
+      }
+    }
+    __syncthreads();  // rank_base is reused by the next chunk
+  }
+
+  // Assignments of tokens t >= n, and the alignment gap rows after each expert's kept rows.
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kThreads + tid;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t a = used + first; a < p.max_tokens * k; a += stride) p.row_of[a] = -1;
+  for (int e = blockIdx.x; e < experts; e += gridDim.x) {
+    for (int r = row_start[e] + row_limit[e] + tid; r < row_start[e + 1]; r += kThreads) {
+      p.token_of_row[r] = -1;
+      if (p.row_weight != nullptr) p.row_weight[r] = 0.0f;
+    }
+  }
+}
+
+// ---- Permute --------------------------------------------------------------------------------------
+constexpr int kCopyThreads = 256;
+constexpr int kCopyMinBlocksPerSm = 4;  // <= 64 registers: 1024 threads x 4 vectors = 64 KB in flight per SM
+constexpr int kUnroll = 4;  // 16-byte vectors in flight per lane
+
+__global__ void __launch_bounds__(kCopyThreads, kCopyMinBlocksPerSm)
+    permute_rows_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ token_of_row, const int32_t* splits,
+                        const int64_t* offsets, int experts, int64_t vectors, int lanes, uint4* __restrict__ permuted) {
+  for_each_row(offsets[experts], lanes, [&](int64_t r, int lane, bool active) {
+    if (!active) return;
+    const int e = expert_of_row(offsets, experts, r);
+    const int64_t local = r - offsets[e];
+    const int64_t token = local < group_rows(splits, offsets, e) ? token_of_row[r] : -1;
+    uint4* dst = permuted + r * vectors;
+    if (token < 0) {
+      for (int64_t v = lane; v < vectors; v += lanes) dst[v] = make_uint4(0, 0, 0, 0);
+      return;
+    }
+    const uint4* src = x + token * vectors;
+    for (int64_t v0 = lane; v0 < vectors; v0 += kUnroll * lanes) {
+      uint4 buf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * lanes < vectors) buf[u] = src[v0 + u * lanes];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (v0 + u * lanes < vectors) dst[v0 + u * lanes] = buf[u];
+    }
+  });
+}
+
+}  // namespace
+
+std::size_t dispatch_workspace_bytes(int64_t max_tokens, int experts, int top_k) {
+  return static_cast<std::size_t>(chunk_count(max_tokens, top_k)) * experts * sizeof(int32_t);
+}
+
+void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
+  MG_CHECK(p.experts >= 1 && p.experts <= kMaxExperts, "dispatch: experts must be in [1, ", kMaxExperts, "], got ",
+           p.experts);
+  MG_CHECK(p.top_k >= 1 && p.top_k <= kMaxTopK && p.top_k <= p.experts, "dispatch: top_k must be in [1, min(",
+           kMaxTopK, ", experts)], got ", p.top_k);
+  MG_CHECK(p.max_tokens >= 0 && p.max_tokens * p.top_k < (int64_t{1} << 31),
+           "dispatch: max_tokens * top_k must be in [0, 2^31), got ", p.max_tokens, " * ", p.top_k);
+  MG_CHECK(p.capacity_rows >= 0 && p.capacity_rows < (int64_t{1} << 31),
+           "dispatch: capacity_rows must be in [0, 2^31), got ", p.capacity_rows);
+  MG_CHECK(p.row_align >= 1, "dispatch: row_align must be positive, got ", p.row_align);
+  MG_CHECK(p.capacity_factor >= 0.0 && std::isfinite(p.capacity_factor),
+           "dispatch: capacity_factor must be finite and >= 0, got ", p.capacity_factor);
+  MG_CHECK(p.topk_ids != nullptr && p.num_tokens != nullptr && p.counts != nullptr && p.splits != nullptr &&
+               p.offsets != nullptr && p.row_of != nullptr && p.token_of_row != nullptr,
+           "dispatch: topk_ids, num_tokens, counts, splits, offsets, row_of and token_of_row are required");
+  MG_CHECK(p.workspace != nullptr || dispatch_workspace_bytes(p.max_tokens, p.experts, p.top_k) == 0,
+           "dispatch: workspace is required");
+  const int64_t chunk = chunk_assignments(p.max_tokens, p.top_k);
+  const int grid = static_cast<int>(std::max<int64_t>(1, chunk_count(p.max_tokens, p.top_k)));
+  dispatch_count_kernel<<<grid, kThreads, 0, stream>>>(p, chunk);
+  MG_LAUNCH_CHECK();
+  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(p, chunk);
+  MG_LAUNCH_CHECK();
+  dispatch_place_kernel<<<grid, kThreads, 0, stream>>>(p, chunk);
+  MG_LAUNCH_CHECK();
+}
+
+void launch_permute_rows(DType dtype, const void* x, const int32_t* token_of_row, const int32_t* splits,
+                         const int64_t* offsets, int experts, int64_t hidden, void* permuted, cudaStream_t stream) {
+  MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, "permute_rows: dtype must be bf16 or fp16");
+  MG_CHECK(hidden > 0 && hidden % 16 == 0, "permute_rows: hidden must be a positive multiple of 16, got ", hidden);
+  MG_CHECK(experts >= 1 && experts <= kMaxExperts, "permute_rows: experts must be in [1, ", kMaxExperts, "]");
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(x) % 16 == 0 && reinterpret_cast<std::uintptr_t>(permuted) % 16 == 0,
+           "permute_rows: x and permuted must be 16-byte aligned");
+  const int64_t vectors = hidden * static_cast<int64_t>(dtype_size(dtype)) / 16;
+  static const int blocks_per_sm = resident_blocks_per_sm(permute_rows_kernel, kCopyThreads);
+  const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
+  permute_rows_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<const uint4*>(x), token_of_row, splits,
+                                                         offsets, experts, vectors, lanes_per_row(vectors),
+                                                         static_cast<uint4*>(permuted));
+  MG_LAUNCH_CHECK();
+}
+
+}  // namespace moegraph::kernels

@@ -1,0 +1,157 @@
+// Dispatch (tokens -> expert-contiguous rows, with the maps that undo it) and combine (each
+// token's weighted sum of its k expert rows), with their backward.
+#include <memory>
+
+#include "kernels/routing/moe_routing.hpp"
+#include "moegraph/error.hpp"
+#include "src/common/device_buffer.hpp"
+#include "src/ops/moe/op_spec.hpp"
+#include "src/ops/shape_rules.hpp"
+
+namespace moegraph::layer {
+namespace {
+
+class DispatchOp final : public LayerOp {
+ public:
+  explicit DispatchOp(const MoeLayerOptions& o) : o_(o), rows_(moe_layer_rows(o)) {}
+  std::string name() const override { return "dispatch"; }
+  std::string kernels() const override {
+    return "dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter), row gather; "
+           "backward: gather of the row-weight gradients, un-permute sum into dx";
+  }
+
+  void declare(TensorTable& t, bool training) override {
+    const int64_t e = o_.experts, tk = o_.max_tokens, k = o_.top_k;
+    t.declare(tensor::kCounts, e * sizeof(int32_t), Lifetime::kSaved);
+    t.declare(tensor::kSplits, e * sizeof(int32_t), Lifetime::kSaved);
+    t.declare(tensor::kOffsets, (e + 1) * sizeof(int64_t), Lifetime::kSaved);
+    t.declare(tensor::kRowOf, tk * k * sizeof(int32_t), Lifetime::kSaved);
+    t.declare(tensor::kTokenOfRow, rows_ * sizeof(int32_t), Lifetime::kSaved);
+    t.declare(tensor::kRowWeight, rows_ * sizeof(float), Lifetime::kSaved);
+    t.declare(tensor::kPermutedX, rows_ * o_.hidden * dtype_size(o_.dtype), Lifetime::kStep);
+    t.declare("dispatch.workspace", kernels::dispatch_workspace_bytes(tk, o_.experts, o_.top_k), Lifetime::kStep);
+    if (training) t.declare(tensor::kDTopkWeights, tk * k * sizeof(float), Lifetime::kStep);
+  }
+
+  void bind(TensorTable&) override {
+    error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
+    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
+    dropped_ = DeviceBuffer(sizeof(unsigned long long));
+    MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(unsigned long long)));
+  }
+
+  void forward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    const int s = p.slot;
+    kernels::DispatchParams d;
+    d.topk_ids = t.get<int32_t>(tensor::kTopkIds, s);
+    d.topk_weights = t.get<float>(tensor::kTopkWeights, s);
+    d.num_tokens = t.get<int32_t>(tensor::kTokens, s);
+    d.max_tokens = o_.max_tokens;
+    d.experts = o_.experts;
+    d.top_k = o_.top_k;
+    d.row_align = o_.row_align;
+    d.capacity_rows = rows_;
+    d.capacity_factor = o_.capacity_factor;
+    d.counts = t.get<int32_t>(tensor::kCounts, s);
+    d.splits = t.get<int32_t>(tensor::kSplits, s);
+    d.offsets = t.get<int64_t>(tensor::kOffsets, s);
+    d.row_of = t.get<int32_t>(tensor::kRowOf, s);
+    d.token_of_row = t.get<int32_t>(tensor::kTokenOfRow, s);
+    d.row_weight = t.get<float>(tensor::kRowWeight, s);
+    d.dropped = dropped_.as<unsigned long long>();
+    d.workspace = t.get<int32_t>("dispatch.workspace");
+    d.error = error_.as<DeviceErrorRecord>();
+    kernels::launch_dispatch(d, stream);
+    kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
+                                 t.get(tensor::kPermutedX), stream);
+  }
+
+  void backward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    MG_CHECK(p.io->dx != nullptr && p.io->dy != nullptr, "backward needs MoeLayerIO::dy and dx");
+    const int32_t* tokens = t.get<int32_t>(tensor::kTokens, p.slot);
+    const int32_t* row_of = t.get<int32_t>(tensor::kRowOf, p.slot);
+    kernels::launch_gather_row_values(t.get<float>(tensor::kDRowWeight), row_of, tokens, o_.max_tokens, o_.top_k,
+                                      t.get<float>(tensor::kDTopkWeights), stream);
+    // Zeros past n too: the router's dx GEMM then adds into every row of dx.
+    MG_CUDA_CHECK(cudaMemsetAsync(p.io->dx, 0, o_.max_tokens * o_.hidden * dtype_size(o_.dtype), stream));
+    kernels::launch_unpermute_add(o_.dtype, t.get(tensor::grad(tensor::kPermutedX)), row_of, tokens, o_.max_tokens,
+                                  o_.top_k, o_.hidden, p.io->dx, stream);
+  }
+
+  std::string take_device_error() override {
+    DeviceErrorRecord record{};
+    MG_CUDA_CHECK(cudaMemcpy(&record, error_.get(), sizeof(record), cudaMemcpyDeviceToHost));
+    if (record.code == 0) return {};
+    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(record)));
+    return "dispatch: " + describe_device_error(record, o_.row_align);
+  }
+
+  uint64_t take_dropped() override {
+    unsigned long long dropped = 0;
+    MG_CUDA_CHECK(cudaMemcpy(&dropped, dropped_.get(), sizeof(dropped), cudaMemcpyDeviceToHost));
+    MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(dropped)));
+    return dropped;
+  }
+
+ private:
+  MoeLayerOptions o_;
+  int64_t rows_;
+  DeviceBuffer error_, dropped_;
+};
+
+class CombineOp final : public LayerOp {
+ public:
+  CombineOp(const OpSpec& spec, const MoeLayerOptions& o) : spec_(spec), o_(o), rows_(moe_layer_rows(o)) {}
+  std::string name() const override { return spec_.name; }
+  std::string kernels() const override {
+    return spec_.weighted ? "combine: weighted sum of k rows per token (fp32); backward: scaled row scatter + "
+                            "row-weight gradient dot products"
+                          : "combine: sum of k rows per token (fp32; weights applied in the SwiGLU); backward: "
+                            "row scatter";
+  }
+
+  void declare(TensorTable& t, bool training) override {
+    if (!training) return;
+    t.declare(tensor::grad(spec_.in), rows_ * o_.hidden * dtype_size(o_.dtype), Lifetime::kStep);
+    if (spec_.weighted) t.declare(tensor::kDRowWeight, rows_ * sizeof(float), Lifetime::kStep);
+  }
+
+  void forward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    MG_CHECK(p.io->y != nullptr, "MoeLayerIO needs y");
+    const int s = p.slot;
+    kernels::launch_combine(o_.dtype, t.get(spec_.in, s), t.get<int32_t>(tensor::kRowOf, s),
+                            spec_.weighted ? t.get<float>(tensor::kTopkWeights, s) : nullptr,
+                            t.get<int32_t>(tensor::kTokens, s), o_.max_tokens, o_.top_k, o_.hidden, p.io->y, stream);
+  }
+
+  void backward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    MG_CHECK(p.io->dy != nullptr, "backward needs MoeLayerIO::dy");
+    const int s = p.slot;
+    kernels::launch_combine_backward(o_.dtype, p.io->dy, t.get<int32_t>(tensor::kTokenOfRow, s),
+                                     spec_.weighted ? t.get<float>(tensor::kRowWeight, s) : nullptr,
+                                     spec_.weighted ? t.get(spec_.in, s) : nullptr, t.get<int32_t>(tensor::kSplits, s),
+                                     t.get<int64_t>(tensor::kOffsets, s), o_.experts, o_.hidden,
+                                     t.get(tensor::grad(spec_.in)),
+                                     spec_.weighted ? t.get<float>(tensor::kDRowWeight) : nullptr, stream);
+  }
+
+ private:
+  OpSpec spec_;
+  MoeLayerOptions o_;
+  int64_t rows_;
+};
+
+}  // namespace
+
+std::unique_ptr<LayerOp> make_dispatch_op(const OpSpec&, const MoeLayerOptions& o) {
+  return std::make_unique<DispatchOp>(o);
+}
+std::unique_ptr<LayerOp> make_combine_op(const OpSpec& spec, const MoeLayerOptions& o) {
+  return std::make_unique<CombineOp>(spec, o);
+}
+
+}  // namespace moegraph::layer

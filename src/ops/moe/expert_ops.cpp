@@ -1,0 +1,179 @@
+// The experts: FC1 and FC2 (GroupedLinear on the dispatch's device splits) and the SwiGLU between
+// them, optionally with each row's routing weight multiplied in (the fused variant).
+#include <memory>
+
+#include "kernels/elementwise/elementwise.hpp"
+#include "kernels/routing/moe_routing.hpp"
+#include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "src/ops/moe/op_spec.hpp"
+
+namespace moegraph::layer {
+namespace {
+
+// The gradient FC2 gives its per-row bias scale when the routing weights are fused in.
+constexpr const char* kDBiasScale = "d.bias_scale";
+
+GroupedLinearOptions linear_options(const OpSpec& spec, const MoeLayerOptions& o) {
+  GroupedLinearOptions g;
+  g.num_groups = o.experts;
+  g.in_features = spec.layer == 1 ? o.hidden : o.ffn;
+  g.out_features = spec.layer == 1 ? 2 * o.ffn : o.hidden;
+  g.capacity_rows = moe_layer_rows(o);
+  g.row_align = o.row_align;
+  g.dtype = o.dtype;
+  g.bias = o.bias;
+  g.wgrad_slots = o.training ? o.wgrad_slots : 1;
+  g.delay_wgrad = o.training && o.delay_wgrad;
+  return g;
+}
+
+class LinearOp final : public LayerOp {
+ public:
+  LinearOp(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w)
+      : spec_(spec), o_(o), g_(linear_options(spec, o)) {
+    MG_CHECK(spec.layer == 1 || spec.layer == 2, "linear operator \"", spec.name, "\" must be FC1 or FC2");
+    const bool fc1 = spec.layer == 1;
+    weight_ = fc1 ? w.w1 : w.w2;
+    bias_ = fc1 ? w.b1 : w.b2;
+    dbias_ = fc1 ? w.db1 : w.db2;
+    dweight_ = fc1 ? w.dw1 : w.dw2;
+    main_grad_ = fc1 ? w.main_grad1 : w.main_grad2;
+    scaled_bias_ = o.bias && !spec.bias_scale.empty();
+  }
+  std::string name() const override { return spec_.name; }
+  std::string kernels() const override {
+    return op_ ? spec_.name + ": " + op_->describe() : spec_.name + ": grouped GEMM (GroupedLinear)";
+  }
+
+  void declare(TensorTable& t, bool training) override {
+    const std::size_t es = dtype_size(o_.dtype);
+    t.declare(spec_.out, g_.capacity_rows * g_.out_features * es, spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
+    t.declare(spec_.name + ".workspace", GroupedLinear::workspace_bytes(g_), Lifetime::kStep);
+    if (!training) return;
+    t.declare(tensor::grad(spec_.in), g_.capacity_rows * g_.in_features * es, Lifetime::kStep);
+    if (scaled_bias_) t.declare(kDBiasScale, g_.capacity_rows * sizeof(float), Lifetime::kStep);
+  }
+
+  void bind(TensorTable& t) override { op_ = std::make_unique<GroupedLinear>(g_, t.get(spec_.name + ".workspace")); }
+
+  void forward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    const int s = p.slot;
+    ForwardArgs a{t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
+                  scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s)};
+    if (p.train) op_->forward_train(a, stream);
+    else op_->forward(a, stream);
+  }
+
+  void backward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    const bool fp32 = o_.main_grad_fp32;
+    MG_CHECK(fp32 ? main_grad_ != nullptr : dweight_ != nullptr, spec_.name, ": MoeLayerWeights needs ",
+             fp32 ? "main_grad" : "dw", spec_.layer);
+    MG_CHECK(!o_.bias || dbias_ != nullptr, spec_.name, ": MoeLayerWeights needs db", spec_.layer);
+    BackwardArgs b{t.get(tensor::grad(spec_.out)),
+                   weight_,
+                   bias_,
+                   t.get(tensor::grad(spec_.in)),
+                   dbias_,
+                   scaled_bias_ ? t.get<float>(kDBiasScale) : nullptr,
+                   fp32 ? nullptr : dweight_,
+                   fp32 ? main_grad_ : nullptr};
+    op_->backward(b, Recipe::kBF16, p.wgrad, stream);
+  }
+
+  void wgrad(cudaStream_t stream) override { op_->backward_dw(stream); }
+
+  std::string take_device_error() override {
+    try {
+      op_->check_device_errors(nullptr);
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::kDeviceSplits) throw;
+      return spec_.name + ": " + e.message();
+    }
+    return {};
+  }
+
+ private:
+  OpSpec spec_;
+  MoeLayerOptions o_;
+  GroupedLinearOptions g_;
+  const void* weight_ = nullptr;
+  const void* bias_ = nullptr;
+  void* dbias_ = nullptr;
+  void* dweight_ = nullptr;
+  float* main_grad_ = nullptr;
+  bool scaled_bias_ = false;
+  std::unique_ptr<GroupedLinear> op_;
+};
+
+class SwigluOp final : public LayerOp {
+ public:
+  SwigluOp(const OpSpec& spec, const MoeLayerOptions& o)
+      : spec_(spec), o_(o), rows_(moe_layer_rows(o)), weighted_(spec.kind == OpKind::kSwigluWeighted) {}
+  std::string name() const override { return spec_.name; }
+  std::string kernels() const override {
+    return weighted_ ? spec_.name + ": w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient"
+                     : spec_.name + ": silu(gate) * up, 16-byte vectors over the used rows";
+  }
+
+  void declare(TensorTable& t, bool training) override {
+    const std::size_t es = dtype_size(o_.dtype);
+    t.declare(spec_.out, rows_ * o_.ffn * es, spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
+    if (!training) return;
+    t.declare(tensor::grad(spec_.in), rows_ * 2 * o_.ffn * es, Lifetime::kStep);
+    if (weighted_) t.declare(tensor::kDRowWeight, rows_ * sizeof(float), Lifetime::kStep);
+  }
+
+  void bind(TensorTable&) override {
+    int device = 0, sms = 0;
+    MG_CUDA_CHECK(cudaGetDevice(&device));
+    MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    grid_ = 4 * sms;
+  }
+
+  void forward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    const int s = p.slot;
+    const int64_t* offsets = t.get<int64_t>(tensor::kOffsets, s);
+    if (weighted_)
+      kernels::launch_swiglu_weighted_forward(o_.dtype, t.get(spec_.in, s), t.get<float>(tensor::kRowWeight, s),
+                                              t.get(spec_.out, s), o_.ffn, offsets, o_.experts, stream);
+    else
+      kernels::launch_swiglu_forward(o_.dtype, t.get(spec_.in, s), t.get(spec_.out, s), o_.ffn, offsets, o_.experts,
+                                     grid_, stream);
+  }
+
+  void backward(const Phase& p, cudaStream_t stream) override {
+    const TensorTable& t = *p.tensors;
+    const int s = p.slot;
+    const int64_t* offsets = t.get<int64_t>(tensor::kOffsets, s);
+    if (weighted_)
+      kernels::launch_swiglu_weighted_backward(
+          o_.dtype, t.get(spec_.in, s), t.get<float>(tensor::kRowWeight, s), t.get(tensor::grad(spec_.out)),
+          t.get(tensor::grad(spec_.in)), t.has(kDBiasScale) ? t.get<float>(kDBiasScale) : nullptr,
+          t.get<float>(tensor::kDRowWeight), o_.ffn, offsets, o_.experts, stream);
+    else
+      kernels::launch_swiglu_backward(o_.dtype, t.get(spec_.in, s), t.get(tensor::grad(spec_.out)),
+                                      t.get(tensor::grad(spec_.in)), o_.ffn, offsets, o_.experts, grid_, stream);
+  }
+
+ private:
+  OpSpec spec_;
+  MoeLayerOptions o_;
+  int64_t rows_;
+  bool weighted_;
+  int grid_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<LayerOp> make_linear_op(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w) {
+  return std::make_unique<LinearOp>(spec, o, w);
+}
+std::unique_ptr<LayerOp> make_swiglu_op(const OpSpec& spec, const MoeLayerOptions& o) {
+  return std::make_unique<SwigluOp>(spec, o);
+}
+
+}  // namespace moegraph::layer

@@ -1,0 +1,109 @@
+#include "src/ops/moe/layer_program.hpp"
+
+#include <algorithm>
+#include <cstdint>
+
+#include "moegraph/error.hpp"
+
+namespace moegraph::layer {
+namespace {
+int slots_of(const MoeLayerOptions& o) { return o.training ? o.wgrad_slots : 1; }
+}  // namespace
+
+LayerProgram::LayerProgram(const MoeLayerOptions& options) : options_(options), tensors_(slots_of(options)) {
+  build(MoeLayerWeights{}, nullptr);
+}
+
+LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace)
+    : options_(options), tensors_(slots_of(options)) {
+  if (workspace == nullptr) {
+    LayerProgram sizing(options);
+    owned_ = DeviceBuffer(sizing.workspace_bytes());
+    workspace = owned_.get();
+  }
+  MG_CHECK(reinterpret_cast<uintptr_t>(workspace) % LayoutWalker::kAlignment == 0, "MoeLayer workspace must be ",
+           LayoutWalker::kAlignment, "-byte aligned");
+  build(weights, static_cast<std::byte*>(workspace));
+  for (auto& op : ops_) op->bind(tensors_);
+  for (int s = slots_of(options_) - 1; s >= 0; --s) free_slots_.push_back(s);
+}
+
+void LayerProgram::build(const MoeLayerWeights& weights, std::byte* base) {
+  validate(options_);
+  specs_ = moe_layer_ops(options_);
+  if (options_.fuse_weights) MG_CHECK(fuse_routing_weights(specs_) == 1, "fuse_weights: the fusion pattern is missing");
+  for (const OpSpec& spec : specs_) ops_.push_back(make_op(spec, options_, weights));
+  for (auto& op : ops_) op->declare(tensors_, options_.training);
+  LayoutWalker walk(base);
+  tensors_.lay_out(walk);
+  entries_ = walk.entries();
+  bytes_ = walk.bytes();
+}
+
+std::string LayerProgram::describe() const {
+  std::string s = "moe layer: " + layer::describe(specs_);
+  for (const auto& op : ops_) s += "\n  " + op->kernels();
+  return s;
+}
+
+void LayerProgram::run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream) {
+  const Phase p{&io, slot, train, WgradMode::kImmediate, &tensors_};
+  for (auto& op : ops_) op->forward(p, stream);
+  last_slot_ = slot;
+}
+
+void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
+  // Inference borrows slot 0's saved tensors; a micro-batch holding them must finish first.
+  MG_CHECK(std::find(free_slots_.begin(), free_slots_.end(), 0) != free_slots_.end(),
+           "inference forward shares slot 0 with a training micro-batch in flight (", backward_queue_.size(),
+           " awaiting backward, ", wgrad_queue_.size(), " awaiting wgrad): finish them first");
+  run_forward(io, 0, false, stream);
+}
+
+void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
+  MG_CHECK(options_.training, "forward_train needs MoeLayerOptions::training");
+  MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
+           " wgrad_slots hold micro-batches in flight: run backward / backward_dw first");
+  const int slot = free_slots_.back();
+  run_forward(io, slot, true, stream);
+  free_slots_.pop_back();
+  backward_queue_.push_back(slot);
+}
+
+void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
+  MG_CHECK(!backward_queue_.empty(), "backward without a forward_train");
+  const int slot = backward_queue_.front();
+  const WgradMode mode = options_.delay_wgrad ? WgradMode::kDelayed : WgradMode::kImmediate;
+  const Phase p{&io, slot, true, mode, &tensors_};
+  for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->backward(p, stream);
+  backward_queue_.pop_front();
+  if (mode == WgradMode::kDelayed) wgrad_queue_.push_back(slot);
+  else free_slots_.push_back(slot);
+}
+
+void LayerProgram::backward_dw(cudaStream_t stream) {
+  MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued weight gradient (delay_wgrad backward first)");
+  for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->wgrad(stream);
+  free_slots_.push_back(wgrad_queue_.front());
+  wgrad_queue_.pop_front();
+}
+
+uint64_t LayerProgram::read_dropped(cudaStream_t stream) {
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+  uint64_t total = 0;
+  for (auto& op : ops_) total += op->take_dropped();
+  return total;
+}
+
+void LayerProgram::check_device_errors(cudaStream_t stream) {
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::string first;  // every record is read and cleared; the first problem is reported
+  for (auto& op : ops_) {
+    std::string problem = op->take_device_error();
+    if (first.empty()) first = std::move(problem);
+  }
+  if (!first.empty())
+    detail::throw_error(__FILE__, __LINE__, "invalid device input: " + first, ErrorKind::kDeviceSplits);
+}
+
+}  // namespace moegraph::layer

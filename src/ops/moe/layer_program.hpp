@@ -1,0 +1,58 @@
+// The MoE layer program: the operator declarations (after fusion), their tensors laid out in one
+// workspace, and the order of the micro-batches in flight (slots). MoeLayer is its public face.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moegraph/moe_layer.hpp"
+#include "src/common/device_buffer.hpp"
+#include "src/common/layout.hpp"
+#include "src/ops/moe/op_spec.hpp"
+
+namespace moegraph::layer {
+
+class LayerProgram {
+ public:
+  // Sizing only (no GPU): the declarations and their layout with a null base.
+  explicit LayerProgram(const MoeLayerOptions& options);
+  // Set-up on real memory (`workspace` null: allocated here): binds every operator.
+  LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace);
+
+  std::size_t workspace_bytes() const { return bytes_; }
+  const std::vector<LayoutWalker::Entry>& buffers() const { return entries_; }
+  const std::vector<OpSpec>& specs() const { return specs_; }
+  std::string describe() const;
+
+  void forward(const MoeLayerIO& io, cudaStream_t stream);
+  void forward_train(const MoeLayerIO& io, cudaStream_t stream);
+  void backward(const MoeLayerIO& io, cudaStream_t stream);
+  void backward_dw(cudaStream_t stream);
+  int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
+  int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
+  const int32_t* splits() const { return tensors_.get<int32_t>(tensor::kSplits, last_slot_); }
+  const int64_t* offsets() const { return tensors_.get<int64_t>(tensor::kOffsets, last_slot_); }
+  uint64_t read_dropped(cudaStream_t stream);
+  void check_device_errors(cudaStream_t stream);
+
+ private:
+  void build(const MoeLayerWeights& weights, std::byte* base);
+  void run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream);
+
+  MoeLayerOptions options_;
+  std::vector<OpSpec> specs_;
+  std::vector<std::unique_ptr<LayerOp>> ops_;
+  TensorTable tensors_;
+  std::vector<LayoutWalker::Entry> entries_;
+  std::size_t bytes_ = 0;
+  DeviceBuffer owned_;
+  std::vector<int> free_slots_;
+  std::deque<int> backward_queue_, wgrad_queue_;
+  int last_slot_ = 0;
+};
+
+}  // namespace moegraph::layer

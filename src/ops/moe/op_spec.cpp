@@ -1,0 +1,61 @@
+#include "src/ops/moe/op_spec.hpp"
+
+#include "moegraph/error.hpp"
+
+namespace moegraph::layer {
+
+std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
+  std::vector<OpSpec> ops;
+  ops.push_back({OpKind::kRouter, "router", "", "", true, true, "", 0});
+  ops.push_back({OpKind::kDispatch, "dispatch", "", tensor::kPermutedX, false, true, "", 0});
+  if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, true, "", 0});
+  ops.push_back({OpKind::kLinear, "fc1", tensor::kPermutedX, "fc1_out", true, true, "", 1});
+  ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", false, true, "", 0});
+  // The combine's backward needs each row's expert output for the weight gradient.
+  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", true, true, "", 2});
+  ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, true, "", 0});
+  return ops;
+}
+
+int fuse_routing_weights(std::vector<OpSpec>& ops) {
+  int rewrites = 0;
+  for (std::size_t i = 0; i + 2 < ops.size(); ++i) {
+    OpSpec &act = ops[i], &fc2 = ops[i + 1], &combine = ops[i + 2];
+    if (act.kind != OpKind::kSwiglu || fc2.kind != OpKind::kLinear || combine.kind != OpKind::kCombine ||
+        !combine.weighted || fc2.in != act.out || combine.in != fc2.out)
+      continue;
+    act.kind = OpKind::kSwigluWeighted;
+    act.name = "swiglu_weighted";
+    fc2.bias_scale = tensor::kRowWeight;
+    fc2.save_out = false;  // the weight gradient now comes from the SwiGLU side: no saved expert output
+    combine.weighted = false;
+    combine.name = "combine_unweighted";
+    ++rewrites;
+  }
+  return rewrites;
+}
+
+std::string describe(const std::vector<OpSpec>& ops) {
+  std::string s;
+  for (const OpSpec& op : ops) {
+    s += s.empty() ? "" : " -> ";
+    s += op.name;
+    if (!op.bias_scale.empty()) s += "(bias x " + op.bias_scale + ")";
+  }
+  return s;
+}
+
+std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w) {
+  switch (spec.kind) {
+    case OpKind::kRouter: return make_router_op(spec, o, w);
+    case OpKind::kDispatch: return make_dispatch_op(spec, o);
+    case OpKind::kAuxLoss: return make_aux_loss_op(spec, o);
+    case OpKind::kLinear: return make_linear_op(spec, o, w);
+    case OpKind::kSwiglu:
+    case OpKind::kSwigluWeighted: return make_swiglu_op(spec, o);
+    case OpKind::kCombine: return make_combine_op(spec, o);
+  }
+  MG_FAIL("unknown operator kind for \"", spec.name, "\"");
+}
+
+}  // namespace moegraph::layer

@@ -1,0 +1,71 @@
+// The MoE layer as a list of operator declarations, and the fusion pass that rewrites it. The
+// program (layer_program.hpp) instantiates one LayerOp per declaration; the tensors named here
+// are declared by their producers in the TensorTable.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moegraph/moe_layer.hpp"
+#include "src/ops/moe/layer_op.hpp"
+
+namespace moegraph::layer {
+
+enum class OpKind {
+  kRouter,          // logits (cuBLASLt) -> scores, top-k, weights
+  kDispatch,        // top-k -> expert-contiguous rows (splits, offsets, maps), permuted x
+  kAuxLoss,         // load-balancing loss from the scores and the counts
+  kLinear,          // a GroupedLinear (FC1 or FC2)
+  kSwiglu,          // a = silu(gate) * up
+  kSwigluWeighted,  // a = w_row * silu(gate) * up: the routing weight fused in
+  kCombine,         // y[t] = sum_j (w_tj) * out[row_of(t, j)]
+};
+
+struct OpSpec {
+  OpKind kind;
+  std::string name;             // unique: "router", "fc1", ...
+  std::string in, out;          // the tensor read and the tensor produced ("" where the io is used)
+  bool save_out = false;        // the output is saved per slot (backward reads it)
+  bool weighted = true;         // kCombine: apply the top-k weights
+  std::string bias_scale;       // kLinear: tensor scaling the bias per row ("" none)
+  int layer = 0;                // kLinear: 1 (hidden -> 2 ffn) or 2 (ffn -> hidden)
+};
+
+// The unfused layer: router, dispatch, [aux loss], FC1, SwiGLU, FC2, weighted combine.
+std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& options);
+// Replaces SwiGLU + weighted combine by a SwiGLU that multiplies in each row's routing weight and
+// an unweighted combine; FC2's bias (if any) is then scaled by the same weight, so the result is
+// the same function. Returns the number of rewrites (0 when the pattern is absent).
+int fuse_routing_weights(std::vector<OpSpec>& ops);
+std::string describe(const std::vector<OpSpec>& ops);
+
+// The operator of a declaration (set-up only: may allocate).
+std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& options, const MoeLayerWeights& weights);
+// Per kind, in their own files.
+std::unique_ptr<LayerOp> make_router_op(const OpSpec&, const MoeLayerOptions&, const MoeLayerWeights&);
+std::unique_ptr<LayerOp> make_aux_loss_op(const OpSpec&, const MoeLayerOptions&);
+std::unique_ptr<LayerOp> make_dispatch_op(const OpSpec&, const MoeLayerOptions&);
+std::unique_ptr<LayerOp> make_combine_op(const OpSpec&, const MoeLayerOptions&);
+std::unique_ptr<LayerOp> make_linear_op(const OpSpec&, const MoeLayerOptions&, const MoeLayerWeights&);
+std::unique_ptr<LayerOp> make_swiglu_op(const OpSpec&, const MoeLayerOptions&);
+
+// Shared names of the routing tensors (declared by router and dispatch, read by the others).
+namespace tensor {
+inline constexpr const char* kTokens = "tokens";              // saved int32: n of the micro-batch
+inline constexpr const char* kScores = "router.scores";       // saved [T, E] f32
+inline constexpr const char* kTopkIds = "router.topk_ids";    // saved [T, k] i32
+inline constexpr const char* kTopkWeights = "router.topk_w";  // saved [T, k] f32
+inline constexpr const char* kDTopkWeights = "d.topk_w";      // [T, k] f32
+inline constexpr const char* kCounts = "counts";              // saved [E] i32 (before dropping)
+inline constexpr const char* kSplits = "splits";              // saved [E] i32
+inline constexpr const char* kOffsets = "offsets";            // saved [E + 1] i64
+inline constexpr const char* kRowOf = "row_of";               // saved [T, k] i32
+inline constexpr const char* kTokenOfRow = "token_of_row";    // saved [rows] i32
+inline constexpr const char* kRowWeight = "row_weight";       // saved [rows] f32
+inline constexpr const char* kDRowWeight = "d.row_weight";    // [rows] f32
+inline constexpr const char* kPermutedX = "x_perm";           // [rows, hidden]
+inline std::string grad(const std::string& name) { return "d." + name; }
+}  // namespace tensor
+
+}  // namespace moegraph::layer

@@ -1,0 +1,88 @@
+#include "moegraph/moe_layer.hpp"
+
+#include <cmath>
+
+#include "moegraph/config.hpp"
+#include "moegraph/error.hpp"
+#include "src/ops/moe/layer_program.hpp"
+
+namespace moegraph {
+
+MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
+  MoeLayerOptions o;
+  o.experts = c.layer.experts;
+  o.hidden = c.layer.hidden;
+  o.ffn = c.layer.ffn;
+  o.top_k = c.layer.top_k;
+  o.bias = c.layer.bias;
+  o.score = c.router.score == "sigmoid" ? RouterScore::kSigmoid : RouterScore::kSoftmax;
+  o.renormalize = c.router.renormalize;
+  o.aux_loss_coef = c.router.aux_loss_coef;
+  o.capacity_factor = c.router.capacity_factor;
+  o.fuse_weights = c.router.fuse_weights;
+  o.max_tokens = max_tokens;
+  o.row_align = c.row_align;
+  o.dtype = c.precision.dtype;
+  o.training = c.training.enabled;
+  o.wgrad_slots = c.training.wgrad_slots;
+  o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
+  o.main_grad_fp32 = c.training.main_grad_fp32;
+  return o;
+}
+
+void validate(const MoeLayerOptions& o) {
+  MG_CHECK(o.experts >= 1 && o.experts <= 1024, "experts must be in [1, 1024], got ", o.experts);
+  MG_CHECK(o.hidden >= 16 && o.hidden % 16 == 0, "hidden must be a positive multiple of 16, got ", o.hidden);
+  MG_CHECK(o.ffn >= 16 && o.ffn % 16 == 0, "ffn must be a positive multiple of 16, got ", o.ffn);
+  MG_CHECK(o.top_k >= 1 && o.top_k <= 8 && o.top_k <= o.experts, "top_k must be in [1, min(8, experts = ", o.experts,
+           ")], got ", o.top_k);
+  MG_CHECK(std::isfinite(o.aux_loss_coef) && o.aux_loss_coef >= 0, "aux_loss_coef must be finite and >= 0, got ",
+           o.aux_loss_coef);
+  MG_CHECK(std::isfinite(o.capacity_factor) && o.capacity_factor >= 0,
+           "capacity_factor must be 0 (dropless) or a finite positive factor, got ", o.capacity_factor);
+  MG_CHECK(o.max_tokens >= 1 && o.max_tokens <= (int64_t{1} << 24), "max_tokens must be in [1, 2^24], got ",
+           o.max_tokens);
+  MG_CHECK(o.row_align == 1 || o.row_align == 16 || o.row_align == 32 || o.row_align == 128,
+           "row_align must be 1, 16, 32 or 128, got ", o.row_align);
+  MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ", dtype_name(o.dtype));
+  MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
+  MG_CHECK(!o.delay_wgrad || o.training, "delay_wgrad needs training");
+  MG_CHECK(moe_layer_rows(o) <= (int64_t{1} << 31) - 1, "max_tokens * top_k (plus alignment padding) = ",
+           moe_layer_rows(o), " rows must stay below 2^31");
+}
+
+int64_t moe_layer_rows(const MoeLayerOptions& o) {
+  const int64_t align = o.row_align;
+  const int64_t worst = o.max_tokens * o.top_k + (align > 1 ? int64_t{o.experts} * (align - 1) : 0);
+  return (worst + align - 1) / align * align;
+}
+
+MoeLayer::MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace)
+    : options_(options), program_(std::make_unique<layer::LayerProgram>(options, weights, workspace)) {}
+
+MoeLayer::~MoeLayer() = default;
+
+std::size_t MoeLayer::workspace_bytes(const MoeLayerOptions& options) {
+  return layer::LayerProgram(options).workspace_bytes();
+}
+
+std::vector<MoeLayer::WorkspaceBuffer> MoeLayer::workspace_buffers(const MoeLayerOptions& options) {
+  const layer::LayerProgram sizing(options);  // named: a range-for would not keep a temporary alive
+  std::vector<WorkspaceBuffer> out;
+  for (const auto& e : sizing.buffers()) out.push_back({e.name, e.offset, e.bytes});
+  return out;
+}
+
+std::string MoeLayer::describe() const { return program_->describe(); }
+void MoeLayer::forward(const MoeLayerIO& io, cudaStream_t stream) { program_->forward(io, stream); }
+void MoeLayer::forward_train(const MoeLayerIO& io, cudaStream_t stream) { program_->forward_train(io, stream); }
+void MoeLayer::backward(const MoeLayerIO& io, cudaStream_t stream) { program_->backward(io, stream); }
+void MoeLayer::backward_dw(cudaStream_t stream) { program_->backward_dw(stream); }
+int MoeLayer::queued_wgrads() const { return program_->queued_wgrads(); }
+int MoeLayer::pending_backwards() const { return program_->pending_backwards(); }
+const int32_t* MoeLayer::splits() const { return program_->splits(); }
+const int64_t* MoeLayer::offsets() const { return program_->offsets(); }
+uint64_t MoeLayer::read_dropped(cudaStream_t stream) { return program_->read_dropped(stream); }
+void MoeLayer::check_device_errors(cudaStream_t stream) { program_->check_device_errors(stream); }
+
+}  // namespace moegraph
