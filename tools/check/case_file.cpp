@@ -8,17 +8,19 @@
 #include "moegraph/config.hpp"
 #include "tools/check/case_json.hpp"
 #include "tools/check/grouped_linear_case.hpp"
+#include "tools/check/moe_layer_case.hpp"
 
 namespace moegraph::check {
 namespace {
 
-// One parser per op; a new op ("expert_mlp") adds its own file and a row here.
+// One parser per op; a new op adds its own file and a row here.
 struct OpParser {
   std::string_view op;
   std::unique_ptr<CaseRunner> (*parse)(const Json& value, const std::string& name);
 };
 constexpr OpParser kOps[] = {
     {"grouped_linear", parse_grouped_linear_case},
+    {"moe_layer", parse_moe_layer_case},
 };
 
 // Names become dump folders, so they stay plain.

@@ -1,0 +1,500 @@
+// Running a moe_layer case: every step eagerly for each token count, then each step captured once
+// under cudaStreamCaptureModeGlobal and replayed over every token count with fresh data, each run
+// checked against the fp64 layer reference. Inputs past the token count hold NaN and outputs are
+// poisoned with NaN before every run, so reading stale rows or skipping a write fails a check.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moegraph/error.hpp"
+#include "src/verify/device_array.hpp"
+#include "src/verify/graph.hpp"
+#include "src/verify/moe_layer_reference.hpp"
+#include "tools/check/moe_layer_case.hpp"
+
+namespace moegraph::check {
+namespace {
+
+using verify::DeviceArray;
+using verify::Mat;
+
+// All-ones 16 bits: NaN in bf16 and fp16 (what DeviceArray::poison writes).
+constexpr uint16_t kNaNBits = 0xffff;
+// The aux loss is an fp32 sum over up to max_tokens scores, not a chained 16-bit output.
+constexpr verify::Tolerance kAuxLossTolerance{1e-4, 0.0, 1e-4};
+// A token whose k-th and (k+1)-th largest router logits are closer than this is redrawn: the
+// device's fp32 logits then pick the same experts as the fp64 reference (its fp32 rounding error
+// is below 1e-4 at the case sizes), so the device's top-k ids need not be read back.
+constexpr double kMinLogitGap = 1e-3;
+constexpr int kMaxRedraws = 1000;
+
+enum class Step { kInference, kTraining, kTrainingDelayedWgrad };
+
+// One step of the case and what its phases ask to check.
+struct StepPlan {
+  Step step;
+  bool check_forward;  // y and the aux loss
+  bool check_grads;    // dx, the router, weight and bias gradients
+  const char* label;
+};
+
+std::vector<StepPlan> plan_steps(const MoeLayerCase& c) {
+  std::vector<StepPlan> plans;
+  if (c.forward) plans.push_back({Step::kInference, true, false, "forward"});
+  // The immediate step also gives the bits the delayed weight gradients must reproduce.
+  if (c.training()) plans.push_back({Step::kTraining, c.forward_train, c.backward, "forward_train+backward"});
+  if (c.wgrad_delayed)
+    plans.push_back({Step::kTrainingDelayedWgrad, c.forward_train, true, "forward_train+backward+wgrad_delayed"});
+  return plans;
+}
+
+void enqueue(MoeLayer& layer, Step step, const MoeLayerIO& io, cudaStream_t stream) {
+  if (step == Step::kInference) {
+    layer.forward(io, stream);
+    return;
+  }
+  layer.forward_train(io, stream);
+  layer.backward(io, stream);
+  if (step == Step::kTrainingDelayedWgrad) layer.backward_dw(stream);
+}
+
+Mat values_of(const std::vector<uint16_t>& bits, std::size_t count, DType t) {
+  Mat out(count);
+  for (std::size_t i = 0; i < count; ++i) out[i] = verify::from_bits(bits[i], t);
+  return out;
+}
+
+template <class T>
+std::vector<unsigned char> bytes_of(const std::vector<T>& values) {
+  std::vector<unsigned char> out(values.size() * sizeof(T));
+  std::memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+
+// One parameter's gradient: written in the dtype, or accumulated into fp32 main_grad.
+struct GradBuffer {
+  DeviceArray<uint16_t> written;
+  DeviceArray<float> main_grad;
+  std::vector<float> main_grad_init;
+};
+
+// The layer, its parameters and gradients, one run's data and its reference.
+class MoeProblem {
+ public:
+  explicit MoeProblem(const MoeLayerCase& c)
+      : c_(c),
+        options_(moe_layer_options(c, false)),
+        rng_(c.data_seed),
+        tol_(c.tolerance.value_or(verify::chain_tolerance_for(c.dtype))) {
+    const int64_t e = c.experts, h = c.hidden, f = c.ffn;
+    const double sh = 1.0 / std::sqrt(static_cast<double>(h)), sf = 1.0 / std::sqrt(static_cast<double>(f));
+    // Logits x · W_r^T with x ~ U(-1, 1): standard deviation s * sqrt(hidden) / 3, so s = 3 / sqrt(hidden)
+    // spreads them by about 1. The experts follow nn.Linear's U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+    router_ = upload(params_.router, e * h, 3.0 * sh);
+    w1_ = upload(params_.w1, e * 2 * f * h, sh);
+    w2_ = upload(params_.w2, e * h * f, sf);
+    if (c.bias) {
+      b1_ = upload(params_.b1, e * 2 * f, sh);
+      b2_ = upload(params_.b2, e * h, sf);
+    }
+    x_ = DeviceArray<uint16_t>(c.max_tokens * h);
+    y_ = DeviceArray<uint16_t>(c.max_tokens * h);
+    num_tokens_ = DeviceArray<int32_t>(1);
+    if (c.aux_loss_coef > 0.0) aux_loss_ = DeviceArray<float>(1);
+
+    MoeLayerWeights weights;
+    weights.router = router_.get();
+    weights.w1 = w1_.get();
+    weights.w2 = w2_.get();
+    if (c.bias) {
+      weights.b1 = b1_.get();
+      weights.b2 = b2_.get();
+    }
+    if (c.training()) {
+      dy_ = DeviceArray<uint16_t>(c.max_tokens * h);
+      dx_ = DeviceArray<uint16_t>(c.max_tokens * h);
+      grad_router_ = grad_buffer(e * h);
+      grad1_ = grad_buffer(e * 2 * f * h);
+      grad2_ = grad_buffer(e * h * f);
+      if (c.main_grad) {
+        weights.main_grad_router = grad_router_.main_grad.get();
+        weights.main_grad1 = grad1_.main_grad.get();
+        weights.main_grad2 = grad2_.main_grad.get();
+      } else {
+        weights.d_router = grad_router_.written.get();
+        weights.dw1 = grad1_.written.get();
+        weights.dw2 = grad2_.written.get();
+      }
+      if (c.bias) {
+        db1_ = DeviceArray<uint16_t>(e * 2 * f);
+        db2_ = DeviceArray<uint16_t>(e * h);
+        weights.db1 = db1_.get();
+        weights.db2 = db2_.get();
+      }
+    }
+    immediate_ = std::make_unique<MoeLayer>(options_, weights);
+    // The wgrad_delayed step needs a layer whose backward queues: delay_wgrad is a set-up option.
+    if (c.wgrad_delayed) delayed_ = std::make_unique<MoeLayer>(moe_layer_options(c, true), weights);
+  }
+
+  // Fresh x and dy for `n` tokens, uploaded with NaN in the rows past n, and their reference.
+  void draw(int64_t n) {
+    const int64_t h = c_.hidden;
+    n_ = n;
+    x_host_ = verify::random_values(rng_, n * h, 1.0, c_.dtype);
+    avoid_router_ties();
+    upload_rows(x_, x_host_);
+    if (c_.training()) {
+      dy_host_ = verify::random_values(rng_, n * h, 1.0, c_.dtype);
+      upload_rows(dy_, dy_host_);
+    }
+    num_tokens_.upload({static_cast<int32_t>(n)});
+
+    verify::MoeLayerInputs in;
+    in.x = &x_host_;
+    in.wr = &params_.router;
+    in.w1 = &params_.w1;
+    in.b1 = &params_.b1;  // empty without bias
+    in.w2 = &params_.w2;
+    in.b2 = &params_.b2;
+    in.dy = c_.training() ? &dy_host_ : nullptr;
+    in.tokens = n;
+    in.hidden = h;
+    in.ffn = c_.ffn;
+    in.capacity_rows = moe_layer_rows(options_);
+    in.router.experts = c_.experts;
+    in.router.top_k = c_.top_k;
+    in.router.sigmoid = c_.score == RouterScore::kSigmoid;
+    in.router.renormalize = c_.renormalize;
+    in.router.aux_coef = c_.aux_loss_coef;
+    in.router.capacity_factor = c_.capacity_factor;
+    in.router.row_align = c_.row_align;
+    in.fuse_weights = c_.fuse_weights;
+    in.dtype = c_.dtype;
+    ref_ = verify::ref_moe_layer(in);
+  }
+
+  // Before every run: outputs NaN, main_grad back to its initial value (the step accumulates into it).
+  void prepare_run() {
+    y_.poison();
+    if (c_.aux_loss_coef > 0.0) aux_loss_.poison();
+    if (!c_.training()) return;
+    dx_.poison();
+    for (GradBuffer* g : {&grad_router_, &grad1_, &grad2_}) {
+      if (c_.main_grad) g->main_grad.upload(g->main_grad_init);
+      else g->written.poison();
+    }
+    if (c_.bias) {
+      db1_.poison();
+      db2_.poison();
+    }
+  }
+
+  MoeLayerIO io() const {
+    MoeLayerIO io;
+    io.x = x_.get();
+    io.num_tokens = num_tokens_.get();
+    io.y = y_.get();
+    io.aux_loss = c_.aux_loss_coef > 0.0 ? aux_loss_.get() : nullptr;
+    if (c_.training()) {
+      io.dy = dy_.get();
+      io.dx = dx_.get();
+    }
+    return io;
+  }
+
+  MoeLayer& layer(Step step) { return step == Step::kTrainingDelayedWgrad ? *delayed_ : *immediate_; }
+
+  // Downloads what the step wrote (rows < n of y and dx) next to the references. Rows past n
+  // are checked by rows_past_n_error.
+  std::vector<MoeLayerOutput> outputs(const StepPlan& plan) const {
+    const int64_t e = c_.experts, h = c_.hidden, f = c_.ffn, rows = n_ * h;
+    std::vector<MoeLayerOutput> out;
+    auto add = [&](std::string name, std::vector<int64_t> shape, Mat got, const Mat& ref, verify::Tolerance tol,
+                   bool checked) {
+      out.push_back({std::move(name), std::move(shape), std::move(got), ref, tol, checked});
+    };
+    add("y", {n_, h}, values_of(y_.download(), rows, c_.dtype), ref_.y, tol_, plan.check_forward);
+    if (plan.step == Step::kInference) return out;
+    if (c_.aux_loss_coef > 0.0)
+      add("aux_loss", {1}, {static_cast<double>(aux_loss_.download()[0])}, Mat{ref_.aux_loss}, kAuxLossTolerance,
+          plan.check_forward);
+    add("dx", {n_, h}, values_of(dx_.download(), rows, c_.dtype), ref_.dx, tol_, plan.check_grads);
+    add("d_router_weight", {e, h}, gradient(grad_router_), ref_.dwr, tol_, plan.check_grads);
+    add("dw1", {e, 2 * f, h}, gradient(grad1_), ref_.dw1, tol_, plan.check_grads);
+    add("dw2", {e, h, f}, gradient(grad2_), ref_.dw2, tol_, plan.check_grads);
+    if (c_.bias) {
+      add("db1", {e, 2 * f}, values_of(db1_.download(), db1_.size(), c_.dtype), ref_.db1, tol_, plan.check_grads);
+      add("db2", {e, h}, values_of(db2_.download(), db2_.size(), c_.dtype), ref_.db2, tol_, plan.check_grads);
+    }
+    return out;
+  }
+
+  // The contract for rows at or past n: y keeps what it held (the poison), dx is written as zero.
+  std::string rows_past_n_error(bool training_step) const {
+    const std::size_t first = static_cast<std::size_t>(n_ * c_.hidden);
+    const std::vector<uint16_t> y = y_.download();
+    for (std::size_t i = first; i < y.size(); ++i)
+      if (y[i] != kNaNBits)
+        return detail::concat("y row ", i / c_.hidden, " (past the ", n_, " tokens) was written: it must be left alone");
+    if (!training_step) return {};
+    const std::vector<uint16_t> dx = dx_.download();
+    for (std::size_t i = first; i < dx.size(); ++i)
+      if (verify::from_bits(dx[i], c_.dtype) != 0.0)
+        return detail::concat("dx row ", i / c_.hidden, " col ", i % c_.hidden, " (past the ", n_, " tokens) is ",
+                              verify::from_bits(dx[i], c_.dtype), ", not zero");
+    return {};
+  }
+
+  // The bits of every parameter gradient, by name, for the delayed-vs-immediate comparison.
+  std::vector<std::pair<std::string, std::vector<unsigned char>>> gradient_bits() const {
+    std::vector<std::pair<std::string, std::vector<unsigned char>>> bits;
+    const std::pair<const char*, const GradBuffer*> grads[] = {
+        {"d_router_weight", &grad_router_}, {"dw1", &grad1_}, {"dw2", &grad2_}};
+    for (const auto& [name, g] : grads)
+      bits.emplace_back(name, c_.main_grad ? bytes_of(g->main_grad.download()) : bytes_of(g->written.download()));
+    if (c_.bias) {
+      bits.emplace_back("db1", bytes_of(db1_.download()));
+      bits.emplace_back("db2", bytes_of(db2_.download()));
+    }
+    return bits;
+  }
+
+  int64_t tokens() const { return n_; }
+  const Mat& x() const { return x_host_; }
+  const Mat& dy() const { return dy_host_; }
+  const MoeLayerParams& params() const { return params_; }
+  uint64_t ref_dropped() const { return static_cast<uint64_t>(ref_.dispatch.dropped); }
+
+ private:
+  DeviceArray<uint16_t> upload(Mat& host, int64_t count, double scale) {
+    host = verify::random_values(rng_, static_cast<std::size_t>(count), scale, c_.dtype);
+    DeviceArray<uint16_t> d(static_cast<std::size_t>(count));
+    d.upload(verify::to_device_bits(host, c_.dtype));
+    return d;
+  }
+
+  GradBuffer grad_buffer(int64_t count) {
+    GradBuffer g;
+    const auto size = static_cast<std::size_t>(count);
+    if (c_.main_grad) {
+      // A nonzero start, so a gradient written instead of accumulated fails the check.
+      const Mat init = verify::random_values(rng_, size, 1.0, DType::kFP32);
+      g.main_grad_init.assign(init.begin(), init.end());
+      g.main_grad = DeviceArray<float>(size);
+    } else {
+      g.written = DeviceArray<uint16_t>(size);
+    }
+    return g;
+  }
+
+  // The step's gradient: written in the dtype, or what it added to main_grad (exact in fp64).
+  Mat gradient(const GradBuffer& g) const {
+    if (!c_.main_grad) return values_of(g.written.download(), g.written.size(), c_.dtype);
+    const std::vector<float> now = g.main_grad.download();
+    Mat out(now.size());
+    for (std::size_t i = 0; i < now.size(); ++i)
+      out[i] = static_cast<double>(now[i]) - static_cast<double>(g.main_grad_init[i]);
+    return out;
+  }
+
+  // Rows [0, n) from `host`, NaN in the rest: the layer must never read them.
+  void upload_rows(DeviceArray<uint16_t>& d, const Mat& host) const {
+    std::vector<uint16_t> bits(d.size(), kNaNBits);
+    const std::vector<uint16_t> data = verify::to_device_bits(host, c_.dtype);
+    std::copy(data.begin(), data.end(), bits.begin());
+    d.upload(bits);
+  }
+
+  // Redraws the tokens whose top-k is decided by a near tie of router logits (scores are monotone
+  // in the logits for softmax and sigmoid alike).
+  void avoid_router_ties() {
+    const int64_t h = c_.hidden;
+    const int k = c_.top_k;
+    if (k >= c_.experts) return;
+    std::uniform_real_distribution<double> dist(-1.0, 1.0);
+    std::vector<double> logits(c_.experts);
+    for (int64_t t = 0; t < n_; ++t) {
+      double* row = x_host_.data() + t * h;
+      for (int attempt = 0;; ++attempt) {
+        for (int e = 0; e < c_.experts; ++e) {
+          const double* w = params_.router.data() + e * h;
+          double sum = 0.0;
+          for (int64_t i = 0; i < h; ++i) sum += row[i] * w[i];
+          logits[e] = sum;
+        }
+        std::nth_element(logits.begin(), logits.begin() + k, logits.end(), std::greater<>());
+        const double kth = *std::min_element(logits.begin(), logits.begin() + k);
+        if (kth - logits[k] >= kMinLogitGap) break;
+        MG_CHECK(attempt < kMaxRedraws, "no token without a router tie in ", kMaxRedraws, " draws");
+        for (int64_t i = 0; i < h; ++i) row[i] = verify::round_to(dist(rng_), c_.dtype);
+      }
+    }
+  }
+
+  const MoeLayerCase& c_;
+  MoeLayerOptions options_;
+  std::mt19937_64 rng_;
+  verify::Tolerance tol_;
+  MoeLayerParams params_;
+  DeviceArray<uint16_t> router_, w1_, b1_, w2_, b2_;
+  DeviceArray<uint16_t> x_, y_, dy_, dx_, db1_, db2_;
+  DeviceArray<int32_t> num_tokens_;
+  DeviceArray<float> aux_loss_;
+  GradBuffer grad_router_, grad1_, grad2_;
+  // After the buffers, so the layers go first.
+  std::unique_ptr<MoeLayer> immediate_, delayed_;
+
+  int64_t n_ = 0;
+  Mat x_host_, dy_host_;
+  verify::MoeLayerRef ref_;
+};
+
+// The state of one case run: the steps, the last run (for --dump), the worst error so far.
+class CaseRun {
+ public:
+  CaseRun(const MoeLayerCase& c, MoeProblem& p) : c_(c), p_(p), plans_(plan_steps(c)) {}
+
+  // Eager: every step once per token count, with direct calls. This is also the warm-up before capture.
+  bool run_eager() {
+    for (int64_t n : c_.tokens) {
+      where_ = detail::concat("eager data for ", n, " tokens");
+      p_.draw(n);
+      for (const StepPlan& plan : plans_) {
+        const std::string where = detail::concat("eager ", plan.label, ", ", n, " tokens");
+        if (!run_step(plan, where, [&] { enqueue(p_.layer(plan.step), plan.step, p_.io(), stream_.get()); }))
+          return false;
+      }
+    }
+    return true;
+  }
+
+  // Graph: every step captured once, then replayed over every token count with fresh data.
+  bool run_graphs() {
+    std::vector<std::unique_ptr<verify::Graph>> graphs;
+    for (const StepPlan& plan : plans_) {
+      where_ = detail::concat("graph capture of ", plan.label);
+      graphs.push_back(std::make_unique<verify::Graph>(
+          stream_.get(), [&] { enqueue(p_.layer(plan.step), plan.step, p_.io(), stream_.get()); }));
+    }
+    for (int replay = 0; replay < c_.replays; ++replay)
+      for (int64_t n : c_.tokens) {
+        where_ = detail::concat("graph replay ", replay, " data for ", n, " tokens");
+        p_.draw(n);
+        for (std::size_t i = 0; i < plans_.size(); ++i) {
+          const std::string where = detail::concat("graph replay ", replay, " of ", plans_[i].label, ", ", n, " tokens");
+          if (!run_step(plans_[i], where, [&] { graphs[i]->launch(stream_.get()); })) return false;
+        }
+      }
+    return true;
+  }
+
+  double max_rel_err() const { return max_rel_err_; }
+  const std::string& failure() const { return failure_; }
+  const std::string& where() const { return where_; }
+  const MoeLayerRun& last_run() const { return last_; }
+
+ private:
+  bool run_step(const StepPlan& plan, const std::string& where, const std::function<void()>& launch) {
+    where_ = where;
+    last_ = MoeLayerRun{};
+    last_.label = where;
+    last_.tokens = p_.tokens();
+    last_.x = p_.x();
+    last_.backward = plan.step != Step::kInference;
+    if (last_.backward) last_.dy = p_.dy();
+
+    p_.prepare_run();
+    // Uploads and poisoning went through the legacy default stream; the step runs on ours.
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    launch();
+    MoeLayer& layer = p_.layer(plan.step);
+    layer.check_device_errors(stream_.get());
+    MG_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+    last_.dropped = layer.read_dropped(stream_.get());
+    last_.ref_dropped = p_.ref_dropped();
+    last_.dropped_read = true;
+    last_.outputs = p_.outputs(plan);
+
+    for (const MoeLayerOutput& o : last_.outputs) {
+      if (!o.checked) continue;
+      const bool from_main_grad = c_.main_grad && (o.name == "d_router_weight" || o.name == "dw1" || o.name == "dw2");
+      const int64_t cols = o.shape.size() > 1 ? o.shape.back() : 1;
+      const verify::CompareResult r = verify::all_close(
+          detail::concat(where, ": ", o.name, from_main_grad ? " (main_grad increment)" : ""), o.got, o.ref, cols, {},
+          o.tol);
+      max_rel_err_ = std::max(max_rel_err_, r.rel_fro);
+      if (!r.ok) return fail(r.message);
+    }
+    const std::string past_n = p_.rows_past_n_error(plan.step != Step::kInference && plan.check_grads);
+    if (!past_n.empty()) return fail(detail::concat(where, ": ", past_n));
+    if (last_.dropped != last_.ref_dropped)
+      return fail(detail::concat(where, ": read_dropped() gives ", last_.dropped, " dropped assignments, the reference ",
+                                 last_.ref_dropped, " (capacity_factor ", c_.capacity_factor, ")"));
+
+    if (plan.step == Step::kTraining) immediate_bits_ = p_.gradient_bits();
+    if (plan.step == Step::kTrainingDelayedWgrad) {
+      const auto delayed = p_.gradient_bits();
+      for (std::size_t i = 0; i < delayed.size(); ++i)
+        if (delayed[i].second != immediate_bits_.at(i).second)
+          return fail(detail::concat(where, ": the delayed ", delayed[i].first,
+                                     " is not bit-identical to the immediate step's"));
+    }
+    return true;
+  }
+
+  bool fail(std::string message) {
+    failure_ = std::move(message);
+    return false;
+  }
+
+  const MoeLayerCase& c_;
+  MoeProblem& p_;
+  std::vector<StepPlan> plans_;
+  verify::Stream stream_;
+  std::vector<std::pair<std::string, std::vector<unsigned char>>> immediate_bits_;  // of the current data
+  MoeLayerRun last_;
+  double max_rel_err_ = 0.0;
+  std::string failure_;
+  std::string where_ = "set-up";
+};
+
+}  // namespace
+
+CaseOutcome MoeLayerRunner::run(const RunSettings& settings) {
+  CaseOutcome outcome;
+  std::unique_ptr<MoeProblem> problem;
+  std::unique_ptr<CaseRun> run;
+  try {
+    problem = std::make_unique<MoeProblem>(case_);
+    run = std::make_unique<CaseRun>(case_, *problem);
+    outcome.passed = run->run_eager() && run->run_graphs();
+    outcome.failure = run->failure();
+  } catch (const std::exception& e) {
+    outcome.passed = false;
+    outcome.failure = detail::concat(run ? run->where() : std::string("set-up"), ": ", e.what());
+  }
+  std::string counts;
+  for (int64_t n : case_.tokens) counts += detail::concat(counts.empty() ? "" : ",", n);
+  outcome.paths = detail::concat("eager+graph, tokens ", counts);
+  if (run) outcome.max_rel_err = run->max_rel_err();
+  if (settings.dump_dir && run) {
+    try {
+      dump_moe_layer(case_, problem->params(), run->last_run(), outcome.passed, *settings.dump_dir / name());
+    } catch (const std::exception& e) {
+      outcome.failure += detail::concat(outcome.passed ? "" : "; ", "dump failed: ", e.what());
+      outcome.passed = false;
+    }
+  }
+  return outcome;
+}
+
+}  // namespace moegraph::check
