@@ -44,6 +44,43 @@ struct WgradParams {
   int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
 };
 
+// MXFP8 ragged GEMM: C[r, :] = A[r, :] · B_e^T (+ s_r b_e) for the rows r of group e, with A and B
+// E4M3 (K-major) and one E8M0 scale per 32 K elements (OCP MX, kernels/quantize/mxfp8.hpp).
+// fprop: A = x row-wise, B = W [G, N, K] row-wise; dgrad: A = dy row-wise along N, B = W^T
+// [G, K, N] with its scales along N.
+struct Mxfp8RaggedGemmParams {
+  const uint8_t* a = nullptr;         // [capacity_rows, k] e4m3
+  const uint8_t* a_scales = nullptr;  // [capacity_rows, k / 32] e8m0
+  const uint8_t* b = nullptr;         // [G, n, k] e4m3
+  const uint8_t* b_scales = nullptr;  // [G, n, k / 32] e8m0
+  int64_t n = 0, k = 0;               // output columns; the reduction, a multiple of 128
+  const int32_t* splits = nullptr;
+  const int64_t* offsets = nullptr;
+  int num_groups = 0;
+  const void* bias = nullptr;         // [G, n] in the output dtype, or null
+  const float* bias_scale = nullptr;  // [capacity_rows] or null
+  void* c = nullptr;                  // [capacity_rows, n] bf16 or fp16
+};
+// MXFP8 wgrad: dW_e = dy_e^T · x_e from the column-wise copies (blocks of 32 rows along each column,
+// stored transposed; groups start on multiples of 32 rows). Scales are block-major:
+// scale of rows [32j, 32j + 32) of column c at j * cols + c.
+struct Mxfp8WgradParams {
+  const uint8_t* dy_t = nullptr;         // [n, capacity_rows] e4m3
+  const uint8_t* dy_t_scales = nullptr;  // [capacity_rows / 32, n] e8m0
+  const uint8_t* x_t = nullptr;          // [k, capacity_rows] e4m3
+  const uint8_t* x_t_scales = nullptr;   // [capacity_rows / 32, k] e8m0
+  int64_t n = 0, k = 0, capacity_rows = 0;  // n, k multiples of 16; capacity_rows of 32
+  const int32_t* splits = nullptr;
+  const int64_t* offsets = nullptr;      // group starts on multiples of 32
+  int num_groups = 0;
+  void* dweight = nullptr;               // [G, n, k] bf16 / fp16, written (empty group: zeros), or
+  float* main_grad = nullptr;            // [G, n, k] fp32, accumulated
+};
+// Set-up (before capture): raises the kernels' shared-memory limit.
+void prepare_mxfp8_gemm();
+void launch_mxfp8_ragged_gemm(DType out, const Mxfp8RaggedGemmParams& p, int sm_count, cudaStream_t stream);
+void launch_mxfp8_wgrad(DType out, const Mxfp8WgradParams& p, int sm_count, cudaStream_t stream);
+
 // A kernel's tile configuration, printable.
 struct GemmTileConfig {
   const char* name;

@@ -90,6 +90,11 @@ Tolerance chain_tolerance_for(DType storage) {
   return {2 * single.rtol, 10 * single.atol, single.rel_fro};
 }
 
+Tolerance mxfp8_gemm_tolerance() {
+  const Tolerance bf16 = tolerance_for(DType::kBF16);
+  return {bf16.rtol, 2 * bf16.atol, bf16.rel_fro};
+}
+
 double relative_error(const std::vector<double>& got, const std::vector<double>& ref, int64_t cols,
                       const std::vector<bool>& mask) {
   double num = 0.0, den = 0.0;

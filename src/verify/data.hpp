@@ -49,6 +49,10 @@ Tolerance tolerance_for(DType output);
 // stored element moves every output it feeds, so single elements get a wider band while the
 // relative Frobenius error keeps the single-GEMM limit.
 Tolerance chain_tolerance_for(DType storage);
+// bf16 outputs of an MXFP8 GEMM: the FP8 tensor cores sum each 32-wide block's products with fewer
+// bits than fp32 (why the kernel promotes every block into fp32), so a single element whose terms
+// cancel sees a larger error than a bf16 GEMM; the relative Frobenius error keeps the bf16 limit.
+Tolerance mxfp8_gemm_tolerance();
 
 // The outcome of one comparison; the caller decides how to report it (gtest, a CLI line).
 struct CompareResult {

@@ -68,6 +68,85 @@ struct Result {
   double grouped_ms, dense_ms, legacy_ms;
 };
 
+// MXFP8 operands of a shape (one input set: every operand but decode's x already exceeds L2):
+// random finite E4M3 codes, E8M0 scales within 2^+-7, row-wise copies for fprop / dgrad and
+// column-wise ones (over 32-aligned groups) for wgrad.
+struct MxBuffers {
+  DeviceBuffer x, xs, dy, dys;    // row-wise [rows, k] / [rows, n] and their scales
+  DeviceBuffer w, ws, wt, wts;    // [G, n, k] along k; [G, k, n] along n
+  DeviceBuffer x_t, x_ts, dy_t, dy_ts;  // column-wise [k | n, cap32], scales [cap32 / 32, k | n]
+  DeviceBuffer offsets32;         // group offsets with row_align 32
+  int64_t cap32 = 0;
+};
+DeviceBuffer random_mx_bytes(std::size_t count, bool scales, std::mt19937_64& rng) {
+  std::vector<uint8_t> host(count);
+  std::uniform_int_distribution<int> code(0, 255), exp(120, 134);
+  for (auto& h : host) {
+    int c = scales ? exp(rng) : code(rng);
+    if (!scales && (c & 0x7f) == 0x7f) c ^= 1;  // never the NaN code
+    h = static_cast<uint8_t>(c);
+  }
+  DeviceBuffer d(count);
+  MG_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), count, cudaMemcpyHostToDevice));
+  return d;
+}
+MxBuffers make_mx_buffers(const Shape& s, std::mt19937_64& rng) {
+  MxBuffers m;
+  m.cap32 = (s.rows + int64_t{s.groups} * 31 + 31) / 32 * 32;
+  m.x = random_mx_bytes(s.rows * s.k, false, rng), m.xs = random_mx_bytes(s.rows * s.k / 32, true, rng);
+  m.dy = random_mx_bytes(s.rows * s.n, false, rng), m.dys = random_mx_bytes(s.rows * s.n / 32, true, rng);
+  m.w = random_mx_bytes(s.groups * s.n * s.k, false, rng), m.ws = random_mx_bytes(s.groups * s.n * s.k / 32, true, rng);
+  m.wt = random_mx_bytes(s.groups * s.n * s.k, false, rng), m.wts = random_mx_bytes(s.groups * s.n * s.k / 32, true, rng);
+  m.x_t = random_mx_bytes(s.k * m.cap32, false, rng), m.x_ts = random_mx_bytes(m.cap32 / 32 * s.k, true, rng);
+  m.dy_t = random_mx_bytes(s.n * m.cap32, false, rng), m.dy_ts = random_mx_bytes(m.cap32 / 32 * s.n, true, rng);
+  m.offsets32 = DeviceBuffer((s.groups + 1) * 8);
+  return m;
+}
+
+// One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels.
+double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
+                 const MxBuffers& mx, int grid, int replays, cudaStream_t stream) {
+  auto splits = b.splits.as<int32_t>();
+  auto offsets = b.offsets.as<int64_t>();
+  auto err = b.error.as<DeviceErrorRecord>();
+  auto grouped = [&] {
+    if (phase == Phase::kWgrad) {
+      auto off32 = mx.offsets32.as<int64_t>();
+      kernels::launch_group_offsets(splits, s.groups, 32, mx.cap32, off32, err, stream);
+      kernels::Mxfp8WgradParams p;
+      p.dy_t = mx.dy_t.as<uint8_t>(), p.dy_t_scales = mx.dy_ts.as<uint8_t>();
+      p.x_t = mx.x_t.as<uint8_t>(), p.x_t_scales = mx.x_ts.as<uint8_t>();
+      p.n = s.n, p.k = s.k, p.capacity_rows = mx.cap32, p.splits = splits, p.offsets = off32;
+      p.num_groups = s.groups, p.dweight = b.dw.get();
+      kernels::launch_mxfp8_wgrad(DType::kBF16, p, grid, stream);
+      return;
+    }
+    kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
+    const bool fprop = phase == Phase::kFprop;
+    kernels::Mxfp8RaggedGemmParams p;
+    p.a = (fprop ? mx.x : mx.dy).as<uint8_t>(), p.a_scales = (fprop ? mx.xs : mx.dys).as<uint8_t>();
+    p.b = (fprop ? mx.w : mx.wt).as<uint8_t>(), p.b_scales = (fprop ? mx.ws : mx.wts).as<uint8_t>();
+    p.n = fprop ? s.n : s.k, p.k = fprop ? s.k : s.n;
+    p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();
+    kernels::launch_mxfp8_ragged_gemm(DType::kBF16, p, grid, stream);
+  };
+  auto set_routing = [&](int i) {
+    MG_CUDA_CHECK(cudaMemcpyAsync(splits, b.routings.as<int32_t>() + (i % routings.size()) * s.groups,
+                                  s.groups * sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+  };
+  set_routing(0);
+  grouped();
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+  GraphExec graph(stream, grouped);
+  EventTimer timer;
+  std::vector<float> t;
+  for (int i = 0; i < replays; ++i) {
+    set_routing(i);
+    t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
+  }
+  return median(t);
+}
+
 Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
                  int grid, int sets, int replays, cudaStream_t stream) {
   LtGemm lt;
@@ -157,6 +236,7 @@ int run_kernel_bench(bool quick) {
   MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   kernels::prepare_grouped_gemm(DType::kBF16);
+  kernels::prepare_mxfp8_gemm();
   const int grid = prop.multiProcessorCount;  // the launchers scale it by each kernel's occupancy
   std::printf("grouped kernels: wgmma_cp_async_sw128 128 x tile_n x 64 (tile_n per shape and phase), persistent\n");
   cudaStream_t stream;
@@ -166,7 +246,7 @@ int run_kernel_bench(bool quick) {
   if (quick) shapes.assign(std::begin(kQuickShapes), std::end(kQuickShapes));
   else shapes.assign(std::begin(kShapes), std::end(kShapes));
   const int replays = quick ? 15 : 40;
-  Table table;
+  Table table, mx_table;
   int done = 0;
   const int total = static_cast<int>(shapes.size()) * 2 * 3;
   for (const Shape& s : shapes) {
@@ -188,6 +268,8 @@ int run_kernel_bench(bool quick) {
     b.offsets = DeviceBuffer((s.groups + 1) * 8);
     b.error = DeviceBuffer(sizeof(DeviceErrorRecord));
     MG_CUDA_CHECK(cudaMemset(b.error.get(), 0, sizeof(DeviceErrorRecord)));
+    const bool mx_shape = s.k % 128 == 0 && s.n % 128 == 0;
+    const MxBuffers mx = mx_shape ? make_mx_buffers(s, rng) : MxBuffers{};
     for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
       std::vector<std::vector<int32_t>> routings;
       for (int i = 0; i < 16; ++i) routings.push_back(verify::random_splits(rng, s.groups, s.rows, routing));
@@ -201,6 +283,12 @@ int run_kernel_bench(bool quick) {
       for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad}) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
         const double flops = 2.0 * s.rows * s.n * s.k;
+        if (mx_shape) {
+          const double mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
+          mx_table.add({s.name, routing_name(routing), phase_name(phase), fmt(r.grouped_ms, 3),
+                        fmt(flops / r.grouped_ms / 1e9, 1), fmt(mx_ms, 3), fmt(flops / mx_ms / 1e9, 1),
+                        fmt(r.grouped_ms / mx_ms, 2)});
+        }
         const double weight_gb = active * s.n * s.k * 2 / 1e9;
         const kernels::GemmPhase gp = phase == Phase::kFprop   ? kernels::GemmPhase::kFprop
                                       : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
@@ -219,6 +307,10 @@ int run_kernel_bench(bool quick) {
               std::min(replays, 20));
   table.print({"shape", "routing", "phase", "tile_n", "grouped ms", "TFLOP/s", "W GB/s", "dense ms", "dense TFLOP/s",
                "legacy ms", "vs dense", "vs legacy"});
+  std::printf("\nMXFP8 (e4m3 wgmma, per-32 E8M0 scales promoted every K block) vs BF16, same routings"
+              " (MXFP8 wgrad: groups 32-row aligned)\n");
+  mx_table.print({"shape", "routing", "phase", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
+                  "mxfp8 speed-up"});
   cudaStreamDestroy(stream);
   return 0;
 }

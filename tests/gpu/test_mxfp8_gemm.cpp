@@ -1,0 +1,254 @@
+// The MXFP8 ragged GEMM (fprop / dgrad form) against the fp64 reference on the dequantized
+// operands: random E4M3 codes with random per-32-block E8M0 scales spread over many binades, ragged
+// groups (empty ones, row_align gaps, padding past the last group), partial column tiles, bias
+// with a per-row scale, NaN scales propagating, and a captured launch replayed on new routings.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/routing/offsets.hpp"
+#include "src/verify/device_array.hpp"
+#include "src/verify/graph.hpp"
+#include "tests/common/expect.hpp"
+
+namespace moegraph::test {
+namespace {
+
+// OCP E4M3 (bias 7, subnormals, 0x7F / 0xFF NaN), written here from the format's definition.
+double e4m3_value(uint8_t code) {
+  const int sign = code >> 7, exp = (code >> 3) & 0xf, man = code & 7;
+  if (exp == 15 && man == 7) return std::nan("");
+  const double mag = exp == 0 ? std::ldexp(man / 8.0, -6) : std::ldexp(1.0 + man / 8.0, exp - 7);
+  return sign ? -mag : mag;
+}
+
+struct Mx {
+  std::vector<uint8_t> data, scales;  // [rows, k], [rows, k / 32]
+  Mat values;                         // dequantized
+};
+
+// Random finite codes; scales 2^(e - 127) with e in [127 - spread, 127 + spread].
+Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread) {
+  Mx m;
+  m.data.resize(rows * k);
+  m.scales.resize(rows * k / 32);
+  m.values.resize(rows * k);
+  std::uniform_int_distribution<int> code(0, 255), exp(127 - spread, 127 + spread);
+  for (auto& s : m.scales) s = static_cast<uint8_t>(exp(rng));
+  for (int64_t i = 0; i < rows * k; ++i) {
+    uint8_t c;
+    do c = static_cast<uint8_t>(code(rng));
+    while ((c & 0x7f) == 0x7f);
+    m.data[i] = c;
+    m.values[i] = e4m3_value(c) * std::ldexp(1.0, m.scales[i / 32] - 127);
+  }
+  return m;
+}
+
+struct GemmCase {
+  const char* name;
+  int groups;
+  int64_t k, n;
+  int row_align;
+  bool bias;
+  int spread;  // binades of scale spread around 1
+};
+
+class Mxfp8Gemm : public ::testing::TestWithParam<GemmCase> {};
+
+TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
+  const GemmCase c = GetParam();
+  std::mt19937_64 rng(test_seed(c.name));
+  const int64_t data_rows = 37 * c.groups + 5;
+  const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
+  verify::Stream stream;
+  kernels::prepare_mxfp8_gemm();
+  int device = 0, sms = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+
+  const Mx a = random_mx(rng, capacity, c.k, c.spread);
+  const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread);
+  const Mat bias = c.bias ? random_values(rng, c.groups * c.n, 0.5, DType::kBF16) : Mat{};
+  Mat scale = c.bias ? random_values(rng, capacity, 1.0, DType::kFP32) : Mat{};
+  DeviceArray<uint8_t> da(a.data.size()), das(a.scales.size()), db(b.data.size()), dbs(b.scales.size());
+  da.upload(a.data), das.upload(a.scales), db.upload(b.data), dbs.upload(b.scales);
+  DeviceArray<uint16_t> dbias(bias.size());
+  DeviceArray<float> dscale(scale.size());
+  if (c.bias) dbias.upload(to_device_bits(bias, DType::kBF16)), dscale.upload(std::vector<float>(scale.begin(), scale.end()));
+  DeviceArray<int32_t> dsplits(c.groups);
+  DeviceArray<int64_t> doffsets(c.groups + 1);
+  DeviceArray<DeviceErrorRecord> derr(1);
+  MG_CUDA_CHECK(cudaMemset(derr.get(), 0, sizeof(DeviceErrorRecord)));
+  DeviceArray<uint16_t> dc(capacity * c.n);
+
+  kernels::Mxfp8RaggedGemmParams p;
+  p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = c.n, p.k = c.k;
+  p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = c.groups;
+  p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
+  auto enqueue = [&] {
+    kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
+    kernels::launch_mxfp8_ragged_gemm(DType::kBF16, p, sms, stream.get());
+  };
+  auto check = [&](const std::vector<int32_t>& splits, const std::string& where) {
+    const GroupLayout layout = make_layout(splits, c.row_align, capacity);
+    const Mat ref = ref_fprop(layout, a.values, b.values, bias, scale, c.n, c.k);
+    const auto got_bits = dc.download();
+    Mat got(got_bits.size());
+    for (std::size_t i = 0; i < got.size(); ++i) got[i] = from_bits(got_bits[i], DType::kBF16);
+    EXPECT_TRUE(passed(all_close(where, got, ref, c.n, written_rows(layout), mxfp8_gemm_tolerance())));
+    // Padding past the last group keeps its poison: never written.
+    std::size_t touched = 0;
+    const auto written = written_rows(layout);
+    for (int64_t r = 0; r < capacity; ++r)
+      if (!written[r]) touched += got_bits[r * c.n] != 0xffff;
+    EXPECT_EQ(touched, 0u) << where << ": rows past the last group were written";
+  };
+
+  std::vector<int32_t> splits = random_splits(rng, c.groups, data_rows, Routing::kSkewed);
+  splits[0] = 0;  // an empty group
+  dsplits.upload(splits);
+  dc.poison();
+  enqueue();
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+  check(splits, detail::concat(c.name, " eager"));
+
+  verify::Graph graph(stream.get(), enqueue);
+  for (int replay = 0; replay < 2; ++replay) {
+    splits = random_splits(rng, c.groups, data_rows - replay * 11, Routing::kUniform);
+    dsplits.upload(splits);
+    dc.poison();
+    graph.launch(stream.get());
+    MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    check(splits, detail::concat(c.name, " graph replay ", replay));
+  }
+  EXPECT_EQ(derr.download()[0].code, 0);
+}
+
+const GemmCase kCases[] = {
+    {"g4_k256_n128", 4, 256, 128, 1, false, 4},
+    {"g8_k512_n384_bias_align32", 8, 512, 384, 32, true, 20},
+    {"g3_k1024_n136_partial_tile", 3, 1024, 136, 16, true, 24},
+    {"g64_k128_n256", 64, 128, 256, 1, false, 8},
+};
+INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// wgrad from column-wise operands: [cols][capacity] codes with block-major scales
+// [capacity / 32][cols]; rows outside the groups' data hold zero codes (the gap rows are zero in a
+// real step), rows past the last group hold garbage the kernel must not read.
+struct ColumnWise {
+  std::vector<uint8_t> data, scales;
+  Mat values;  // [capacity][cols], row-major (the reference's layout)
+};
+ColumnWise random_column_wise(std::mt19937_64& rng, const GroupLayout& l, int64_t cols, int spread) {
+  const int64_t cap = l.capacity_rows;
+  ColumnWise m;
+  m.data.resize(cols * cap);
+  m.scales.resize(cap / 32 * cols);
+  m.values.assign(cap * cols, 0.0);
+  const auto data = data_rows(l);
+  std::uniform_int_distribution<int> code(0, 255), exp(127 - spread, 127 + spread);
+  for (auto& v : m.scales) v = static_cast<uint8_t>(exp(rng));
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < cap; ++r) {
+      uint8_t q = static_cast<uint8_t>(code(rng));
+      if ((q & 0x7f) == 0x7f) q ^= 1;
+      const bool past_last = r >= l.offsets.back();
+      if (!data[r] && !past_last) q = 0;
+      m.data[c * cap + r] = q;
+      if (data[r]) m.values[r * cols + c] = e4m3_value(q) * std::ldexp(1.0, m.scales[(r / 32) * cols + c] - 127);
+    }
+  return m;
+}
+
+TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
+  std::mt19937_64 rng(test_seed("mxfp8_wgrad"));
+  const int groups = 6;
+  const int64_t n = 144, k = 272, data_rows_total = 700;
+  const int64_t capacity = (data_rows_total + groups * 31 + 64 + 31) / 32 * 32;
+  std::vector<int32_t> splits = random_splits(rng, groups, data_rows_total, Routing::kSkewed);
+  splits[2] = 0;
+  splits[4] += splits[5], splits[5] = 1;  // a one-row group
+  const GroupLayout layout = make_layout(splits, 32, capacity);
+  const ColumnWise dy = random_column_wise(rng, layout, n, 6), x = random_column_wise(rng, layout, k, 6);
+  const Mat ref = ref_wgrad(layout, dy.values, x.values, n, k);
+  kernels::prepare_mxfp8_gemm();
+  int device = 0, sms = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  DeviceArray<uint8_t> ddy(dy.data.size()), ddys(dy.scales.size()), dx(x.data.size()), dxs(x.scales.size());
+  ddy.upload(dy.data), ddys.upload(dy.scales), dx.upload(x.data), dxs.upload(x.scales);
+  DeviceArray<int32_t> dsplits(groups);
+  DeviceArray<int64_t> doffsets(groups + 1);
+  dsplits.upload(splits), doffsets.upload(layout.offsets);
+  DeviceArray<uint16_t> dw(groups * n * k);
+  DeviceArray<float> mg(groups * n * k);
+  kernels::Mxfp8WgradParams p;
+  p.dy_t = ddy.get(), p.dy_t_scales = ddys.get(), p.x_t = dx.get(), p.x_t_scales = dxs.get();
+  p.n = n, p.k = k, p.capacity_rows = capacity, p.splits = dsplits.get(), p.offsets = doffsets.get();
+  p.num_groups = groups;
+
+  dw.poison();
+  p.dweight = dw.get();
+  kernels::launch_mxfp8_wgrad(DType::kBF16, p, sms, nullptr);
+  const auto bits = dw.download();
+  Mat got(bits.size());
+  for (std::size_t i = 0; i < got.size(); ++i) got[i] = from_bits(bits[i], DType::kBF16);
+  EXPECT_TRUE(passed(all_close("mxfp8 wgrad dweight", got, ref, k, {}, mxfp8_gemm_tolerance())));
+
+  const Mat init = random_values(rng, groups * n * k, 1.0, DType::kFP32);
+  mg.upload(std::vector<float>(init.begin(), init.end()));
+  p.dweight = nullptr, p.main_grad = mg.get();
+  verify::Stream stream;
+  verify::Graph graph(stream.get(), [&] { kernels::launch_mxfp8_wgrad(DType::kBF16, p, sms, stream.get()); });
+  graph.launch(stream.get());
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+  const auto acc = mg.download();
+  Mat delta(acc.size());
+  for (std::size_t i = 0; i < acc.size(); ++i) delta[i] = acc[i] - init[i];
+  EXPECT_TRUE(passed(all_close("mxfp8 wgrad main_grad increment", delta, ref, k, {}, mxfp8_gemm_tolerance())));
+  for (int64_t i = 0; i < n * k; ++i)  // group 2 is empty: main_grad unchanged, bit for bit
+    ASSERT_EQ(acc[2 * n * k + i], static_cast<float>(init[2 * n * k + i])) << "empty group's main_grad changed";
+}
+
+// A NaN scale (E8M0 0xFF) poisons exactly the outputs that block feeds: never silently a number.
+TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
+  std::mt19937_64 rng(5);
+  const int groups = 2;
+  const int64_t k = 256, n = 128, rows = 64;
+  kernels::prepare_mxfp8_gemm();
+  int device = 0, sms = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  Mx a = random_mx(rng, rows, k, 2);
+  const Mx b = random_mx(rng, groups * n, k, 2);
+  a.scales[10 * (k / 32) + 3] = 0xff;  // row 10, K block 3
+  DeviceArray<uint8_t> da(a.data.size()), das(a.scales.size()), db(b.data.size()), dbs(b.scales.size());
+  da.upload(a.data), das.upload(a.scales), db.upload(b.data), dbs.upload(b.scales);
+  DeviceArray<int32_t> dsplits(groups);
+  DeviceArray<int64_t> doffsets(groups + 1);
+  DeviceArray<DeviceErrorRecord> derr(1);
+  MG_CUDA_CHECK(cudaMemset(derr.get(), 0, sizeof(DeviceErrorRecord)));
+  dsplits.upload({32, 32});
+  DeviceArray<uint16_t> dc(rows * n);
+  kernels::launch_group_offsets(dsplits.get(), groups, 1, rows, doffsets.get(), derr.get(), nullptr);
+  kernels::Mxfp8RaggedGemmParams p;
+  p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
+  p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = groups, p.c = dc.get();
+  kernels::launch_mxfp8_ragged_gemm(DType::kBF16, p, sms, nullptr);
+  const auto got = dc.download();
+  int nan_rows = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    int nans = 0;
+    for (int64_t col = 0; col < n; ++col) nans += std::isnan(from_bits(got[r * n + col], DType::kBF16));
+    if (r == 10) EXPECT_EQ(nans, n) << "every output of row 10 reads the NaN-scaled block";
+    else EXPECT_EQ(nans, 0) << "row " << r;
+    nan_rows += nans > 0;
+  }
+  EXPECT_EQ(nan_rows, 1);
+}
+
+}  // namespace
+}  // namespace moegraph::test
