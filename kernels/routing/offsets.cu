@@ -1,22 +1,13 @@
 #include <cub/block/block_scan.cuh>
 
 #include "kernels/routing/offsets.hpp"
+#include "kernels/routing/routing_common.cuh"
 #include "moegraph/error.hpp"
 
 namespace moegraph::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ void raise_error(DeviceErrorRecord* error, int code, int group, int64_t value, int64_t limit) {
-  if (atomicCAS(&error->code, 0, -1) == 0) {  // -1: being written; the host reads after a sync
-    error->group = group;
-    error->value = value;
-    error->limit = limit;
-    __threadfence();
-    atomicExch(&error->code, code);
-  }
-}
 
 __global__ void __launch_bounds__(kThreads) group_offsets_kernel(
     const int32_t* __restrict__ splits, int num_groups, int row_align, int64_t capacity,
@@ -37,7 +28,7 @@ __global__ void __launch_bounds__(kThreads) group_offsets_kernel(
     int64_t span = 0;
     if (e < num_groups) {
       const int32_t s = splits[e];
-      if (s < 0) raise_error(error, 1, e, s, 0);
+      if (s < 0) raise_routing_error(error, 1, e, s, 0);
       else span = (static_cast<int64_t>(s) + row_align - 1) / row_align * row_align;
     }
     int64_t inclusive, block_total;
@@ -51,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) group_offsets_kernel(
     if (tid == 0) carry += block_total;
     __syncthreads();
   }
-  if (tid == 0 && carry > capacity) raise_error(error, 2, first_past_capacity, carry, capacity);
+  if (tid == 0 && carry > capacity) raise_routing_error(error, 2, first_past_capacity, carry, capacity);
 }
 
 }  // namespace

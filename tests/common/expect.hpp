@@ -1,10 +1,13 @@
 // The GoogleTest adapter of the verification library (src/verify): its names in moegraph::test,
-// and its comparison results as assertions.
+// its comparison results as assertions, and the small host helpers the GPU suites share.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "src/verify/data.hpp"
 #include "src/verify/problem.hpp"
@@ -16,6 +19,22 @@ using namespace ::moegraph::verify;
 inline ::testing::AssertionResult passed(const CompareResult& result) {
   if (result.ok) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << result.message;
+}
+
+// Device 16-bit patterns of type `t` as values.
+inline Mat from_bits16(const std::vector<uint16_t>& bits, DType t) {
+  Mat out(bits.size());
+  for (std::size_t i = 0; i < bits.size(); ++i) out[i] = from_bits(bits[i], t);
+  return out;
+}
+
+// Bit-for-bit equality: rows past the last group are never written and keep their NaN poison,
+// which must compare equal to itself here.
+inline bool same_bits(const Mat& a, const Mat& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
+  return true;
 }
 
 // Every output of `set` against the fp64 reference, each its own expectation.

@@ -53,12 +53,6 @@ std::vector<float> to_floats(const Mat& v) {
   return out;
 }
 
-Mat from_bits16(const std::vector<uint16_t>& bits, DType t) {
-  Mat out(bits.size());
-  for (std::size_t i = 0; i < bits.size(); ++i) out[i] = from_bits(bits[i], t);
-  return out;
-}
-
 // Exact equality (floats by value: NaN never matches), reporting the first difference only.
 template <class T>
 ::testing::AssertionResult same(const std::string& what, const std::vector<T>& got, const std::vector<T>& want) {

@@ -58,21 +58,10 @@ Mat grid_values(std::mt19937_64& rng, std::size_t count, int range, double step)
   return v;
 }
 
-Mat download_bits(const DeviceArray<uint16_t>& a, DType t) {
-  const auto bits = a.download();
-  Mat out(bits.size());
-  for (std::size_t i = 0; i < bits.size(); ++i) out[i] = from_bits(bits[i], t);
-  return out;
-}
+Mat download_bits(const DeviceArray<uint16_t>& a, DType t) { return from_bits16(a.download(), t); }
 Mat download_floats(const DeviceArray<float>& a) {
   const auto v = a.download();
   return Mat(v.begin(), v.end());
-}
-bool same_bits(const Mat& a, const Mat& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
-  return true;
 }
 
 struct LayerOutputs {

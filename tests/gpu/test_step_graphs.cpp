@@ -2,8 +2,6 @@
 // the fp64 reference of the expert MLP, pipelined micro-batches, bucket rules, invalid splits.
 #include <gtest/gtest.h>
 
-#include <cmath>
-
 #include "moegraph/step_graphs.hpp"
 #include "src/verify/data.hpp"
 #include "src/verify/expert_mlp_reference.hpp"
@@ -35,9 +33,7 @@ Config small_config(bool delay, int row_align, bool main_grad) {
 Mat download(const void* p, std::size_t n, DType t) {
   std::vector<uint16_t> bits(n);
   MG_CUDA_CHECK(cudaMemcpy(bits.data(), p, n * 2, cudaMemcpyDeviceToHost));
-  Mat out(n);
-  for (std::size_t i = 0; i < n; ++i) out[i] = from_bits(bits[i], t);
-  return out;
+  return from_bits16(bits, t);
 }
 Mat download(const float* p, std::size_t n) {
   std::vector<float> v(n);
@@ -47,15 +43,6 @@ Mat download(const float* p, std::size_t n) {
 void upload(void* p, const Mat& v, DType t) {
   const auto bits = to_device_bits(v, t);
   MG_CUDA_CHECK(cudaMemcpy(p, bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-}
-
-// Bit-for-bit equality: rows past the last group are never written and keep their NaN poison,
-// which must compare equal to itself here.
-bool same_bits(const Mat& a, const Mat& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
-  return true;
 }
 
 // Everything a step produces, read back.

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/quantize/mxfp8.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "moegraph/error.hpp"
 #include "src/common/device_buffer.hpp"
@@ -229,6 +230,36 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   return {median(tg), median(td), median(tl)};
 }
 
+// Quantizing the bf16 activations x [rows, k] (32-aligned groups) into both MXFP8 copies from one
+// read: the bytes moved over the time, graph-replayed.
+double run_quantize(const Shape& s, Buffers& b, const MxBuffers& mx, int replays, cudaStream_t stream,
+                    double* gbps) {
+  auto off32 = mx.offsets32.as<int64_t>();
+  DeviceBuffer row_data(mx.cap32 * s.k), row_scales(mx.cap32 * s.k / 32), col_data(mx.cap32 * s.k),
+      col_scales(mx.cap32 * s.k / 32), x(mx.cap32 * s.k * 2);
+  MG_CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3c, x.bytes(), stream));  // 1.16 in every bf16: finite, non-zero
+  const kernels::Mxfp8Rowwise row{row_data.as<uint8_t>(), row_scales.as<uint8_t>()};
+  const kernels::Mxfp8Colwise col{col_data.as<uint8_t>(), col_scales.as<uint8_t>()};
+  auto quantize = [&] {
+    kernels::launch_group_offsets(b.splits.as<int32_t>(), s.groups, 32, mx.cap32, off32,
+                                  b.error.as<DeviceErrorRecord>(), stream);
+    kernels::launch_quantize_mxfp8(DType::kBF16, x.get(), mx.cap32, s.k, off32, s.groups, &row, &col, stream);
+  };
+  quantize();
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+  GraphExec graph(stream, quantize);
+  EventTimer timer;
+  std::vector<float> t;
+  for (int i = 0; i < replays; ++i) t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
+  const double ms = median(t);
+  int64_t used = 0;
+  std::vector<int64_t> offsets(s.groups + 1);
+  MG_CUDA_CHECK(cudaMemcpy(offsets.data(), off32, offsets.size() * 8, cudaMemcpyDeviceToHost));
+  used = offsets.back();
+  *gbps = used * s.k * (2.0 + 2 * (1 + 1.0 / 32)) / ms / 1e6;
+  return ms;
+}
+
 }  // namespace
 
 int run_kernel_bench(bool quick) {
@@ -246,7 +277,7 @@ int run_kernel_bench(bool quick) {
   if (quick) shapes.assign(std::begin(kQuickShapes), std::end(kQuickShapes));
   else shapes.assign(std::begin(kShapes), std::end(kShapes));
   const int replays = quick ? 15 : 40;
-  Table table, mx_table;
+  Table table, mx_table, q_table;
   int done = 0;
   const int total = static_cast<int>(shapes.size()) * 2 * 3;
   for (const Shape& s : shapes) {
@@ -280,6 +311,12 @@ int run_kernel_bench(bool quick) {
       double active = 0;  // mean number of experts that received tokens (decode weight traffic)
       for (auto& r : routings) active += std::count_if(r.begin(), r.end(), [](int32_t v) { return v > 0; });
       active /= routings.size();
+      if (mx_shape && routing == Routing::kUniform) {
+        MG_CUDA_CHECK(cudaMemcpy(b.splits.get(), routings[0].data(), s.groups * 4, cudaMemcpyHostToDevice));
+        double gbps = 0;
+        const double ms = run_quantize(s, b, mx, replays, stream, &gbps);
+        q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), fmt(ms, 3), fmt(gbps, 0)});
+      }
       for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad}) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
         const double flops = 2.0 * s.rows * s.n * s.k;
@@ -311,6 +348,8 @@ int run_kernel_bench(bool quick) {
               " (MXFP8 wgrad: groups 32-row aligned)\n");
   mx_table.print({"shape", "routing", "phase", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
                   "mxfp8 speed-up"});
+  std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing\n");
+  q_table.print({"shape", "x", "ms", "GB/s moved"});
   cudaStreamDestroy(stream);
   return 0;
 }

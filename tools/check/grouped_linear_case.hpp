@@ -18,9 +18,7 @@ struct GroupedLinearCase {
   verify::CaseSpec spec;  // shape, dtype, wgrad output and tolerance; the splits come from `routing`
   RoutingSpec routing;
   uint64_t data_seed = 0;
-  // Phases. backward and wgrad_delayed run a forward_train first (it saves their context), and
-  // forward_train alone is followed by a backward (which frees the context), unchecked.
-  bool forward = false, forward_train = false, backward = false, wgrad_delayed = false;
+  PhaseSet phases;
   int replays = 3;
   std::string json;  // the case as written, for dumps
 };
@@ -37,11 +35,8 @@ class GroupedLinearRunner final : public CaseRunner {
   GroupedLinearCase case_;
 };
 
-// What one step of a grouped-linear case enqueues, and the outputs it writes.
-enum class GroupedLinearStep { kInference, kTraining, kTrainingDelayedWgrad };
-
 // Writes the problem's inputs, the outputs of `last_step` and their references under `dir`.
-void dump_grouped_linear(const verify::Problem& p, GroupedLinearStep last_step, const std::string& run_label,
+void dump_grouped_linear(const verify::Problem& p, CaseStep last_step, const std::string& run_label,
                          const std::string& case_json, const std::filesystem::path& dir);
 
 }  // namespace moegraph::check

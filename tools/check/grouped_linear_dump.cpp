@@ -36,7 +36,7 @@ Checked: y, dx and dbias_scale on rows < offsets[G] (padding rows past the last 
 
 }  // namespace
 
-void dump_grouped_linear(const verify::Problem& p, GroupedLinearStep last_step, const std::string& run_label,
+void dump_grouped_linear(const verify::Problem& p, CaseStep last_step, const std::string& run_label,
                          const std::string& case_json, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
   const int64_t rows = p.layout.capacity_rows, g = p.spec.groups, n = p.spec.n, k = p.spec.k;
@@ -50,7 +50,7 @@ void dump_grouped_linear(const verify::Problem& p, GroupedLinearStep last_step, 
   write_npy(dir / "offsets.npy", p.layout.offsets, {g + 1});
 
   std::vector<OutputSet> written{OutputSet::kForward};
-  if (last_step != GroupedLinearStep::kInference)
+  if (last_step != CaseStep::kInference)
     written.insert(written.end(), {OutputSet::kDgrad, OutputSet::kBiasGrads, OutputSet::kWgrad});
   std::string tolerances;
   for (OutputSet set : written)

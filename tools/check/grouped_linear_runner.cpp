@@ -19,26 +19,7 @@ namespace {
 
 using verify::OutputSet;
 using verify::Problem;
-using Step = GroupedLinearStep;
-
-// One step of the case and what its phases ask to check.
-struct StepPlan {
-  Step step;
-  bool check_y;      // the forward output
-  bool check_grads;  // dx, the bias gradients and the weight gradient
-  const char* label;
-};
-
-std::vector<StepPlan> plan_steps(const GroupedLinearCase& c) {
-  std::vector<StepPlan> plans;
-  if (c.forward) plans.push_back({Step::kInference, true, false, "forward"});
-  // The immediate step also gives the bits the delayed weight gradient must reproduce.
-  if (c.forward_train || c.backward || c.wgrad_delayed)
-    plans.push_back({Step::kTraining, c.forward_train, c.backward, "forward_train+backward"});
-  if (c.wgrad_delayed)
-    plans.push_back({Step::kTrainingDelayedWgrad, c.forward_train, true, "forward_train+backward+wgrad_delayed"});
-  return plans;
-}
+using Step = CaseStep;
 
 void enqueue(Problem& p, Step step, cudaStream_t stream) {
   if (step == Step::kInference) {
@@ -109,7 +90,7 @@ class CaseRun {
     p_.op->check_device_errors(stream_.get());
 
     std::vector<OutputSet> sets;
-    if (plan.check_y) sets.push_back(OutputSet::kForward);
+    if (plan.check_forward) sets.push_back(OutputSet::kForward);
     if (plan.check_grads) sets.insert(sets.end(), {OutputSet::kDgrad, OutputSet::kBiasGrads, OutputSet::kWgrad});
     for (OutputSet set : sets)
       for (const verify::CompareResult& r : p_.check(set, where)) {
@@ -144,7 +125,7 @@ CaseOutcome GroupedLinearRunner::run(const RunSettings& settings) {
   verify::CaseSpec spec = case_.spec;
   spec.splits = routing.next();
   Problem p(spec, case_.data_seed);
-  CaseRun run(p, plan_steps(case_));
+  CaseRun run(p, plan_steps(case_.phases));
 
   CaseOutcome outcome;
   try {

@@ -2,8 +2,6 @@
 // check case files on machines that cannot run them.
 #include "tools/check/moe_layer_case.hpp"
 
-#include <cmath>
-
 #include "moegraph/error.hpp"
 
 namespace moegraph::check {
@@ -14,14 +12,6 @@ using config_detail::integer_in;
 // Token counts per case: enough for every routing edge, small enough for the fp64 reference.
 constexpr int64_t kMaxTokens = 65536;
 constexpr std::size_t kMaxTokenCounts = 64;
-
-int64_t feature_dim(const JsonObject& shape, std::string_view key) {
-  const std::string path = shape.path(key);
-  const char* rule = "a multiple of 16 in [16, 65536]";
-  const int64_t v = integer_in(shape.required(key), path, 16, 65536, rule);
-  MG_CONFIG_CHECK(v % 16 == 0, path, " must be ", rule, ", got ", v);
-  return v;
-}
 
 void read_shape(const Json& value, MoeLayerCase& c) {
   const JsonObject shape(value, "shape", {"experts", "hidden", "ffn", "top_k", "bias", "row_align", "max_tokens"});
@@ -34,12 +24,7 @@ void read_shape(const Json& value, MoeLayerCase& c) {
   MG_CONFIG_CHECK(c.top_k <= c.experts, shape.path("top_k"), " must be at most shape.experts (", c.experts,
                   "), got ", c.top_k);
   c.bias = optional_value(shape, "bias", false, config_detail::boolean);
-  c.row_align = static_cast<int>(optional_value(shape, "row_align", int64_t{1}, [](const Json& v, const std::string& path) {
-    const int64_t align = integer_in(v, path, 1, 128, "1, 16, 32 or 128");
-    MG_CONFIG_CHECK(align == 1 || align == 16 || align == 32 || align == 128, path, " must be 1, 16, 32 or 128, got ",
-                    align);
-    return align;
-  }));
+  c.row_align = static_cast<int>(optional_value(shape, "row_align", int64_t{1}, read_row_align));
   c.max_tokens = integer_in(shape.required("max_tokens"), shape.path("max_tokens"), 1, kMaxTokens);
 }
 
@@ -51,12 +36,6 @@ void read_tokens(const JsonObject& o, MoeLayerCase& c) {
   for (std::size_t i = 0; i < items.size(); ++i)
     c.tokens.push_back(integer_in(items[i], detail::concat(path, "[", i, "]"), 0, c.max_tokens,
                                   detail::concat("in [0, shape.max_tokens] = [0, ", c.max_tokens, "]")));
-}
-
-double number_in(const Json& value, const std::string& path, double lo, double hi) {
-  const double x = config_detail::number(value, path);
-  MG_CONFIG_CHECK(std::isfinite(x) && x >= lo && x <= hi, path, " must be in [", lo, ", ", hi, "], got ", x);
-  return x;
 }
 
 void read_router(const JsonObject& o, MoeLayerCase& c) {
@@ -77,41 +56,11 @@ void read_router(const JsonObject& o, MoeLayerCase& c) {
   c.fuse_weights = optional_value(r, "fuse_weights", false, config_detail::boolean);
 }
 
-void read_phases(const JsonObject& o, MoeLayerCase& c) {
-  const Json* value = o.find("phases");
-  if (value == nullptr) {
-    c.forward = c.forward_train = c.backward = c.wgrad_delayed = true;
-    return;
-  }
-  const std::string path = o.path("phases");
-  const auto& items = config_detail::array(*value, path);
-  MG_CONFIG_CHECK(!items.empty(), path, " must list at least one phase");
-  for (std::size_t i = 0; i < items.size(); ++i) {
-    const std::string phase =
-        choice(items[i], detail::concat(path, "[", i, "]"), {"forward", "forward_train", "backward", "wgrad_delayed"});
-    bool& flag = phase == "forward"         ? c.forward
-                 : phase == "forward_train" ? c.forward_train
-                 : phase == "backward"      ? c.backward
-                                            : c.wgrad_delayed;
-    MG_CONFIG_CHECK(!flag, path, " lists ", in_quotes(phase), " twice");
-    flag = true;
-  }
-}
-
-verify::Tolerance read_tolerance(const Json& value, verify::Tolerance tol) {
-  const JsonObject o(value, "tolerance", {"rtol", "atol", "rel_fro"});
-  auto bound = [](const Json& v, const std::string& path) { return number_in(v, path, 0.0, 1.0); };
-  tol.rtol = optional_value(o, "rtol", tol.rtol, bound);
-  tol.atol = optional_value(o, "atol", tol.atol, bound);
-  tol.rel_fro = optional_value(o, "rel_fro", tol.rel_fro, bound);
-  return tol;
-}
-
 // The layer's own set-up rules, so a case it would refuse fails here and not on the GPU.
 void check_layer_accepts(const MoeLayerCase& c) {
   try {
     validate(moe_layer_options(c, false));
-    if (c.wgrad_delayed) validate(moe_layer_options(c, true));
+    if (c.phases.wgrad_delayed) validate(moe_layer_options(c, true));
   } catch (const Error& e) {
     MG_CONFIG_FAIL("MoeLayer refuses this case: ", e.message());
   }
@@ -152,23 +101,11 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
   read_tokens(o, c);
   read_router(o, c);
 
-  const std::string dtype = optional_value(o, "dtype", std::string("bf16"), [](const Json& v, const std::string& p) {
-    return choice(v, p, {"bf16", "fp16"});
-  });
-  c.dtype = dtype == "fp16" ? DType::kFP16 : DType::kBF16;
-  read_phases(o, c);
+  c.dtype = read_dtype(o);
+  c.phases = read_phases(o);
 
-  // The weight gradients are written in the layer's dtype, or accumulated into fp32 main_grad.
-  const std::string wgrad = optional_value(o, "wgrad", dtype, [&](const Json& v, const std::string& p) {
-    const std::string w = choice(v, p, {"bf16", "fp16", "main_grad"});
-    MG_CONFIG_CHECK(w == "main_grad" || w == dtype, p, " ", in_quotes(w), " would write the weight gradients in ", w,
-                    ", but the layer's dtype is ", dtype, ": use ", in_quotes(dtype), " or \"main_grad\"");
-    return w;
-  });
-  c.main_grad = wgrad == "main_grad";
-  c.replays = static_cast<int>(optional_value(o, "replays", int64_t{3}, [](const Json& v, const std::string& p) {
-    return integer_in(v, p, 1, 1000);
-  }));
+  c.main_grad = read_main_grad(o, c.dtype, "the weight gradients");
+  c.replays = read_replays(o);
   if (const Json* tol = o.find("tolerance")) c.tolerance = read_tolerance(*tol, verify::chain_tolerance_for(c.dtype));
 
   check_layer_accepts(c);

@@ -34,15 +34,13 @@ struct MoeLayerCase {
   bool fuse_weights = false;
   DType dtype = DType::kBF16;
   bool main_grad = false;  // weight gradients accumulate into fp32 main_grad (else written in dtype)
-  // Phases, as for grouped_linear: backward and wgrad_delayed run a forward_train first, and
-  // forward_train alone is followed by an unchecked backward (which frees its context).
-  bool forward = false, forward_train = false, backward = false, wgrad_delayed = false;
+  PhaseSet phases;
   int replays = 3;                             // graph replays of every token count
   std::optional<verify::Tolerance> tolerance;  // default: chain_tolerance_for(dtype)
   uint64_t data_seed = 0;
   std::string json;  // the case as written, for dumps
 
-  bool training() const { return forward_train || backward || wgrad_delayed; }
+  bool training() const { return phases.training(); }
 };
 
 // The layer options of a case; `delay_wgrad` picks the layer whose backward queues the weight

@@ -36,25 +36,7 @@ constexpr verify::Tolerance kAuxLossTolerance{1e-4, 0.0, 1e-4};
 constexpr double kMinLogitGap = 1e-3;
 constexpr int kMaxRedraws = 1000;
 
-enum class Step { kInference, kTraining, kTrainingDelayedWgrad };
-
-// One step of the case and what its phases ask to check.
-struct StepPlan {
-  Step step;
-  bool check_forward;  // y and the aux loss
-  bool check_grads;    // dx, the router, weight and bias gradients
-  const char* label;
-};
-
-std::vector<StepPlan> plan_steps(const MoeLayerCase& c) {
-  std::vector<StepPlan> plans;
-  if (c.forward) plans.push_back({Step::kInference, true, false, "forward"});
-  // The immediate step also gives the bits the delayed weight gradients must reproduce.
-  if (c.training()) plans.push_back({Step::kTraining, c.forward_train, c.backward, "forward_train+backward"});
-  if (c.wgrad_delayed)
-    plans.push_back({Step::kTrainingDelayedWgrad, c.forward_train, true, "forward_train+backward+wgrad_delayed"});
-  return plans;
-}
+using Step = CaseStep;
 
 void enqueue(MoeLayer& layer, Step step, const MoeLayerIO& io, cudaStream_t stream) {
   if (step == Step::kInference) {
@@ -142,7 +124,7 @@ class MoeProblem {
     }
     immediate_ = std::make_unique<MoeLayer>(options_, weights);
     // The wgrad_delayed step needs a layer whose backward queues: delay_wgrad is a set-up option.
-    if (c.wgrad_delayed) delayed_ = std::make_unique<MoeLayer>(moe_layer_options(c, true), weights);
+    if (c.phases.wgrad_delayed) delayed_ = std::make_unique<MoeLayer>(moe_layer_options(c, true), weights);
   }
 
   // Fresh x and dy for `n` tokens, uploaded with NaN in the rows past n, and their reference.
@@ -361,7 +343,7 @@ class MoeProblem {
 // The state of one case run: the steps, the last run (for --dump), the worst error so far.
 class CaseRun {
  public:
-  CaseRun(const MoeLayerCase& c, MoeProblem& p) : c_(c), p_(p), plans_(plan_steps(c)) {}
+  CaseRun(const MoeLayerCase& c, MoeProblem& p) : c_(c), p_(p), plans_(plan_steps(c.phases)) {}
 
   // Eager: every step once per token count, with direct calls. This is also the warm-up before capture.
   bool run_eager() {

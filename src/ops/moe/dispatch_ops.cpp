@@ -5,8 +5,8 @@
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 #include "src/common/device_buffer.hpp"
+#include "src/ops/moe/device_record.hpp"
 #include "src/ops/moe/op_spec.hpp"
-#include "src/ops/shape_rules.hpp"
 
 namespace moegraph::layer {
 namespace {
@@ -80,13 +80,7 @@ class DispatchOp final : public LayerOp {
                                   o_.top_k, o_.hidden, p.io->dx, stream);
   }
 
-  std::string take_device_error() override {
-    DeviceErrorRecord record{};
-    MG_CUDA_CHECK(cudaMemcpy(&record, error_.get(), sizeof(record), cudaMemcpyDeviceToHost));
-    if (record.code == 0) return {};
-    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(record)));
-    return "dispatch: " + describe_device_error(record, o_.row_align);
-  }
+  std::string take_device_error() override { return take_error_record(error_, o_.row_align, "dispatch"); }
 
   uint64_t take_dropped() override {
     unsigned long long dropped = 0;

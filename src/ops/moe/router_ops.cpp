@@ -7,9 +7,9 @@
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 #include "src/common/device_buffer.hpp"
+#include "src/ops/moe/device_record.hpp"
 #include "src/cublaslt/lt_gemm.hpp"
 #include "src/ops/moe/op_spec.hpp"
-#include "src/ops/shape_rules.hpp"
 
 namespace moegraph::layer {
 namespace {
@@ -109,13 +109,7 @@ class RouterOp final : public LayerOp {
     run_wgrad(*t, slot, stream);
   }
 
-  std::string take_device_error() override {
-    DeviceErrorRecord record{};
-    MG_CUDA_CHECK(cudaMemcpy(&record, error_.get(), sizeof(record), cudaMemcpyDeviceToHost));
-    if (record.code == 0) return {};
-    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(record)));
-    return "router: " + describe_device_error(record, o_.row_align);
-  }
+  std::string take_device_error() override { return take_error_record(error_, o_.row_align, "router"); }
 
  private:
   // logits [T, E] (fp32) = x [T, H] · W_r^T

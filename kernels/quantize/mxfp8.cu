@@ -1,0 +1,420 @@
+// MXFP8 quantize / dequantize kernels (launchers and layouts in mxfp8.hpp, rules in docs/mxfp8.md).
+//
+// Quantize: a persistent grid walks the 32 x 128 tiles of the used rows, row-major within each
+// batch (activations: one batch; weights: one batch per expert). 32 rows make one column-wise
+// block per column, 128 columns four row-wise blocks per row. Each tile is read once, as 16-byte
+// vectors into registers: the row-wise copy is made from registers (a lane pair per block), the
+// column-wise one from a swizzled shared-memory transpose (a lane pair per block, 16 rows each).
+// The next tile's vectors are loaded before the current one is converted, and the shared tile is
+// double-buffered, so one barrier per tile suffices.
+//
+// This file must be compiled without flush-to-zero (no -ftz=true / --use_fast_math): bf16
+// subnormal inputs and the 2^-127 scale are fp32 subnormals, and the rules keep them exact.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common/row_lanes.cuh"
+#include "kernels/quantize/mxfp8.hpp"
+#include "moegraph/error.hpp"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+#error "mxfp8.cu needs sm_89 or newer: the E4M3 conversions are the hardware cvt instructions"
+#endif
+
+namespace moegraph::kernels {
+namespace {
+
+constexpr int kThreads = 256;
+// Six resident blocks per SM (40 registers, 96 KB of double-buffered tiles): enough 16-byte loads
+// in flight to cover HBM latency.
+constexpr int kMinBlocksPerSm = 6;
+constexpr int kTileRows = kMxBlock;               // one column-wise block per column
+constexpr int kTileCols = 128;                    // four row-wise blocks per row
+constexpr int kChunk = 16;                        // elements per thread: two 16-byte vectors
+constexpr int kChunksPerRow = kTileCols / kChunk;  // 8
+constexpr int kUnitsPerRow = kTileCols * 2 / 16;  // 16-byte units in a tile row of 16-bit elements
+static_assert(kTileRows * kChunksPerRow == kThreads, "row role: one 16-element chunk per thread");
+static_assert(kTileCols * 2 == kThreads, "column role: one half column (16 rows) per thread");
+static_assert(2 * kChunk == kMxBlock, "a lane pair holds one block in either role");
+
+// ---- The format rules, shared by every kernel ---------------------------------------------------
+
+// 16-bit inputs as raw bits: |bits| (sign cleared) orders finite magnitudes, and
+// |bits| >= kNonFinite is ±Inf or NaN.
+template <class T>
+struct Format16;
+template <>
+struct Format16<__nv_bfloat16> {
+  static constexpr uint32_t kNonFinite = 0x7f80u;
+  static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
+};
+template <>
+struct Format16<__half> {
+  static constexpr uint32_t kNonFinite = 0x7c00u;
+  static __device__ __forceinline__ float to_float(uint32_t bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+};
+
+// E8M0 byte of a block with finite amax: the smallest e with amax <= 448 * 2^e, clamped into
+// [-127, 127], plus 127. With amax = 1.f * 2^p that is p - 8 when 1.f <= 1.75 (448 = 1.75 * 2^8),
+// else p - 7. An amax below 2^-126 (zero, or an fp32 subnormal) needs e <= -134: byte 0.
+__device__ __forceinline__ uint32_t mx_scale_byte(float amax) {
+  const uint32_t bits = __float_as_uint(amax);
+  const int biased = static_cast<int>(bits >> 23);
+  if (biased == 0) return 0;
+  const int e = biased - 127 - 8 + ((bits & 0x7fffffu) > 0x600000u ? 1 : 0);
+  return static_cast<uint32_t>(min(max(e, -127), 127) + 127);
+}
+
+// 2^(127 - byte) for a byte in [0, 254]: multiplying by it divides by the scale exactly (as long
+// as the quotient stays an fp32 normal; smaller quotients encode to ±0 either way).
+__device__ __forceinline__ float mx_inverse_scale(uint32_t byte) {
+  return byte == 254 ? __uint_as_float(0x00400000u) : __uint_as_float((254u - byte) << 23);
+}
+
+// 2^(byte - 127); NaN for 0xFF. 2^-127 is an fp32 subnormal.
+__device__ __forceinline__ float mx_scale_value(uint32_t byte) {
+  if (byte == kE8m0NaN) return __uint_as_float(0x7fffffffu);
+  return byte == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(byte << 23);
+}
+
+// Two fp32 values -> two E4M3 bytes, `lo` in the low byte: round to nearest even (subnormals
+// kept; a value that rounds to zero keeps its sign), magnitudes past 448 saturate to ±448,
+// NaN -> 0x7F. One hardware conversion: cvt.rn.satfinite.e4m3x2.f32.
+__device__ __forceinline__ uint32_t encode_e4m3x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+// Two E4M3 bytes (the low one in .x) -> fp32, exactly (E4M3 is a subset of fp16); NaN codes give NaN.
+__device__ __forceinline__ float2 decode_e4m3x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+// |bits| maximum of 16 elements held as 8 words (element 2i in the low half of word i).
+__device__ __forceinline__ uint32_t abs_bits_max16(const uint32_t (&w)[8]) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = __vmaxu2(m, w[i] & 0x7fff7fffu);
+  return max(m & 0xffffu, m >> 16);
+}
+
+// The scale byte of a block from the |bits| maximum of its elements: NaN when any is ±Inf or NaN.
+template <class T>
+__device__ __forceinline__ uint32_t block_scale_byte(uint32_t abs_bits_max) {
+  if (abs_bits_max >= Format16<T>::kNonFinite) return kE8m0NaN;
+  return mx_scale_byte(Format16<T>::to_float(abs_bits_max));
+}
+
+// 16 elements of a block with scale `byte` -> 16 E4M3 bytes (element i in byte i).
+template <class T>
+__device__ __forceinline__ uint4 encode16(const uint32_t (&w)[8], uint32_t byte) {
+  constexpr uint32_t kNaN4 = kE4m3NaN * 0x01010101u;
+  if (byte == kE8m0NaN) return make_uint4(kNaN4, kNaN4, kNaN4, kNaN4);
+  const float inv = mx_inverse_scale(byte);
+  uint32_t out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t a = w[2 * i], b = w[2 * i + 1];
+    const uint32_t lo = encode_e4m3x2(Format16<T>::to_float(a & 0xffffu) * inv, Format16<T>::to_float(a >> 16) * inv);
+    const uint32_t hi = encode_e4m3x2(Format16<T>::to_float(b & 0xffffu) * inv, Format16<T>::to_float(b >> 16) * inv);
+    out[i] = lo | (hi << 16);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// ---- Quantize -------------------------------------------------------------------------------
+
+struct QuantizeArgs {
+  const uint16_t* x = nullptr;       // [batches, rows, cols] bf16 or fp16 bits
+  int64_t rows = 0, cols = 0;        // rows: the capacity (stride of batches and of column-wise data)
+  int batches = 1;
+  const int64_t* used_rows = nullptr;  // device: rows [0, *used_rows) of each batch; null: all rows
+  Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
+  Mxfp8Colwise colwise;              // [batches, cols, rows] and scales, see block_major_scales
+  // Column-wise scales: block-major [batches, rows / 32, cols] (activations: what the wgrad GEMM
+  // reads), or [batches, cols, rows / 32] (weights: the transposed copy is W_e^T row-wise for dgrad).
+  bool block_major_scales = false;
+};
+
+struct Tile {
+  int64_t batch, row0, col0;
+  uint32_t row_tile;
+};
+
+// Tile t of the row-major walk (the launcher checks that the tile count fits 32 bits).
+__device__ __forceinline__ Tile locate_tile(uint32_t t, uint32_t row_tiles, uint32_t col_tiles) {
+  const uint32_t per_batch = row_tiles * col_tiles;
+  const uint32_t batch = t / per_batch, rem = t - batch * per_batch;
+  const uint32_t row_tile = rem / col_tiles, col_tile = rem - row_tile * col_tiles;
+  return Tile{batch, int64_t{row_tile} * kTileRows, int64_t{col_tile} * kTileCols, row_tile};
+}
+
+// The 16 elements [col, col + 16) of tile row `row` as two 16-byte vectors; zeros past the used
+// rows or the columns (nothing is read there).
+__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row, int col,
+                                           uint4 (&v)[2]) {
+  const int64_t r = t.row0 + row, c = t.col0 + col;
+  if (r < used && c < a.cols) {
+    const uint4* src = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + r) * a.cols + c);
+    v[0] = __ldg(src);
+    v[1] = __ldg(src + 1);
+  } else {
+    v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Shared tile (kTileRows, kTileCols) of 16-bit elements as 16-byte units. Flipping bit 0 of the
+// upper eight units spreads each eight-lane phase of the row role's 16-byte stores (units 2k, or
+// 2k + 1, of one row) over all banks; flipping bit 1 for rows 16..31 puts the column role's reads
+// (16 columns of rows i and 16 + i per warp) on four distinct bank groups.
+__device__ __forceinline__ int swizzled_unit(int row, int unit) {
+  return row * kUnitsPerRow + (unit ^ ((unit >> 3) & 1) ^ (((row >> 4) & 1) << 1));
+}
+
+// Row role: this thread's 16 elements and its neighbour lane's (thread ^ 1) form one block.
+template <class T>
+__device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row,
+                                                   int col, const uint4 (&v)[2]) {
+  const uint32_t w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
+  uint32_t m = abs_bits_max16(w);
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+  const int64_t r = t.row0 + row, c = t.col0 + col;
+  if (r >= used || c >= a.cols) return;
+  const uint32_t byte = block_scale_byte<T>(m);
+  const int64_t at = (t.batch * a.rows + r) * a.cols + c;
+  *reinterpret_cast<uint4*>(a.rowwise.data + at) = encode16<T>(w, byte);
+  if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
+}
+
+// Column role: rows [16 * half, 16 * half + 16) of tile column `col`; lane ^ 16 holds the other half.
+template <class T>
+__device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, const Tile& t, int64_t used,
+                                                     const uint4* tile, int col, int half) {
+  const uint16_t* elems = reinterpret_cast<const uint16_t*>(tile);
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = half * 16 + 2 * i;
+    const uint32_t even = elems[swizzled_unit(r, col / 8) * 8 + col % 8];
+    const uint32_t odd = elems[swizzled_unit(r + 1, col / 8) * 8 + col % 8];
+    w[i] = even | (odd << 16);
+  }
+  uint32_t m = abs_bits_max16(w);
+  m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+  const int64_t c = t.col0 + col;
+  if (c >= a.cols) return;
+  const uint32_t byte = block_scale_byte<T>(m);
+  const uint4 q = encode16<T>(w, byte);
+  const int64_t r0 = t.row0 + half * 16;
+  uint8_t* dst = a.colwise.data + (t.batch * a.cols + c) * a.rows + r0;
+  if (r0 + 16 <= used) {
+    *reinterpret_cast<uint4*>(dst) = q;
+  } else {  // the last block of an offsets[G] that is not a multiple of 32: rows below it only
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (r0 + i < used) dst[i] = static_cast<uint8_t>(word_of(q, i / 4) >> (8 * (i % 4)));
+  }
+  const int64_t blocks = a.rows / kMxBlock;
+  const int64_t at = a.block_major_scales ? (t.batch * blocks + t.row_tile) * a.cols + c
+                                          : (t.batch * a.cols + c) * blocks + t.row_tile;
+  if (half == 0) a.colwise.scales[at] = static_cast<uint8_t>(byte);
+}
+
+template <class T, bool kRow, bool kCol>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a) {
+  // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
+  __shared__ uint4 shared_tiles[kCol ? 2 : 1][kCol ? kTileRows * kUnitsPerRow : 1];
+  const int64_t used = a.used_rows == nullptr ? a.rows : min(max(*a.used_rows, int64_t{0}), a.rows);
+  const uint32_t row_tiles = static_cast<uint32_t>((used + kTileRows - 1) / kTileRows);
+  const uint32_t col_tiles = static_cast<uint32_t>((a.cols + kTileCols - 1) / kTileCols);
+  const uint32_t total = row_tiles * col_tiles * static_cast<uint32_t>(a.batches);
+  if (blockIdx.x >= total) return;  // uniform over the block
+
+  const int lane = threadIdx.x & 31;
+  const int chunk_row = threadIdx.x / kChunksPerRow, chunk_col = threadIdx.x % kChunksPerRow * kChunk;
+  const int col = threadIdx.x / 32 * 16 + (lane & 15), half = lane >> 4;  // column role
+
+  Tile tile = locate_tile(blockIdx.x, row_tiles, col_tiles);
+  uint4 v[2];
+  load_chunk(a, tile, used, chunk_row, chunk_col, v);
+  int buf = 0;
+  for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+    // The next tile's loads go out first and stay in flight while this tile is converted.
+    const uint32_t next = t + gridDim.x;
+    Tile next_tile = tile;
+    uint4 next_v[2] = {};
+    if (next < total) {
+      next_tile = locate_tile(next, row_tiles, col_tiles);
+      load_chunk(a, next_tile, used, chunk_row, chunk_col, next_v);
+    }
+    if constexpr (kCol) {
+      shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8)] = v[0];
+      shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8 + 1)] = v[1];
+    }
+    if constexpr (kRow) quantize_row_chunk<T>(a, tile, used, chunk_row, chunk_col, v);
+    if constexpr (kCol) {
+      // One barrier per tile: a thread writes buffer `buf` again two tiles later, after every
+      // thread has passed the next tile's barrier, so after every read of this tile.
+      __syncthreads();
+      quantize_column_half<T>(a, tile, used, shared_tiles[buf], col, half);
+      buf ^= 1;
+    }
+    tile = next_tile;
+    v[0] = next_v[0];
+    v[1] = next_v[1];
+  }
+}
+
+template <class T, bool kRow, bool kCol>
+void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+  static const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
+  const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
+  quantize_mxfp8_kernel<T, kRow, kCol><<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a);
+  MG_LAUNCH_CHECK();
+}
+
+template <class T>
+void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
+  const bool row = a.rowwise.data != nullptr, col = a.colwise.data != nullptr;
+  if (row && col) launch_quantize<T, true, true>(a, stream);
+  else if (row) launch_quantize<T, true, false>(a, stream);
+  else launch_quantize<T, false, true>(a, stream);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// Checks shared by the activation and weight quantizers (`rows_name`: what a.rows is called),
+// then the launch.
+void check_and_quantize(const char* who, const char* rows_name, DType in, QuantizeArgs a, const Mxfp8Rowwise* rowwise,
+                        const Mxfp8Colwise* colwise, cudaStream_t stream) {
+  MG_CHECK(in == DType::kBF16 || in == DType::kFP16, who, ": the input must be bf16 or fp16, got ", dtype_name(in));
+  MG_CHECK(rowwise != nullptr || colwise != nullptr, who, ": needs a row-wise or a column-wise output (both null)");
+  MG_CHECK(a.x != nullptr && aligned16(a.x), who, ": the input must be a 16-byte aligned device pointer");
+  MG_CHECK(a.rows >= 0 && a.cols > 0 && a.batches >= 1, who, ": bad shape ", a.batches, " x ", a.rows, " x ", a.cols);
+  const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
+  MG_CHECK(max_tiles < (int64_t{1} << 31), who, ": ", max_tiles, " tiles of 32 x 128 are more than 2^31");
+  if (rowwise != nullptr) {
+    MG_CHECK(a.cols % kMxBlock == 0, who, ": row-wise blocks need the row length to be a multiple of 32, got ", a.cols);
+    MG_CHECK(rowwise->data != nullptr && aligned16(rowwise->data) && rowwise->scales != nullptr, who,
+             ": the row-wise output needs a 16-byte aligned data pointer and a scales pointer");
+    a.rowwise = *rowwise;
+  }
+  if (colwise != nullptr) {
+    MG_CHECK(a.rows % kMxBlock == 0, who, ": column-wise blocks need ", rows_name, " to be a multiple of 32, got ",
+             a.rows);
+    MG_CHECK(a.cols % 16 == 0, who, ": the row length must be a multiple of 16, got ", a.cols);
+    MG_CHECK(colwise->data != nullptr && aligned16(colwise->data) && colwise->scales != nullptr, who,
+             ": the column-wise output needs a 16-byte aligned data pointer and a scales pointer");
+    a.colwise = *colwise;
+  }
+  if (in == DType::kBF16) launch_quantize_layouts<__nv_bfloat16>(a, stream);
+  else launch_quantize_layouts<__half>(a, stream);
+}
+
+// ---- Dequantize (row-wise) --------------------------------------------------------------------
+
+template <class Out>
+__device__ __forceinline__ void store16(Out* dst, const float (&v)[16]) {
+  alignas(16) Out out[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<Out>(v[i]);  // round to nearest even
+#pragma unroll
+  for (int j = 0; j < static_cast<int>(sizeof(out) / 16); ++j)
+    reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(out)[j];
+}
+
+// Grid-stride over the 16-element chunks of the used rows (two chunks per block). The flat
+// element index is row * cols + col and cols is a multiple of 32, so chunk i has scale i / 2.
+template <class Out>
+__global__ void __launch_bounds__(kThreads) dequantize_mxfp8_rowwise_kernel(const uint8_t* __restrict__ data,
+                                                                           const uint8_t* __restrict__ scales,
+                                                                           Out* __restrict__ y, int64_t rows,
+                                                                           int64_t cols, const int64_t* used_rows) {
+  const int64_t used = min(max(*used_rows, int64_t{0}), rows);
+  const int64_t chunks = used * cols / kChunk;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < chunks;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(data) + i);
+    const float s = mx_scale_value(__ldg(scales + i / 2));
+    float v[16];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t w = word_of(q, j);
+      const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
+      v[4 * j] = lo.x * s;  // exact in fp32 (or ±Inf past its range)
+      v[4 * j + 1] = lo.y * s;
+      v[4 * j + 2] = hi.x * s;
+      v[4 * j + 3] = hi.y * s;
+    }
+    store16(y + i * kChunk, v);
+  }
+}
+
+template <class Out>
+void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
+                       const int64_t* used_rows, cudaStream_t stream) {
+  static const int blocks_per_sm = resident_blocks_per_sm(dequantize_mxfp8_rowwise_kernel<Out>, kThreads);
+  const int64_t max_blocks = (rows * cols / kChunk + kThreads - 1) / kThreads;
+  dequantize_mxfp8_rowwise_kernel<Out><<<grid_blocks(max_blocks, blocks_per_sm), kThreads, 0, stream>>>(
+      data, scales, static_cast<Out*>(y), rows, cols, used_rows);
+  MG_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols, const int64_t* offsets,
+                           int groups, const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
+                           cudaStream_t stream) {
+  constexpr const char* kWho = "launch_quantize_mxfp8";
+  MG_CHECK(cols % kMxBlock == 0, kWho, ": cols must be a multiple of 32, got ", cols);
+  MG_CHECK(offsets != nullptr && groups >= 0, kWho, ": needs the device offsets [groups + 1], groups = ", groups);
+  QuantizeArgs a;
+  a.x = static_cast<const uint16_t*>(x);
+  a.rows = capacity_rows;
+  a.cols = cols;
+  a.used_rows = offsets + groups;
+  a.block_major_scales = true;
+  check_and_quantize(kWho, "capacity_rows", in, a, rowwise, colwise, stream);
+}
+
+void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,
+                                   const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
+  constexpr const char* kWho = "launch_quantize_mxfp8_weights";
+  MG_CHECK(groups >= 1 && n >= 1, kWho, ": needs groups >= 1 and n >= 1, got ", groups, " and ", n);
+  MG_CHECK(k % 16 == 0, kWho, ": k must be a multiple of 16, got ", k);
+  QuantizeArgs a;
+  a.x = static_cast<const uint16_t*>(w);
+  a.rows = n;
+  a.cols = k;
+  a.batches = groups;
+  check_and_quantize(kWho, "n", in, a, rowwise, colwise, stream);
+}
+
+void launch_dequantize_mxfp8_rowwise(const uint8_t* data, const uint8_t* scales, DType out, void* y,
+                                     int64_t capacity_rows, int64_t cols, const int64_t* offsets, int groups,
+                                     cudaStream_t stream) {
+  constexpr const char* kWho = "launch_dequantize_mxfp8_rowwise";
+  MG_CHECK(capacity_rows >= 0 && cols > 0 && cols % kMxBlock == 0, kWho,
+           ": needs capacity_rows >= 0 and cols a positive multiple of 32, got ", capacity_rows, " x ", cols);
+  MG_CHECK(offsets != nullptr && groups >= 0, kWho, ": needs the device offsets [groups + 1], groups = ", groups);
+  MG_CHECK(data != nullptr && aligned16(data) && scales != nullptr && y != nullptr && aligned16(y), kWho,
+           ": data and y must be 16-byte aligned device pointers, scales non-null");
+  const int64_t* used_rows = offsets + groups;
+  switch (out) {
+    case DType::kBF16: launch_dequantize<__nv_bfloat16>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
+    case DType::kFP16: launch_dequantize<__half>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
+    case DType::kFP32: launch_dequantize<float>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
+  }
+}
+
+}  // namespace moegraph::kernels

@@ -1,0 +1,81 @@
+// MXFP8 (OCP Microscaling) quantization of grouped bf16/fp16 buffers and grouped weights
+// (host-callable launchers; no device code in this header). The rules — scale choice, rounding,
+// NaN/Inf blocks — are in docs/mxfp8.md; src/verify/mxfp8_reference.hpp is their host reference,
+// and the kernels match it bit for bit.
+//
+// Every launcher is an enqueue path: it never synchronizes, allocates or reads device memory on
+// the host, and its grid depends on host sizes only, so it may be captured into a CUDA graph once
+// and replayed for any device offsets.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "moegraph/types.hpp"
+
+namespace moegraph::kernels {
+
+constexpr int kMxBlock = 32;            // elements sharing one E8M0 scale
+constexpr uint8_t kE8m0NaN = 0xff;      // the scale byte of a block holding NaN or ±Inf
+constexpr uint8_t kE4m3NaN = 0x7f;      // every element byte of such a block
+
+// Device pointers of a row-wise copy of a [rows, cols] tensor: blocks of 32 along a row.
+//   data   [rows, cols]      E4M3, element (r, c) at r * cols + c           (16-byte aligned)
+//   scales [rows, cols / 32] E8M0, block of columns [32j, 32j + 32) of row r at r * (cols / 32) + j
+struct Mxfp8Rowwise {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+};
+
+// Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows,
+// stored transposed (this is what the weight-gradient GEMM reads).
+//   data   [cols, rows]      E4M3, element (r, c) at c * rows + r           (16-byte aligned)
+//   scales [rows / 32, cols] E8M0, block of rows [32j, 32j + 32) of column c at j * cols + c
+//          (block-major: a GEMM stage's scales are contiguous wherever a 32-aligned group starts).
+//          The weights' transposed copy (launch_quantize_mxfp8_weights) differs: see there.
+struct Mxfp8Colwise {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+};
+
+// Bytes of the two arrays of either copy of a [rows, cols] tensor (rows * cols a multiple of 32).
+constexpr int64_t mxfp8_data_bytes(int64_t rows, int64_t cols) { return rows * cols; }
+constexpr int64_t mxfp8_scale_bytes(int64_t rows, int64_t cols) { return rows * cols / kMxBlock; }
+
+// Quantizes the used rows [0, offsets[groups]) of the grouped buffer x [capacity_rows, cols]
+// (bf16 or fp16) into a row-wise copy, a column-wise copy, or both from one read of x (pass null
+// for a copy that is not wanted; at least one is required). Bytes of rows at or past
+// offsets[groups] are left untouched in both copies.
+//   - cols is a multiple of 32; x and every data pointer are 16-byte aligned.
+//   - column-wise: capacity_rows is a multiple of 32 and every group starts on a multiple of 32
+//     (offsets from launch_group_offsets with row_align 32, gap rows zero), so each 32-row block
+//     lies inside one group. Only capacity_rows is checked: group starts are device data. If
+//     offsets[groups] itself is not a multiple of 32, the last block of each column holds the rows
+//     below it only (the absent rows count as zeros; their bytes are not written).
+//   - row-wise alone works for any offsets (row_align 1 included).
+// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles (see mxfp8.cu).
+void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols,
+                           const int64_t* offsets, int groups, const Mxfp8Rowwise* rowwise,
+                           const Mxfp8Colwise* colwise, cudaStream_t stream);
+
+// Quantizes grouped weights w [groups, n, k] (bf16 or fp16), all rows of every expert:
+//   rowwise: blocks along K (what fprop reads):  data [groups, n, k], scales [groups, n, k / 32]
+//   colwise: blocks along N, each expert stored transposed (what dgrad reads, W_e^T):
+//            data [groups, k, n], scales [groups, k, n / 32];
+//            element (e, n', k') at (e * k + k') * n + n', block j at (e * k + k') * (n / 32) + j
+// That is, the activation layouts above applied to each expert's [n, k] matrix as one group.
+// k is a multiple of 16 (of 32 for rowwise); n is a multiple of 32 for colwise; pointers as above.
+void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,
+                                   const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
+                                   cudaStream_t stream);
+
+// y[r, c] = e4m3(data[r, c]) * 2^(scale - 127) in fp32, then rounded to nearest even into `out`
+// (bf16, fp16, or fp32 as is), for the used rows [0, offsets[groups]) of a row-wise copy; a NaN
+// scale (0xFF) or element (0x7F, 0xFF) gives NaN. Rows past offsets[groups] of y are untouched.
+// cols is a multiple of 32; data and y are 16-byte aligned.
+void launch_dequantize_mxfp8_rowwise(const uint8_t* data, const uint8_t* scales, DType out, void* y,
+                                     int64_t capacity_rows, int64_t cols, const int64_t* offsets, int groups,
+                                     cudaStream_t stream);
+
+}  // namespace moegraph::kernels

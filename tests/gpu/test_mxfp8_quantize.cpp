@@ -1,0 +1,494 @@
+// The MXFP8 kernels (kernels/quantize/mxfp8.hpp) bit for bit against the host reference
+// (src/verify/mxfp8_reference.hpp): random bf16/fp16 data with several magnitudes in every block
+// (block scales from 2^-60 to 2^60, subnormals), edge-case blocks (zero, one huge among tiny,
+// subnormals, ±448, just above 448, NaN, ±Inf), row-wise / column-wise / both from one read,
+// grouped layouts with empty groups and padding rows whose poisoned bytes must stay, grouped
+// weights, dequantization of every code at many scales, and a graph captured once under
+// cudaStreamCaptureModeGlobal and replayed with new device splits and data.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kernels/quantize/mxfp8.hpp"
+#include "kernels/routing/offsets.hpp"
+#include "src/verify/device_array.hpp"
+#include "src/verify/graph.hpp"
+#include "src/verify/mxfp8_reference.hpp"
+#include "tests/common/expect.hpp"
+
+namespace moegraph::test {
+namespace {
+
+using kernels::Mxfp8Colwise;
+using kernels::Mxfp8Rowwise;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// ---- Helpers ------------------------------------------------------------------------------------
+
+// A device copy of one MXFP8 layout of a [rows, cols] tensor, poisoned (0xFF, which is also what
+// the reference's mx_buffer holds), so bytes a kernel must leave alone can be checked.
+struct DeviceMx {
+  DeviceArray<uint8_t> data, scales;
+  DeviceMx(int64_t rows, int64_t cols) : data(rows * cols), scales(rows * cols / 32) { poison(); }
+  void poison() {
+    data.poison();
+    scales.poison();
+  }
+  Mxfp8Rowwise rowwise() const { return {data.get(), scales.get()}; }
+  Mxfp8Colwise colwise() const { return {data.get(), scales.get()}; }
+  MxBuffer download() const { return {data.download(), scales.download()}; }
+};
+
+::testing::AssertionResult same_bytes(const std::string& what, const std::vector<uint8_t>& got,
+                                      const std::vector<uint8_t>& want) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure() << what << ": " << got.size() << " bytes, want " << want.size();
+  std::size_t mismatches = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (got[i] != want[i] && mismatches++ == 0) first = i;
+  if (mismatches == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << ": " << mismatches << " of " << got.size()
+                                       << " bytes differ; first at index " << first << ": got 0x" << std::hex
+                                       << int{got[first]} << ", want 0x" << int{want[first]};
+}
+
+::testing::AssertionResult same_mx(const std::string& what, const MxBuffer& got, const MxBuffer& want) {
+  ::testing::AssertionResult data = same_bytes(what + " data", got.data, want.data);
+  if (!data) return data;
+  return same_bytes(what + " scales", got.scales, want.scales);
+}
+
+std::vector<uint16_t> bits_of(const std::vector<double>& v, DType t) {
+  std::vector<uint16_t> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_bits(v[i], t);
+  return out;
+}
+
+// Values with several magnitudes in every block, along rows and along columns: each 32 x 32 tile
+// gets a base binade, each element a random sign, mantissa and a place 0..14 binades below it
+// (1 in 64 is ±0); rounded to `t`. bf16 bases reach 2^±60 and the subnormals, fp16 bases its
+// whole range including subnormals.
+std::vector<double> mixed_values(std::mt19937_64& rng, int64_t rows, int64_t cols, DType t) {
+  static constexpr int kBf16Bases[] = {0, 7, -9, 60, -60, -120, -128, 100, -30, 3};
+  static constexpr int kFp16Bases[] = {0, 5, -8, 12, -14, -18, 2, -3};
+  const std::span<const int> bases = t == DType::kBF16 ? std::span<const int>(kBf16Bases) : std::span<const int>(kFp16Bases);
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(bases.size()) - 1), below(0, 14), zero(0, 63);
+  std::uniform_real_distribution<double> mantissa(1.0, 2.0);
+  const int64_t tiles_per_row = (cols + 31) / 32;
+  std::vector<int> tile_base(((rows + 31) / 32) * tiles_per_row);
+  for (int& b : tile_base) b = bases[pick(rng)];
+  std::vector<double> x(rows * cols);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const double sign = (rng() & 1) != 0 ? -1.0 : 1.0;
+      const int base = tile_base[(r / 32) * tiles_per_row + c / 32];
+      const double v = zero(rng) == 0 ? 0.0 : std::ldexp(mantissa(rng), base - below(rng));
+      x[r * cols + c] = round_to(sign * v, t);
+    }
+  return x;
+}
+
+enum class Edge { kZero, kHugeAmongTiny, kSubnormal, kMax448, kAbove448, kNaN, kPosInf, kNegInf };
+constexpr Edge kEdges[] = {Edge::kZero,     Edge::kHugeAmongTiny, Edge::kSubnormal, Edge::kMax448,
+                           Edge::kAbove448, Edge::kNaN,           Edge::kPosInf,    Edge::kNegInf};
+
+// The 32 values of an edge-case block, already in `t`.
+std::array<double, 32> edge_block(Edge e, DType t, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::array<double, 32> v{};
+  for (double& x : v) x = u(rng);
+  const bool bf16 = t == DType::kBF16;
+  switch (e) {
+    case Edge::kZero:
+      v.fill(0.0);
+      v[3] = v[30] = -0.0;
+      break;
+    case Edge::kHugeAmongTiny:  // s = 16: the tiny ones land on E4M3 subnormals or flush to ±0
+      for (int i = 0; i < 32; ++i) v[i] = u(rng) * std::ldexp(1.0, -2 - i % 12);
+      v[11] = -6144.0;
+      break;
+    case Edge::kSubnormal: {  // every element a subnormal of `t` (m * its smallest subnormal)
+      std::uniform_int_distribution<int> m(1, bf16 ? 127 : 1023);
+      for (double& x : v) x = ((rng() & 1) != 0 ? -1 : 1) * m(rng) * std::ldexp(1.0, bf16 ? -133 : -24);
+      break;
+    }
+    case Edge::kMax448:
+      for (double& x : v) x *= 448.0;
+      v[0] = 448.0;
+      v[7] = -448.0;
+      break;
+    case Edge::kAbove448:  // the next value of `t` above 448: s = 2
+      for (double& x : v) x *= 448.0;
+      v[5] = bf16 ? 450.0 : 448.25;
+      v[9] = -v[5];
+      break;
+    case Edge::kNaN: v[13] = kNaN; break;
+    case Edge::kPosInf: v[20] = kInf; break;
+    case Edge::kNegInf: v[0] = -kInf; break;
+  }
+  for (double& x : v) x = round_to(x, t);
+  return v;
+}
+
+// Every edge case once as a row-wise block (a row segment) and once as a column-wise block (a
+// column segment), spread over different tiles of rows [0, rows) (a multiple of 32).
+void plant_edges(std::vector<double>& x, int64_t rows, int64_t cols, DType t, std::mt19937_64& rng) {
+  int k = 0;
+  for (Edge e : kEdges) {
+    const std::array<double, 32> row_block = edge_block(e, t, rng), col_block = edge_block(e, t, rng);
+    const int64_t r = (k * 37 + 5) % rows, b = (k * 3) % (cols / 32);
+    for (int i = 0; i < 32; ++i) x[r * cols + b * 32 + i] = row_block[i];
+    const int64_t c = (k * 53 + 7) % cols, j = (k + 1) % (rows / 32);
+    for (int i = 0; i < 32; ++i) x[(j * 32 + i) * cols + c] = col_block[i];
+    ++k;
+  }
+}
+
+// A grouped input: mixed values on the data rows, zeros on the alignment gap rows (as
+// GroupedLinear writes them), NaN on the padding rows past offsets[G] (never to be read).
+std::vector<double> grouped_values(std::mt19937_64& rng, const GroupLayout& l, int64_t cols, DType t) {
+  std::vector<double> x = mixed_values(rng, l.capacity_rows, cols, t);
+  const std::vector<bool> data = data_rows(l);
+  for (int64_t r = 0; r < l.capacity_rows; ++r) {
+    if (data[r]) continue;
+    const double fill = r < l.offsets.back() ? 0.0 : kNaN;
+    std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, fill);
+  }
+  return x;
+}
+
+enum class Layouts { kRow, kCol, kBoth };
+bool has_row(Layouts l) { return l != Layouts::kCol; }
+bool has_col(Layouts l) { return l != Layouts::kRow; }
+
+// Device input, offsets and outputs of one activation quantization.
+struct QuantizeRun {
+  DType dtype;
+  int64_t rows, cols;
+  DeviceArray<uint16_t> x;
+  DeviceArray<int64_t> offsets;
+  DeviceMx row, col;
+
+  QuantizeRun(DType t, int64_t rows_, int64_t cols_, const std::vector<double>& values,
+              const std::vector<int64_t>& host_offsets)
+      : dtype(t), rows(rows_), cols(cols_), x(rows_ * cols_), offsets(host_offsets.size()), row(rows_, cols_),
+        col(rows_, cols_) {
+    x.upload(bits_of(values, t));
+    offsets.upload(host_offsets);
+  }
+  int groups() const { return static_cast<int>(offsets.size()) - 1; }
+  void launch(Layouts which, cudaStream_t stream = nullptr) {
+    const Mxfp8Rowwise r = row.rowwise();
+    const Mxfp8Colwise c = col.colwise();
+    kernels::launch_quantize_mxfp8(dtype, x.get(), rows, cols, offsets.get(), groups(), has_row(which) ? &r : nullptr,
+                                   has_col(which) ? &c : nullptr, stream);
+  }
+};
+
+MxBuffer reference_rowwise(const std::vector<double>& x, int64_t rows, int64_t cols, int64_t used) {
+  MxBuffer b = mx_buffer(rows, cols);
+  mx_quantize_rowwise(x, rows, cols, used, b);
+  return b;
+}
+MxBuffer reference_colwise(const std::vector<double>& x, int64_t rows, int64_t cols, int64_t used) {
+  MxBuffer b = mx_buffer(rows, cols);
+  mx_quantize_colwise(x, rows, cols, used, b);
+  return b;
+}
+
+// Runs `which` and checks both device buffers: the requested ones against the reference, the
+// other one still entirely poisoned.
+void expect_quantized(QuantizeRun& run, Layouts which, const std::vector<double>& x, int64_t used,
+                      const std::string& where) {
+  run.row.poison();
+  run.col.poison();
+  run.launch(which);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  const MxBuffer untouched = mx_buffer(run.rows, run.cols);
+  EXPECT_TRUE(same_mx(where + " row-wise", run.row.download(),
+                      has_row(which) ? reference_rowwise(x, run.rows, run.cols, used) : untouched));
+  EXPECT_TRUE(same_mx(where + " column-wise", run.col.download(),
+                      has_col(which) ? reference_colwise(x, run.rows, run.cols, used) : untouched));
+}
+
+// ---- Quantize: random and edge-case blocks -----------------------------------------------------
+
+struct LayoutCase {
+  DType dtype;
+  Layouts layouts;
+};
+
+class Mxfp8Blocks : public ::testing::TestWithParam<LayoutCase> {};
+
+// One group over all rows; 416 columns leave a partial 96-column tile at the end of each row.
+TEST_P(Mxfp8Blocks, RandomAndEdgeBlocksMatchReference) {
+  const auto [dtype, layouts] = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_blocks_", dtype_name(dtype), "_", int(layouts))));
+  const int64_t rows = 256, cols = 416;
+  std::vector<double> x = mixed_values(rng, rows, cols, dtype);
+  plant_edges(x, rows, cols, dtype, rng);
+  QuantizeRun run(dtype, rows, cols, x, {0, rows});
+  expect_quantized(run, layouts, x, rows, "single group");
+}
+
+std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
+  static const char* const names[] = {"row", "col", "both"};
+  return detail::concat(dtype_name(info.param.dtype), "_", names[static_cast<int>(info.param.layouts)]);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, Mxfp8Blocks,
+                         ::testing::Values(LayoutCase{DType::kBF16, Layouts::kRow}, LayoutCase{DType::kBF16, Layouts::kCol},
+                                           LayoutCase{DType::kBF16, Layouts::kBoth}, LayoutCase{DType::kFP16, Layouts::kRow},
+                                           LayoutCase{DType::kFP16, Layouts::kCol}, LayoutCase{DType::kFP16, Layouts::kBoth}),
+                         layout_case_name);
+
+// ---- Quantize: grouped layouts -----------------------------------------------------------------
+
+class Mxfp8Grouped : public ::testing::TestWithParam<DType> {};
+
+// Groups of 40, 0, 70, 0, 1, 33, 0 rows aligned to 32 in 352 rows: used rows end at 256, so the
+// last 96 rows are padding (NaN in x) whose bytes must keep the poison. Both copies from one read
+// equal the separate runs and the reference.
+TEST_P(Mxfp8Grouped, EmptyGroupsGapsAndPaddingBothEqualSeparateRuns) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_grouped_", dtype_name(dtype))));
+  const GroupLayout l = make_layout({40, 0, 70, 0, 1, 33, 0}, 32, 352);
+  ASSERT_EQ(l.offsets.back(), 256);
+  const int64_t cols = 288;
+  const std::vector<double> x = grouped_values(rng, l, cols, dtype);
+  QuantizeRun run(dtype, l.capacity_rows, cols, x, l.offsets);
+  expect_quantized(run, Layouts::kBoth, x, 256, "grouped, both");
+  const MxBuffer both_row = run.row.download(), both_col = run.col.download();
+  expect_quantized(run, Layouts::kRow, x, 256, "grouped, row-wise alone");
+  EXPECT_TRUE(same_mx("row-wise: both vs alone", both_row, run.row.download()));
+  expect_quantized(run, Layouts::kCol, x, 256, "grouped, column-wise alone");
+  EXPECT_TRUE(same_mx("column-wise: both vs alone", both_col, run.col.download()));
+}
+
+// Row-wise needs no alignment: groups of 5, 0, 37, 11, 0 rows (row_align 1) end at row 53 of 100,
+// in the middle of a 32-row tile. Column-wise with one group of 53 rows: the last block of each
+// column is short (rows 32..52) and rows 53..63 of it keep the poison.
+TEST_P(Mxfp8Grouped, UnalignedUsedRowsEndInsideATile) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_unaligned_", dtype_name(dtype))));
+  const GroupLayout l = make_layout({5, 0, 37, 11, 0}, 1, 100);
+  ASSERT_EQ(l.offsets.back(), 53);
+  const int64_t cols = 160;
+  const std::vector<double> x = grouped_values(rng, l, cols, dtype);
+  QuantizeRun run(dtype, l.capacity_rows, cols, x, l.offsets);
+  expect_quantized(run, Layouts::kRow, x, 53, "row_align 1, row-wise");
+
+  std::vector<double> y = mixed_values(rng, 96, cols, dtype);
+  std::fill(y.begin() + 53 * cols, y.end(), kNaN);  // padding
+  QuantizeRun single(dtype, 96, cols, y, {0, 53});
+  expect_quantized(single, Layouts::kBoth, y, 53, "one group of 53 rows, both");
+  expect_quantized(single, Layouts::kCol, y, 53, "one group of 53 rows, column-wise");
+}
+
+// No used rows at all (every group empty): nothing is written.
+TEST_P(Mxfp8Grouped, NoUsedRowsWritesNothing) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_empty_", dtype_name(dtype))));
+  const std::vector<double> x = mixed_values(rng, 64, 64, dtype);
+  QuantizeRun run(dtype, 64, 64, x, {0, 0, 0});
+  expect_quantized(run, Layouts::kBoth, x, 0, "all groups empty");
+}
+
+// More tiles than the persistent grid holds, so every block walks several tiles (the prefetch
+// and both shared buffers are used), with a partial column tile at the end of each row.
+TEST_P(Mxfp8Grouped, ManyTilesPerBlock) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_many_tiles_", dtype_name(dtype))));
+  const int64_t rows = 8192, cols = 1120;  // 256 x 9 tiles of 32 x 128
+  std::vector<double> x = mixed_values(rng, rows, cols, dtype);
+  plant_edges(x, rows, cols, dtype, rng);
+  QuantizeRun run(dtype, rows, cols, x, {0, 4000, rows - 32});
+  expect_quantized(run, Layouts::kBoth, x, rows - 32, "8160 rows, both");
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, Mxfp8Grouped, ::testing::Values(DType::kBF16, DType::kFP16),
+                         [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
+
+// ---- Quantize: grouped weights -----------------------------------------------------------------
+
+struct WeightCase {
+  DType dtype;
+  int groups;
+  int64_t n, k;
+  Layouts layouts;
+};
+
+class Mxfp8Weights : public ::testing::TestWithParam<WeightCase> {};
+
+TEST_P(Mxfp8Weights, MatchReference) {
+  const WeightCase wc = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_weights_", dtype_name(wc.dtype), "_", wc.groups, "x", wc.n, "x", wc.k)));
+  std::vector<double> w = mixed_values(rng, wc.groups * wc.n, wc.k, wc.dtype);
+  if (wc.k % 32 == 0) plant_edges(w, wc.groups * wc.n, wc.k, wc.dtype, rng);
+  DeviceArray<uint16_t> d_w(w.size());
+  d_w.upload(bits_of(w, wc.dtype));
+  DeviceMx row(wc.groups * wc.n, wc.k), col(wc.groups * wc.n, wc.k);
+  const Mxfp8Rowwise r = row.rowwise();
+  const Mxfp8Colwise c = col.colwise();
+  kernels::launch_quantize_mxfp8_weights(wc.dtype, d_w.get(), wc.groups, wc.n, wc.k, has_row(wc.layouts) ? &r : nullptr,
+                                         has_col(wc.layouts) ? &c : nullptr, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  MxBuffer want_row = mx_buffer(wc.groups * wc.n, wc.k), want_col = mx_buffer(wc.groups * wc.n, wc.k);
+  mx_quantize_weights(w, wc.groups, wc.n, wc.k, has_row(wc.layouts) ? &want_row : nullptr,
+                      has_col(wc.layouts) ? &want_col : nullptr);
+  EXPECT_TRUE(same_mx("weights row-wise [G, N, K]", row.download(), want_row));
+  EXPECT_TRUE(same_mx("weights column-wise [G, K, N]", col.download(), want_col));
+}
+
+std::string weight_case_name(const ::testing::TestParamInfo<WeightCase>& info) {
+  static const char* const names[] = {"row", "col", "both"};
+  const WeightCase& c = info.param;
+  return detail::concat(dtype_name(c.dtype), "_g", c.groups, "_n", c.n, "_k", c.k, "_", names[static_cast<int>(c.layouts)]);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, Mxfp8Weights,
+    ::testing::Values(WeightCase{DType::kBF16, 3, 96, 160, Layouts::kBoth}, WeightCase{DType::kFP16, 3, 96, 160, Layouts::kBoth},
+                      WeightCase{DType::kBF16, 5, 64, 256, Layouts::kRow}, WeightCase{DType::kBF16, 2, 64, 48, Layouts::kCol},
+                      WeightCase{DType::kFP16, 1, 32, 32, Layouts::kBoth}),
+    weight_case_name);
+
+// ---- Dequantize -----------------------------------------------------------------------------------
+
+// Equal, or both NaN (the NaN payload is not part of the rules).
+bool same_value(double got, double want) {
+  if (std::isnan(want) || std::isnan(got)) return std::isnan(want) && std::isnan(got);
+  return got == want && std::signbit(got) == std::signbit(want);
+}
+
+double device_value(const std::vector<uint8_t>& bytes, std::size_t i, DType t) {
+  if (t == DType::kFP32) {
+    float f;
+    std::memcpy(&f, bytes.data() + 4 * i, 4);
+    return f;
+  }
+  uint16_t b;
+  std::memcpy(&b, bytes.data() + 2 * i, 2);
+  return from_bits(b, t);
+}
+
+// Every one of the 256 codes under scales spread over the whole E8M0 range (0, 1, 254, NaN and
+// random ones) into bf16, fp16 and fp32; used rows end at 77 of 96, and the rest of y keeps the poison.
+TEST(Mxfp8Dequantize, EveryCodeAtManyScalesMatchesReference) {
+  std::mt19937_64 rng(test_seed("mxfp8_dequantize"));
+  const int64_t rows = 96, cols = 160, used = 77;
+  MxBuffer q = mx_buffer(rows, cols);
+  for (std::size_t i = 0; i < q.data.size(); ++i) q.data[i] = static_cast<uint8_t>(i % 256 ^ (i / 256 * 37 % 256));
+  static constexpr uint8_t kScales[] = {0, 1, 2, 60, 100, 119, 126, 127, 128, 135, 140, 200, 240, 253, 254, 255};
+  std::uniform_int_distribution<int> pick(0, 2 * static_cast<int>(std::size(kScales)) - 1);
+  for (uint8_t& s : q.scales) {
+    const int p = pick(rng);
+    s = p < static_cast<int>(std::size(kScales)) ? kScales[p] : static_cast<uint8_t>(rng());
+  }
+  DeviceArray<uint8_t> data(q.data.size()), scales(q.scales.size());
+  data.upload(q.data);
+  scales.upload(q.scales);
+  DeviceArray<int64_t> offsets(3);
+  offsets.upload({0, 40, used});
+  for (DType out : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    const std::size_t size = dtype_size(out);
+    DeviceArray<uint8_t> y(rows * cols * size);
+    y.poison();
+    kernels::launch_dequantize_mxfp8_rowwise(data.get(), scales.get(), out, y.get(), rows, cols, offsets.get(), 2,
+                                             nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> got = y.download();
+    const std::vector<double> want = mx_dequantize_rowwise(q, cols, used, out);
+    std::size_t bad = 0;
+    for (int64_t i = 0; i < used * cols; ++i) {
+      if (same_value(device_value(got, i, out), want[i])) continue;
+      if (bad++ < 5)
+        ADD_FAILURE() << dtype_name(out) << " element " << i << " (code 0x" << std::hex << int{q.data[i]} << ", scale 0x"
+                      << int{q.scales[i / 32]} << std::dec << "): got " << device_value(got, i, out) << ", want " << want[i];
+    }
+    EXPECT_EQ(bad, 0u) << dtype_name(out);
+    const bool untouched =
+        std::all_of(got.begin() + used * cols * size, got.end(), [](uint8_t b) { return b == 0xff; });
+    EXPECT_TRUE(untouched) << dtype_name(out) << ": rows past offsets[G] were written";
+  }
+}
+
+// ---- Graph capture -------------------------------------------------------------------------------
+
+// offsets (row_align 32) -> quantize both copies -> dequantize the row-wise one, captured once under
+// cudaStreamCaptureModeGlobal and replayed with new device splits and new data each time.
+TEST(Mxfp8Graph, CaptureOnceReplayWithNewSplitsAndData) {
+  std::mt19937_64 rng(test_seed("mxfp8_graph"));
+  const DType dtype = DType::kBF16;
+  const int groups = 8;
+  const int64_t capacity = 1024, cols = 384;
+  DeviceArray<uint16_t> x(capacity * cols);
+  DeviceArray<int32_t> splits(groups);
+  DeviceArray<int64_t> offsets(groups + 1);
+  DeviceArray<DeviceErrorRecord> error(1);
+  DeviceMx row(capacity, cols), col(capacity, cols);
+  DeviceArray<uint16_t> y(capacity * cols);
+  Stream stream;
+
+  const auto enqueue = [&] {
+    kernels::launch_group_offsets(splits.get(), groups, 32, capacity, offsets.get(), error.get(), stream.get());
+    const Mxfp8Rowwise r = row.rowwise();
+    const Mxfp8Colwise c = col.colwise();
+    kernels::launch_quantize_mxfp8(dtype, x.get(), capacity, cols, offsets.get(), groups, &r, &c, stream.get());
+    kernels::launch_dequantize_mxfp8_rowwise(row.data.get(), row.scales.get(), DType::kBF16, y.get(), capacity, cols,
+                                             offsets.get(), groups, stream.get());
+  };
+  const auto new_inputs = [&](int64_t rows) {
+    const GroupLayout l = make_layout(random_splits(rng, groups, rows, Routing::kSkewed), 32, capacity);
+    splits.upload(l.splits);
+    const std::vector<double> values = grouped_values(rng, l, cols, dtype);
+    x.upload(bits_of(values, dtype));
+    MG_CUDA_CHECK(cudaMemset(error.get(), 0, sizeof(DeviceErrorRecord)));
+    row.poison();
+    col.poison();
+    y.poison();
+    return std::make_pair(l, values);
+  };
+
+  new_inputs(500);
+  enqueue();  // warm-up outside capture (lazy loading, the launchers' occupancy queries)
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+  Graph graph(stream.get(), enqueue);
+
+  // Up to capacity - groups * 31 rows: the aligned spans always fit (776 may fill it exactly).
+  const int64_t rows_per_replay[] = {700, 0, 1, 776, 333, 64};
+  int replay = 0;
+  for (int64_t rows : rows_per_replay) {
+    const auto [l, values] = new_inputs(rows);
+    graph.launch(stream.get());
+    MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    const std::string where = detail::concat("replay ", replay++, " (", rows, " rows, used ", l.offsets.back(), ")");
+    EXPECT_EQ(error.download()[0].code, 0) << where;
+    const int64_t used = l.offsets.back();
+    const MxBuffer want_row = reference_rowwise(values, capacity, cols, used);
+    EXPECT_TRUE(same_mx(where + " row-wise", row.download(), want_row));
+    EXPECT_TRUE(same_mx(where + " column-wise", col.download(), reference_colwise(values, capacity, cols, used)));
+    const std::vector<double> want_y = mx_dequantize_rowwise(want_row, cols, used, DType::kBF16);
+    const std::vector<uint16_t> got_y = y.download();
+    std::size_t bad = 0;
+    for (int64_t i = 0; i < capacity * cols; ++i) {
+      const bool ok = i < used * cols ? same_value(from_bits(got_y[i], DType::kBF16), want_y[i]) : got_y[i] == 0xffff;
+      bad += ok ? 0 : 1;
+    }
+    EXPECT_EQ(bad, 0u) << where << ": dequantized values differ from the reference (or padding rows were written)";
+    if (HasFailure()) break;
+  }
+}
+
+}  // namespace
+}  // namespace moegraph::test
