@@ -159,6 +159,9 @@ __device__ __forceinline__ void mainloop(uint8_t* smem, float* sf, const Operand
     if (kt + STAGES - 1 < ktiles) load_stage(kt + STAGES - 1);  // into stage kt-1's slot
     cp_async_commit();
     __syncthreads();  // the fp32 scales are visible
+    // A warpgroup whose 64 rows hold no data (a group's last tile, decode) skips its MMAs and
+    // promotions: its accumulators stay zero, which is what the masked rows would give.
+    if (wg * 64 >= a.rows) continue;
     const uint32_t a_addr = sm90::smem_addr(stage + wg * (kTileBytes / 2));
     const uint32_t b_addr = sm90::smem_addr(stage + kTileBytes);
     if constexpr (kPingPong) {
