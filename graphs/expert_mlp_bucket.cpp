@@ -25,6 +25,7 @@ GroupedLinearOptions linear_options(const Config& c, int64_t rows, int64_t k, in
   o.bias = c.layer.bias;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
+  o.recipe = c.precision.recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
   return o;
 }
 }  // namespace
@@ -104,12 +105,18 @@ void ExpertMlpBucket::backward(int slot, cudaStream_t stream) {
   const bool fp32 = config_.training.main_grad_fp32;
   BackwardArgs b2{io_.dy, weights_.w2, weights_.b2, da_, weights_.db2, nullptr,
                   fp32 ? nullptr : weights_.dw2, fp32 ? weights_.main_grad2 : nullptr};
-  fc2_->backward(b2, Recipe::kBF16, mode, stream);
+  fc2_->backward(b2, fc2_->options().recipe, mode, stream);
   kernels::launch_swiglu_backward(config_.precision.dtype, h1_[slot], da_, dh1_, config_.layer.ffn, offsets_[slot],
                                   config_.layer.experts, grid_, stream);
   BackwardArgs b1{dh1_, weights_.w1, weights_.b1, io_.dx, weights_.db1, nullptr,
                   fp32 ? nullptr : weights_.dw1, fp32 ? weights_.main_grad1 : nullptr};
-  fc1_->backward(b1, Recipe::kBF16, mode, stream);
+  fc1_->backward(b1, fc1_->options().recipe, mode, stream);
+}
+
+void ExpertMlpBucket::weights_changed(cudaStream_t stream) {
+  if (config_.precision.recipe != "mxfp8") return;
+  fc1_->quantize_weights(weights_.w1, stream);
+  fc2_->quantize_weights(weights_.w2, stream);
 }
 
 void ExpertMlpBucket::wgrad(cudaStream_t stream) {

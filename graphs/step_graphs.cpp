@@ -55,6 +55,7 @@ StepGraphs::StepGraphs(const Config& config) : config_(config), plan_(plan_step(
     buckets_.push_back(make_bucket_step(config_, tokens, walk, weights_, true));
   }
   for (int slot = slots_of(config_) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
+  weights_changed(s);  // MXFP8: the first quantization of the random weights
 
   // Warm-up: one eager step per bucket (no tokens, or all experts empty: valid, and every kernel
   // is loaded).
@@ -173,6 +174,10 @@ void StepGraphs::run_eager(int bucket, StepPhase phase, cudaStream_t stream) { l
 
 void StepGraphs::check_device_errors(cudaStream_t stream) {
   for (auto& b : buckets_) b->check_device_errors(stream);
+}
+
+void StepGraphs::weights_changed(cudaStream_t stream) {
+  for (auto& b : buckets_) b->weights_changed(stream);
 }
 
 uint64_t StepGraphs::read_dropped(cudaStream_t stream) {

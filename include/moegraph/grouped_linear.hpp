@@ -31,6 +31,10 @@ struct GroupedLinearOptions {
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
   bool reference_kernels = false;  // the simple WMMA kernels instead of wgmma (differential tests)
   int tile_n = 0;                  // wgmma tile width: 0 = chosen from the shapes, or 128 / 256
+  // kMXFP8: the GEMMs run on MXFP8 copies (x and dy quantized on the fly; the saved activations
+  // are kept as MXFP8 column-wise copies instead of a 16-bit copy; the weights are quantized by
+  // quantize_weights()). Needs K and N multiples of 128 and row_align 32 or 128.
+  Recipe recipe = Recipe::kBF16;
 };
 
 // Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
@@ -95,6 +99,10 @@ class GroupedLinear {
   void backward(const BackwardArgs& args, Recipe recipe, WgradMode mode, cudaStream_t stream);
   // Runs the oldest queued weight gradient. Bit-identical to the immediate one.
   void backward_dw(cudaStream_t stream);
+  // MXFP8 recipe: quantizes `weight` [G, N, K] into the operator's row-wise copy (fprop) and its
+  // transposed copy W_e^T blocked along N (dgrad). An enqueue path: call it once before the first
+  // forward and again whenever the weights change (e.g. after each optimizer step).
+  void quantize_weights(const void* weight, cudaStream_t stream);
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
 
@@ -110,8 +118,14 @@ class GroupedLinear {
     float* main_grad;
   };
   struct Scratch;
+  struct Mxfp8State;
+  // MXFP8: quantizes x (row-wise, and column-wise into `save`'s x_t when given) and runs fprop.
+  void run_mxfp8_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
+                       const float* bias_scale, Slot* save, cudaStream_t stream);
+  void run_mxfp8_wgrad(const Slot& slot, const void* dy_t, const void* dy_t_scales, void* dweight, float* main_grad,
+                       cudaStream_t stream);
   static void lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, std::vector<std::unique_ptr<Slot>>* slots,
-                      Scratch* scratch);
+                      Scratch* scratch, Mxfp8State* mx_state);
   void run_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
                  const float* bias_scale, cudaStream_t stream);
   void run_wgrad(const void* dy, const void* x, const int32_t* splits, const int64_t* offsets,
@@ -124,6 +138,7 @@ class GroupedLinear {
   std::deque<int> backward_queue_;
   std::deque<QueuedWgrad> wgrad_queue_;
   std::unique_ptr<Scratch> scratch_;
+  std::unique_ptr<Mxfp8State> mx_;  // MXFP8 recipe only
 };
 
 // Last-resort device check usable by any caller: the record type the offset kernel writes.

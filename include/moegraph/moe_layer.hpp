@@ -36,6 +36,7 @@ struct MoeLayerOptions {
   int64_t max_tokens = 0;           // the bucket's capacity in tokens
   int row_align = 1;                // 1, 16, 32, 128
   DType dtype = DType::kBF16;
+  Recipe recipe = Recipe::kBF16;    // kMXFP8: FC1 and FC2 on MXFP8 copies (row_align 32 or 128)
   bool training = true;             // reserve what forward_train / backward need
   int wgrad_slots = 1;              // forward_train contexts in flight at once
   bool delay_wgrad = false;         // backward queues the weight gradients for backward_dw()
@@ -105,6 +106,9 @@ class MoeLayer {
   // gradients at once or queued (options.delay_wgrad).
   void backward(const MoeLayerIO& io, cudaStream_t stream);
   void backward_dw(cudaStream_t stream);                          // the oldest queued weight gradients
+  // The weights were updated: the MXFP8 recipe re-quantizes FC1's and FC2's copies (nothing to do
+  // for bf16). Enqueued; run it before the first forward and after every weight update.
+  void weights_changed(cudaStream_t stream);
   int queued_wgrads() const;
   int pending_backwards() const;
 

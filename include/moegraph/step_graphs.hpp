@@ -103,6 +103,9 @@ class StepGraphs {
   void wgrad(int bucket, cudaStream_t stream);  // needs training.delay_wgrad
   // The same phases enqueued without graphs (same ordering rules), for checks and timing.
   void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
+  // The weights were updated (e.g. by the optimizer): with precision.recipe "mxfp8" every bucket
+  // re-quantizes its weight copies; nothing to do for bf16. Enqueued on `stream`.
+  void weights_changed(cudaStream_t stream);
   // Synchronizes `stream` and reports invalid device splits seen by any bucket (clears them).
   void check_device_errors(cudaStream_t stream);
   // Synchronizes `stream`: (token, expert) assignments dropped by router.capacity_factor in every

@@ -139,6 +139,11 @@ struct QuantizeArgs {
   int64_t rows = 0, cols = 0;        // rows: the capacity (stride of batches and of column-wise data)
   int batches = 1;
   const int64_t* used_rows = nullptr;  // device: rows [0, *used_rows) of each batch; null: all rows
+  // Optional: rows of group e past offsets[e] + splits[e] (alignment gaps) read as zero, whatever
+  // the input holds there, as every grouped kernel treats them.
+  const int64_t* offsets = nullptr;
+  const int32_t* splits = nullptr;
+  int groups = 0;
   Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
   Mxfp8Colwise colwise;              // [batches, cols, rows] and scales, see block_major_scales
   // Column-wise scales: block-major [batches, rows / 32, cols] (activations: what the wgrad GEMM
@@ -164,7 +169,17 @@ __device__ __forceinline__ Tile locate_tile(uint32_t t, uint32_t row_tiles, uint
 __device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row, int col,
                                            uint4 (&v)[2]) {
   const int64_t r = t.row0 + row, c = t.col0 + col;
-  if (r < used && c < a.cols) {
+  bool data = r < used && c < a.cols;
+  if (data && a.splits != nullptr) {  // the largest group e with offsets[e] <= r holds row r
+    int lo = 0, hi = a.groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (a.offsets[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    const int64_t span = a.offsets[lo + 1] - a.offsets[lo], split = a.splits[lo];
+    data = r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
+  }
+  if (data) {
     const uint4* src = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + r) * a.cols + c);
     v[0] = __ldg(src);
     v[1] = __ldg(src + 1);
@@ -373,8 +388,8 @@ void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int6
 }  // namespace
 
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols, const int64_t* offsets,
-                           int groups, const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
-                           cudaStream_t stream) {
+                           const int32_t* splits, int groups, const Mxfp8Rowwise* rowwise,
+                           const Mxfp8Colwise* colwise, cudaStream_t stream) {
   constexpr const char* kWho = "launch_quantize_mxfp8";
   MG_CHECK(cols % kMxBlock == 0, kWho, ": cols must be a multiple of 32, got ", cols);
   MG_CHECK(offsets != nullptr && groups >= 0, kWho, ": needs the device offsets [groups + 1], groups = ", groups);
@@ -383,6 +398,9 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
   a.rows = capacity_rows;
   a.cols = cols;
   a.used_rows = offsets + groups;
+  a.offsets = offsets;
+  a.splits = splits;
+  a.groups = groups;
   a.block_major_scales = true;
   check_and_quantize(kWho, "capacity_rows", in, a, rowwise, colwise, stream);
 }

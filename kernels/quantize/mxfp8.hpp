@@ -55,9 +55,11 @@ constexpr int64_t mxfp8_scale_bytes(int64_t rows, int64_t cols) { return rows * 
 //     below it only (the absent rows count as zeros; their bytes are not written).
 //   - row-wise alone works for any offsets (row_align 1 included).
 // Launch: persistent grid of 256-thread blocks over 32 x 128 tiles (see mxfp8.cu).
+// `splits` (optional, device [groups]): rows of a group past its split (alignment gaps) are
+// quantized as zeros whatever x holds there, as the grouped GEMMs treat them.
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols,
-                           const int64_t* offsets, int groups, const Mxfp8Rowwise* rowwise,
-                           const Mxfp8Colwise* colwise, cudaStream_t stream);
+                           const int64_t* offsets, const int32_t* splits, int groups,
+                           const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);
 
 // Quantizes grouped weights w [groups, n, k] (bf16 or fp16), all rows of every expert:
 //   rowwise: blocks along K (what fprop reads):  data [groups, n, k], scales [groups, n, k / 32]

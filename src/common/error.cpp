@@ -17,6 +17,8 @@ std::string_view dtype_name(DType t) {
   return "?";
 }
 
+std::string_view recipe_name(Recipe r) { return r == Recipe::kMXFP8 ? "mxfp8" : "bf16"; }
+
 namespace detail {
 
 void throw_error(const char* file, int line, const std::string& message, ErrorKind kind) {

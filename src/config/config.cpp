@@ -93,8 +93,8 @@ PrecisionConfig read_precision(const Json& value) {
   const JsonObject o(value, "precision", {"recipe", "dtype"});
   PrecisionConfig precision;
   if (const Json* v = o.find("recipe")) precision.recipe = config_detail::string(*v, o.path("recipe"));
-  MG_CONFIG_CHECK(precision.recipe == "bf16", "precision.recipe must be \"bf16\" (mxfp8 is not available yet), got ",
-                  config_detail::quoted_excerpt(precision.recipe));
+  MG_CONFIG_CHECK(precision.recipe == "bf16" || precision.recipe == "mxfp8",
+                  "precision.recipe must be \"bf16\" or \"mxfp8\", got ", config_detail::quoted_excerpt(precision.recipe));
   if (const Json* v = o.find("dtype")) {
     const std::string dtype = config_detail::string(*v, o.path("dtype"));
     MG_CONFIG_CHECK(dtype == "bf16" || dtype == "fp16", "precision.dtype must be \"bf16\" or \"fp16\", got ",
@@ -218,6 +218,15 @@ Config read_config(const Json& document) {
                   "expert MLP alone)");
   if (const Json* v = o.find("bench")) config.bench = read_bench(*v);
   // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
+  if (config.precision.recipe == "mxfp8") {
+    // Column-wise MXFP8 blocks are 32 rows inside one expert; the MXFP8 GEMMs stage 128 K elements.
+    MG_CONFIG_CHECK(config.row_align == 32 || config.row_align == 128,
+                    "precision.recipe \"mxfp8\" needs row_align 32 or 128 (a column-wise block of 32 rows must not "
+                    "straddle two experts), got ", config.row_align);
+    MG_CONFIG_CHECK(config.layer.hidden % 128 == 0 && config.layer.ffn % 128 == 0,
+                    "precision.recipe \"mxfp8\" needs layer.hidden and layer.ffn multiples of 128, got hidden ",
+                    config.layer.hidden, " and ffn ", config.layer.ffn);
+  }
   MG_CONFIG_CHECK(config.routing.kind != RoutingKind::kFixed || config.bench.fill == 1.0,
                   "bench.fill must be 1 with routing.kind \"fixed\" (the fixed splits fill every bucket), got ",
                   config.bench.fill);

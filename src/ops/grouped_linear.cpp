@@ -5,6 +5,7 @@
 
 #include "kernels/elementwise/elementwise.hpp"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/quantize/mxfp8.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "moegraph/error.hpp"
 #include "src/common/device_buffer.hpp"
@@ -22,6 +23,18 @@ struct GroupedLinear::Slot {
   float* scale = nullptr;      // [capacity_rows] bias scale, when the layer has a bias
   void* dy = nullptr;          // [capacity_rows, N], when wgrad may be delayed
   bool has_scale = false;
+  // MXFP8 recipe: the column-wise copies wgrad reads, instead of x and dy above.
+  kernels::Mxfp8Colwise x_t;   // [K, capacity_rows], scales [capacity_rows / 32, K]
+  kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad)
+};
+
+// MXFP8 recipe: the quantized weights (outside the workspace: they live until the weights
+// change, across steps) and the per-call row-wise operand.
+struct GroupedLinear::Mxfp8State {
+  DeviceBuffer w_data, w_scales, wt_data, wt_scales;  // [G, N, K] along K; W_e^T [G, K, N] along N
+  kernels::Mxfp8Rowwise operand;                      // x [rows, K] or dy [rows, N] (workspace)
+  kernels::Mxfp8Colwise dy_t;                         // immediate wgrad's dy copy (workspace)
+  bool weights_quantized = false;                     // host: quantize_weights() was enqueued
 };
 
 struct GroupedLinear::Scratch {
@@ -34,7 +47,7 @@ struct GroupedLinear::Scratch {
 };
 
 void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, std::vector<std::unique_ptr<Slot>>* slots,
-                            Scratch* scratch) {
+                            Scratch* scratch, Mxfp8State* mx_state) {
   const int64_t rows = o.capacity_rows, g = o.num_groups;
   const std::size_t es = dtype_size(o.dtype);
   int64_t* offsets = walk.take<int64_t>("offsets", (g + 1) * sizeof(int64_t));
@@ -42,14 +55,31 @@ void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, s
                                               kernels::bias_grad_workspace_floats(rows, g, o.out_features) * sizeof(float))
                            : nullptr;
   if (scratch != nullptr) scratch->offsets = offsets, scratch->bias_partials = partials;
+  const bool mx = o.recipe == Recipe::kMXFP8;
+  const int64_t k = o.in_features, n = o.out_features, blocks = rows / kernels::kMxBlock;
+  auto colwise = [&](const std::string& name, int64_t cols) {
+    return kernels::Mxfp8Colwise{walk.take<uint8_t>(name, rows * cols), walk.take<uint8_t>(name + ".scales", blocks * cols)};
+  };
+  if (mx) {
+    const int64_t widest = std::max(k, n);
+    kernels::Mxfp8Rowwise operand{walk.take<uint8_t>("mxfp8.operand", rows * widest),
+                                  walk.take<uint8_t>("mxfp8.operand.scales", rows * widest / kernels::kMxBlock)};
+    const kernels::Mxfp8Colwise dy_t = o.delay_wgrad ? kernels::Mxfp8Colwise{} : colwise("mxfp8.dy_t", n);
+    if (mx_state != nullptr) mx_state->operand = operand, mx_state->dy_t = dy_t;
+  }
   for (int s = 0; s < o.wgrad_slots; ++s) {
     const std::string prefix = detail::concat("slot", s, ".");
     auto slot = std::make_unique<Slot>();
-    slot->x = walk.take(prefix + "x", rows * o.in_features * es);
+    // The saved activation: a 16-bit copy, or (mxfp8) the column-wise copy wgrad reads.
+    if (mx) slot->x_t = colwise(prefix + "x_t", k);
+    else slot->x = walk.take(prefix + "x", rows * k * es);
     slot->splits = walk.take<int32_t>(prefix + "splits", g * sizeof(int32_t));
     slot->offsets = walk.take<int64_t>(prefix + "offsets", (g + 1) * sizeof(int64_t));
     if (o.bias) slot->scale = walk.take<float>(prefix + "bias_scale", rows * sizeof(float));
-    if (o.delay_wgrad) slot->dy = walk.take(prefix + "dy", rows * o.out_features * es);
+    if (o.delay_wgrad) {
+      if (mx) slot->dy_t = colwise(prefix + "dy_t", n);
+      else slot->dy = walk.take(prefix + "dy", rows * n * es);
+    }
     if (slots != nullptr) slots->push_back(std::move(slot));
   }
 }
@@ -57,14 +87,14 @@ void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, s
 std::size_t GroupedLinear::workspace_bytes(const GroupedLinearOptions& options) {
   validate(options);
   LayoutWalker walk;
-  lay_out(options, walk, nullptr, nullptr);
+  lay_out(options, walk, nullptr, nullptr, nullptr);
   return walk.bytes();
 }
 
 std::vector<GroupedLinear::WorkspaceBuffer> GroupedLinear::workspace_buffers(const GroupedLinearOptions& options) {
   validate(options);
   LayoutWalker walk;
-  lay_out(options, walk, nullptr, nullptr);
+  lay_out(options, walk, nullptr, nullptr, nullptr);
   std::vector<WorkspaceBuffer> out;
   for (const auto& e : walk.entries()) out.push_back({e.name, e.offset, e.bytes});
   return out;
@@ -82,8 +112,15 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   }
   MG_CHECK(reinterpret_cast<std::uintptr_t>(workspace) % LayoutWalker::kAlignment == 0,
            "GroupedLinear workspace must be ", LayoutWalker::kAlignment, "-byte aligned");
+  if (options_.recipe == Recipe::kMXFP8) {
+    mx_ = std::make_unique<Mxfp8State>();
+    const std::size_t weight = static_cast<std::size_t>(options_.num_groups) * options_.out_features * options_.in_features;
+    mx_->w_data = DeviceBuffer(weight), mx_->w_scales = DeviceBuffer(weight / kernels::kMxBlock);
+    mx_->wt_data = DeviceBuffer(weight), mx_->wt_scales = DeviceBuffer(weight / kernels::kMxBlock);
+    kernels::prepare_mxfp8_gemm();
+  }
   LayoutWalker walk(static_cast<std::byte*>(workspace));
-  lay_out(options_, walk, &slots_, scratch_.get());
+  lay_out(options_, walk, &slots_, scratch_.get(), mx_.get());
   for (int s = options_.wgrad_slots - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
   int device = 0;
   MG_CUDA_CHECK(cudaGetDevice(&device));
@@ -107,6 +144,13 @@ GroupedLinear::~GroupedLinear() = default;
 
 std::string GroupedLinear::describe() const {
   const auto& o = options_;
+  if (o.recipe == Recipe::kMXFP8)
+    return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
+                          " dtype=", dtype_name(o.dtype), " recipe=mxfp8 capacity_rows=", o.capacity_rows,
+                          " row_align=", o.row_align, " slots=", o.wgrad_slots,
+                          " | fprop, dgrad, wgrad: wgmma e4m3 128x128x128, per-32 scale promotion, 4 stages"
+                          " | quantize: row-wise + column-wise from one read | persistent over ",
+                          scratch_->sm_count, " SMs");
   return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
                         " dtype=", dtype_name(o.dtype), " capacity_rows=", o.capacity_rows,
                         " row_align=", o.row_align, " slots=", o.wgrad_slots,
@@ -154,7 +198,45 @@ void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
   int64_t* offsets = scratch_->offsets;
   kernels::launch_group_offsets(args.splits, options_.num_groups, options_.row_align, options_.capacity_rows,
                                 offsets, scratch_->error.as<DeviceErrorRecord>(), stream);
-  run_fprop(args, args.splits, offsets, args.bias_scale, stream);
+  if (mx_) run_mxfp8_fprop(args, args.splits, offsets, args.bias_scale, nullptr, stream);
+  else run_fprop(args, args.splits, offsets, args.bias_scale, stream);
+}
+
+void GroupedLinear::quantize_weights(const void* weight, cudaStream_t stream) {
+  MG_CHECK(mx_ != nullptr, "quantize_weights is for the mxfp8 recipe; this layer runs ", recipe_name(options_.recipe));
+  MG_CHECK(weight != nullptr, "quantize_weights needs the weight");
+  const kernels::Mxfp8Rowwise row{mx_->w_data.as<uint8_t>(), mx_->w_scales.as<uint8_t>()};
+  const kernels::Mxfp8Colwise col{mx_->wt_data.as<uint8_t>(), mx_->wt_scales.as<uint8_t>()};
+  kernels::launch_quantize_mxfp8_weights(options_.dtype, weight, options_.num_groups, options_.out_features,
+                                         options_.in_features, &row, &col, stream);
+  mx_->weights_quantized = true;
+}
+
+void GroupedLinear::run_mxfp8_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
+                                    const float* bias_scale, Slot* save, cudaStream_t stream) {
+  MG_CHECK(mx_->weights_quantized, "the mxfp8 recipe needs quantize_weights() before the first forward");
+  const auto& o = options_;
+  kernels::launch_quantize_mxfp8(o.dtype, args.x, o.capacity_rows, o.in_features, offsets, splits, o.num_groups,
+                                 &mx_->operand, save != nullptr ? &save->x_t : nullptr, stream);
+  kernels::Mxfp8RaggedGemmParams p;
+  p.a = mx_->operand.data, p.a_scales = mx_->operand.scales;
+  p.b = mx_->w_data.as<uint8_t>(), p.b_scales = mx_->w_scales.as<uint8_t>();
+  p.n = o.out_features, p.k = o.in_features;
+  p.splits = splits, p.offsets = offsets, p.num_groups = o.num_groups;
+  p.bias = args.bias, p.bias_scale = bias_scale, p.c = args.y;
+  kernels::launch_mxfp8_ragged_gemm(o.dtype, p, scratch_->sm_count, stream);
+}
+
+void GroupedLinear::run_mxfp8_wgrad(const Slot& slot, const void* dy_t, const void* dy_t_scales, void* dweight,
+                                    float* main_grad, cudaStream_t stream) {
+  const auto& o = options_;
+  kernels::Mxfp8WgradParams p;
+  p.dy_t = static_cast<const uint8_t*>(dy_t), p.dy_t_scales = static_cast<const uint8_t*>(dy_t_scales);
+  p.x_t = slot.x_t.data, p.x_t_scales = slot.x_t.scales;
+  p.n = o.out_features, p.k = o.in_features, p.capacity_rows = o.capacity_rows;
+  p.splits = slot.splits, p.offsets = slot.offsets, p.num_groups = o.num_groups;
+  p.dweight = dweight, p.main_grad = main_grad;
+  kernels::launch_mxfp8_wgrad(o.dtype, p, scratch_->sm_count, stream);
 }
 
 void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) {
@@ -170,11 +252,13 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
                                 scratch_->error.as<DeviceErrorRecord>(), stream);
   const std::size_t es = dtype_size(options_.dtype);
   const int copy_grid = scratch_->sm_count * 4;
-  kernels::launch_copy_used_rows(slot.x, args.x, options_.in_features * es, offsets, g, copy_grid, stream);
+  if (!mx_) kernels::launch_copy_used_rows(slot.x, args.x, options_.in_features * es, offsets, g, copy_grid, stream);
   slot.has_scale = args.bias_scale != nullptr;
   if (slot.has_scale)
     kernels::launch_copy_used_rows(slot.scale, args.bias_scale, sizeof(float), offsets, g, copy_grid, stream);
-  run_fprop(args, slot.splits, offsets, args.bias_scale, stream);
+  // MXFP8: the saved activation is the column-wise copy, quantized in the same read as fprop's operand.
+  if (mx_) run_mxfp8_fprop(args, slot.splits, offsets, args.bias_scale, &slot, stream);
+  else run_fprop(args, slot.splits, offsets, args.bias_scale, stream);
   free_slots_.pop_back();
   backward_queue_.push_back(index);
 }
@@ -197,7 +281,8 @@ void GroupedLinear::run_wgrad(const void* dy, const void* x, const int32_t* spli
 }
 
 void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode mode, cudaStream_t stream) {
-  MG_CHECK(recipe == Recipe::kBF16, "GroupedLinear supports the bf16 recipe only");
+  MG_CHECK(recipe == options_.recipe, "backward with the ", recipe_name(recipe), " recipe, but the layer was set up for ",
+           recipe_name(options_.recipe), " (its forward_train saved ", recipe_name(options_.recipe), " tensors)");
   MG_CHECK(!backward_queue_.empty(), "backward without a pending forward_train");
   MG_CHECK(args.dy != nullptr, "backward needs dy");
   MG_CHECK(args.dx == nullptr || args.weight != nullptr, "dx needs the weight");
@@ -215,7 +300,24 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
   const int64_t* offsets = slot.offsets;
   const int g = options_.num_groups;
 
-  if (args.dx != nullptr) {
+  // MXFP8: dy quantized once, row-wise along N for dgrad and column-wise for wgrad (kept in the
+  // slot when the wgrad is delayed).
+  kernels::Mxfp8Colwise* dy_t = nullptr;
+  if (mx_) {
+    MG_CHECK(args.dx == nullptr || mx_->weights_quantized, "the mxfp8 recipe needs quantize_weights() before dgrad");
+    // With delay_wgrad the slot holds a copy either way (the shared scratch exists only without it).
+    dy_t = options_.delay_wgrad ? &slot.dy_t : &mx_->dy_t;
+    kernels::launch_quantize_mxfp8(options_.dtype, args.dy, options_.capacity_rows, options_.out_features, offsets,
+                                   splits, g, args.dx != nullptr ? &mx_->operand : nullptr, dy_t, stream);
+  }
+  if (args.dx != nullptr && mx_) {
+    kernels::Mxfp8RaggedGemmParams p;
+    p.a = mx_->operand.data, p.a_scales = mx_->operand.scales;
+    p.b = mx_->wt_data.as<uint8_t>(), p.b_scales = mx_->wt_scales.as<uint8_t>();
+    p.n = options_.in_features, p.k = options_.out_features;
+    p.splits = splits, p.offsets = offsets, p.num_groups = g, p.c = args.dx;
+    kernels::launch_mxfp8_ragged_gemm(options_.dtype, p, scratch_->sm_count, stream);
+  } else if (args.dx != nullptr) {
     kernels::RaggedGemmParams p;
     p.a = args.dy;
     p.w = args.weight;
@@ -245,11 +347,13 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
   }
   backward_queue_.pop_front();
   if (mode == WgradMode::kImmediate) {
-    run_wgrad(args.dy, slot.x, splits, offsets, args.dweight, args.main_grad, stream);
+    if (mx_) run_mxfp8_wgrad(slot, dy_t->data, dy_t->scales, args.dweight, args.main_grad, stream);
+    else run_wgrad(args.dy, slot.x, splits, offsets, args.dweight, args.main_grad, stream);
     free_slots_.push_back(index);
   } else {
-    kernels::launch_copy_used_rows(slot.dy, args.dy, options_.out_features * dtype_size(options_.dtype),
-                                   offsets, g, scratch_->sm_count * 4, stream);
+    if (!mx_)
+      kernels::launch_copy_used_rows(slot.dy, args.dy, options_.out_features * dtype_size(options_.dtype), offsets, g,
+                                     scratch_->sm_count * 4, stream);
     wgrad_queue_.push_back({index, args.dweight, args.main_grad});
   }
 }
@@ -258,8 +362,8 @@ void GroupedLinear::backward_dw(cudaStream_t stream) {
   MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued wgrad");
   const QueuedWgrad q = wgrad_queue_.front();
   Slot& slot = *slots_[q.slot];
-  run_wgrad(slot.dy, slot.x, slot.splits, slot.offsets, q.dweight,
-            q.main_grad, stream);
+  if (mx_) run_mxfp8_wgrad(slot, slot.dy_t.data, slot.dy_t.scales, q.dweight, q.main_grad, stream);
+  else run_wgrad(slot.dy, slot.x, slot.splits, slot.offsets, q.dweight, q.main_grad, stream);
   wgrad_queue_.pop_front();
   free_slots_.push_back(q.slot);
 }

@@ -23,6 +23,7 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.max_tokens = max_tokens;
   o.row_align = c.row_align;
   o.dtype = c.precision.dtype;
+  o.recipe = c.precision.recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
   o.training = c.training.enabled;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
@@ -47,6 +48,10 @@ void validate(const MoeLayerOptions& o) {
   MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ", dtype_name(o.dtype));
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(!o.delay_wgrad || o.training, "delay_wgrad needs training");
+  MG_CHECK(o.recipe != Recipe::kMXFP8 || o.row_align == 32 || o.row_align == 128,
+           "the mxfp8 recipe needs row_align 32 or 128, got ", o.row_align);
+  MG_CHECK(o.recipe != Recipe::kMXFP8 || (o.hidden % 128 == 0 && o.ffn % 128 == 0),
+           "the mxfp8 recipe needs hidden and ffn multiples of 128, got ", o.hidden, " and ", o.ffn);
   MG_CHECK(moe_layer_rows(o) <= (int64_t{1} << 31) - 1, "max_tokens * top_k (plus alignment padding) = ",
            moe_layer_rows(o), " rows must stay below 2^31");
 }
@@ -78,6 +83,7 @@ void MoeLayer::forward(const MoeLayerIO& io, cudaStream_t stream) { program_->fo
 void MoeLayer::forward_train(const MoeLayerIO& io, cudaStream_t stream) { program_->forward_train(io, stream); }
 void MoeLayer::backward(const MoeLayerIO& io, cudaStream_t stream) { program_->backward(io, stream); }
 void MoeLayer::backward_dw(cudaStream_t stream) { program_->backward_dw(stream); }
+void MoeLayer::weights_changed(cudaStream_t stream) { program_->weights_changed(stream); }
 int MoeLayer::queued_wgrads() const { return program_->queued_wgrads(); }
 int MoeLayer::pending_backwards() const { return program_->pending_backwards(); }
 const int32_t* MoeLayer::splits() const { return program_->splits(); }

@@ -23,6 +23,15 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
            o.tile_n);
+  if (o.recipe != Recipe::kMXFP8) return;
+  // The MXFP8 GEMMs stage 128 K elements at a time (fprop reduces K, dgrad N), and the
+  // column-wise copies for wgrad need every group to start on a multiple of 32 rows.
+  MG_CHECK(o.in_features % 128 == 0, "the mxfp8 recipe needs in_features (K) a multiple of 128, got ",
+           o.in_features);
+  MG_CHECK(o.out_features % 128 == 0, "the mxfp8 recipe needs out_features (N) a multiple of 128, got ",
+           o.out_features);
+  MG_CHECK(o.row_align == 32 || o.row_align == 128, "the mxfp8 recipe needs row_align 32 or 128, got ", o.row_align);
+  MG_CHECK(!o.reference_kernels, "the mxfp8 recipe has no reference (WMMA) kernels");
 }
 
 HostOffsets host_group_offsets(std::span<const int32_t> splits, int row_align, int64_t capacity) {

@@ -3,8 +3,64 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <stdexcept>
+
+#include "src/verify/mxfp8_reference.hpp"
 
 namespace moegraph::verify {
+namespace {
+
+// An MXFP8 element in fp64: e4m3 * 2^(scale - 127) is exact (4 significant bits), which the
+// tensor cores multiply exactly too, unlike mx_dequantize_rowwise's rounding into an output type.
+double mx_value(const MxBuffer& q, int64_t element, int64_t scale) {
+  return e4m3_decode(q.data[element]) * e8m0_decode(q.scales[scale]);
+}
+
+// x [rows, cols] quantized row-wise (blocks of 32 along cols), dequantized. Rows that are zero
+// (gap and padding rows of the host copies) stay zero.
+Mat rowwise_values(const Mat& x, int64_t rows, int64_t cols) {
+  MxBuffer q = mx_buffer(rows, cols);
+  mx_quantize_rowwise(x, rows, cols, rows, q);
+  Mat out(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) out[i] = mx_value(q, i, i / kMxBlockSize);
+  return out;
+}
+
+// A grouped buffer x [capacity, cols], zero outside the data rows, quantized column-wise as the
+// device does for wgrad: blocks of 32 rows from each group's start (a multiple of 32), over the
+// used rows [0, offsets[G]) only (the last block may be short), dequantized; zero past them.
+Mat colwise_values(const GroupLayout& l, const Mat& x, int64_t cols) {
+  for (int e = 0; e < l.groups(); ++e)
+    if (l.splits[e] > 0 && l.offsets[e] % kMxBlockSize != 0)
+      throw std::invalid_argument("MXFP8 column-wise blocks need groups starting on multiples of 32");
+  const int64_t used = l.offsets.back();
+  const int64_t rows = (used + kMxBlockSize - 1) / kMxBlockSize * kMxBlockSize;
+  Mat head(x.begin(), x.begin() + used * cols);
+  head.resize(rows * cols, 0.0);
+  MxBuffer q = mx_buffer(rows, cols);
+  mx_quantize_colwise(head, rows, cols, used, q);
+  Mat out(l.capacity_rows * cols, 0.0);
+  for (int64_t r = 0; r < used; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = mx_value(q, c * rows + r, r / kMxBlockSize * cols + c);
+  return out;
+}
+
+// The weights w [G, N, K] as fprop reads them (row-wise, blocks along K) or as dgrad reads them
+// (each expert's W_e^T [K, N] row-wise, blocks along N), dequantized, both in w's [G, N, K] layout.
+Mat weight_values(const Mat& w, int groups, int64_t n, int64_t k, bool for_dgrad) {
+  MxBuffer q = mx_buffer(groups * (for_dgrad ? k : n), for_dgrad ? n : k);
+  mx_quantize_weights(w, groups, n, k, for_dgrad ? nullptr : &q, for_dgrad ? &q : nullptr);
+  Mat out(w.size());
+  for (int64_t e = 0; e < groups; ++e)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t at = (e * n + j) * k + i, stored = for_dgrad ? (e * k + i) * n + j : at;
+        out[at] = mx_value(q, stored, stored / kMxBlockSize);
+      }
+  return out;
+}
+
+}  // namespace
 
 std::vector<double> to_doubles(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
@@ -39,6 +95,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   o.delay_wgrad = spec.delay_wgrad;
   o.reference_kernels = spec.reference_kernels;
   o.tile_n = spec.tile_n;
+  o.recipe = spec.recipe;
   op = std::make_unique<GroupedLinear>(o);
 
   const int64_t g = spec.groups, n = spec.n, k = spec.k;
@@ -50,7 +107,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   d_dx = DeviceArray<uint16_t>(capacity * k);
   d_dw = DeviceArray<uint16_t>(g * n * k);
   w = random_values(rng, g * n * k, 1.0 / std::sqrt(static_cast<double>(k)), spec.dtype);
-  d_w.upload(to_device_bits(w, spec.dtype));
+  upload_weights();
   if (spec.bias) {
     d_b = DeviceArray<uint16_t>(g * n);
     d_db = DeviceArray<uint16_t>(g * n);
@@ -89,6 +146,12 @@ void Problem::reroute(const std::vector<int32_t>& splits) {
     d_s.upload(std::vector<float>(s.begin(), s.end()));
   }
   restore_main_grad();
+}
+
+void Problem::upload_weights() {
+  references_.clear();
+  d_w.upload(to_device_bits(w, spec.dtype));
+  if (spec.recipe == Recipe::kMXFP8) op->quantize_weights(d_w.get(), nullptr);
 }
 
 void Problem::restore_main_grad() {
@@ -142,8 +205,32 @@ const Mat& Problem::reference(const std::string& name, const std::function<Mat()
   return it->second;
 }
 
+const Mat& Problem::operand(Operand which) const {
+  const bool mx = spec.recipe == Recipe::kMXFP8;
+  const int64_t rows = layout.capacity_rows, n = spec.n, k = spec.k;
+  switch (which) {
+    case Operand::kFpropX: return mx ? reference("mxfp8 x row-wise", [&] { return rowwise_values(x, rows, k); }) : x;
+    case Operand::kFpropW:
+      return mx ? reference("mxfp8 w row-wise", [&] { return weight_values(w, spec.groups, n, k, false); }) : w;
+    case Operand::kDgradDy:
+      return mx ? reference("mxfp8 dy row-wise", [&] { return rowwise_values(dy, rows, n); }) : dy;
+    case Operand::kDgradW:
+      return mx ? reference("mxfp8 w transposed", [&] { return weight_values(w, spec.groups, n, k, true); }) : w;
+    case Operand::kWgradDy:
+      return mx ? reference("mxfp8 dy column-wise", [&] { return colwise_values(layout, dy, n); }) : dy;
+    case Operand::kWgradX:
+      return mx ? reference("mxfp8 x column-wise", [&] { return colwise_values(layout, x, k); }) : x;
+  }
+  throw std::logic_error("unknown operand");
+}
+
 Tolerance Problem::tolerance(DType output) const {
   return spec.tolerance && output == spec.dtype ? *spec.tolerance : tolerance_for(output);
+}
+
+Tolerance Problem::gemm_tolerance(DType output) const {
+  if (spec.recipe != Recipe::kMXFP8) return tolerance(output);
+  return spec.tolerance && output == spec.dtype ? *spec.tolerance : mxfp8_gemm_tolerance();
 }
 
 std::vector<Output> Problem::outputs(OutputSet set) const {
@@ -154,11 +241,19 @@ std::vector<Output> Problem::outputs(OutputSet set) const {
   switch (set) {
     case OutputSet::kForward:
       return {{"y", {rows, n}, download(d_y),
-               &reference("y", [&] { return ref_fprop(layout, x, w, b, scale, n, k); }), written,
-               tolerance(spec.dtype)}};
+               &reference("y",
+                          [&] {
+                            return ref_fprop(layout, operand(Operand::kFpropX), operand(Operand::kFpropW), b, scale,
+                                             n, k);
+                          }),
+               written, gemm_tolerance(spec.dtype)}};
     case OutputSet::kDgrad:
-      return {{"dx", {rows, k}, download(d_dx), &reference("dx", [&] { return ref_dgrad(layout, dy, w, n, k); }),
-               written, tolerance(spec.dtype)}};
+      return {{"dx", {rows, k}, download(d_dx),
+               &reference("dx",
+                          [&] {
+                            return ref_dgrad(layout, operand(Operand::kDgradDy), operand(Operand::kDgradW), n, k);
+                          }),
+               written, gemm_tolerance(spec.dtype)}};
     case OutputSet::kBiasGrads: {
       std::vector<Output> out;
       if (!spec.bias) return out;
@@ -171,18 +266,19 @@ std::vector<Output> Problem::outputs(OutputSet set) const {
                        tolerance(DType::kFP32)});
       return out;
     }
-    case OutputSet::kWgrad:
+    case OutputSet::kWgrad: {
+      auto wgrad = [&] { return ref_wgrad(layout, operand(Operand::kWgradDy), operand(Operand::kWgradX), n, k); };
       if (spec.main_grad) {
         auto accumulated = [&] {
-          Mat ref = ref_wgrad(layout, dy, x, n, k);
+          Mat ref = wgrad();
           for (std::size_t i = 0; i < ref.size(); ++i) ref[i] += main_grad_init[i];
           return ref;
         };
         return {{"main_grad", {g, n, k}, to_doubles(d_main_grad.download()), &reference("main_grad", accumulated),
-                 {}, tolerance(DType::kFP32)}};
+                 {}, gemm_tolerance(DType::kFP32)}};
       }
-      return {{"dweight", {g, n, k}, download(d_dw),
-               &reference("dweight", [&] { return ref_wgrad(layout, dy, x, n, k); }), {}, tolerance(spec.dtype)}};
+      return {{"dweight", {g, n, k}, download(d_dw), &reference("dweight", wgrad), {}, gemm_tolerance(spec.dtype)}};
+    }
   }
   return {};
 }

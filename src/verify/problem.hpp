@@ -34,6 +34,12 @@ struct CaseSpec {
   // Tolerance of the outputs in `dtype` (default: tolerance_for(dtype)). The fp32 outputs
   // (main_grad, dbias_scale) always use the fp32 entry of the table.
   std::optional<Tolerance> tolerance = std::nullopt;
+  // kMXFP8: the GEMMs read MXFP8 copies (docs/mxfp8.md), and so do their references: x, dy and W
+  // quantized as the device does (only data rows; gap and padding rows count as zero) and
+  // dequantized exactly. Needs K, N multiples of 128 and row_align 32 or 128. The GEMM outputs
+  // (y, dx, dweight, main_grad) are then checked with mxfp8_gemm_tolerance() unless `tolerance`
+  // is set; the bias gradients read the unquantized dy and keep their usual tolerance.
+  Recipe recipe = Recipe::kBF16;
 };
 
 // Rows of every grouped buffer of a problem with `rows` rows of data: the worst aligned layout of
@@ -76,6 +82,9 @@ class Problem {
   std::vector<CompareResult> check(OutputSet set, const std::string& where) const;
 
   std::vector<double> download(const DeviceArray<uint16_t>& a) const;
+  // `w` to the device (and, with the MXFP8 recipe, the operator's quantized copies of it): call it
+  // after changing w. Drops the cached references.
+  void upload_weights();
 
   CaseSpec spec;
   GroupLayout layout;
@@ -87,10 +96,15 @@ class Problem {
   std::unique_ptr<GroupedLinear> op;
 
  private:
+  // The operands the GEMMs of the recipe read, as fp64 matrices in the layout of x, dy and w:
+  // the inputs themselves (bf16 recipe) or their MXFP8 copies dequantized exactly.
+  enum class Operand { kFpropX, kFpropW, kDgradDy, kDgradW, kWgradDy, kWgradX };
+  const Mat& operand(Operand which) const;
   const Mat& reference(const std::string& name, const std::function<Mat()>& compute) const;
   Tolerance tolerance(DType output) const;
+  Tolerance gemm_tolerance(DType output) const;  // y, dx, dweight, main_grad
 
-  mutable std::map<std::string, Mat> references_;  // by output name, for the current routing
+  mutable std::map<std::string, Mat> references_;  // by output name (and MXFP8 operand), for the current routing
 };
 
 // Every output set, in the order a training step writes them.

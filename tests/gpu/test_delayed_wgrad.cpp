@@ -6,8 +6,8 @@
 namespace moegraph::test {
 namespace {
 
-TEST(DelayedWgrad, PipelinedMicroBatchesAreBitIdenticalToImmediate) {
-  CaseSpec spec{"delayed_pipeline", 8, 256, 384, DType::kBF16, 1, {}, 1500, Routing::kSkewed, 0, true, true};
+// Two micro-batches in flight with the recipe of `spec`; delayed wgrad against immediate.
+void expect_pipelined_wgrads_bit_identical(CaseSpec spec) {
   spec.delay_wgrad = true;
   spec.wgrad_slots = 2;
   Problem p(spec, test_seed(spec.name));
@@ -25,7 +25,7 @@ TEST(DelayedWgrad, PipelinedMicroBatchesAreBitIdenticalToImmediate) {
     xs[mb] = p.d_x.download();
     dys[mb] = p.d_dy.download();
     p.op->forward_train(p.forward_args(), stream);
-    p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kImmediate, stream);
+    p.op->backward(p.backward_args(), spec.recipe, WgradMode::kImmediate, stream);
     p.op->check_device_errors(stream);
     immediate[mb] = p.d_dw.download();
     expect_matches_reference(p, OutputSet::kWgrad, "immediate mb" + std::to_string(mb));
@@ -45,7 +45,7 @@ TEST(DelayedWgrad, PipelinedMicroBatchesAreBitIdenticalToImmediate) {
     p.d_dy.upload(dys[mb]);
     BackwardArgs args = p.backward_args();
     args.dweight = (mb == 0 ? dw0 : dw1).get();
-    p.op->backward(args, Recipe::kBF16, WgradMode::kDelayed, stream);
+    p.op->backward(args, spec.recipe, WgradMode::kDelayed, stream);
   }
   EXPECT_EQ(p.op->queued_wgrads(), 2);
   p.d_x.poison();  // saved contexts must not depend on the caller's buffers any more
@@ -58,6 +58,19 @@ TEST(DelayedWgrad, PipelinedMicroBatchesAreBitIdenticalToImmediate) {
   EXPECT_TRUE(dw0.download() == immediate[0]) << "micro-batch 0: delayed wgrad differs from immediate";
   EXPECT_TRUE(dw1.download() == immediate[1]) << "micro-batch 1: delayed wgrad differs from immediate";
   EXPECT_FALSE(immediate[0] == immediate[1]) << "the two micro-batches should differ";
+}
+
+TEST(DelayedWgrad, PipelinedMicroBatchesAreBitIdenticalToImmediate) {
+  expect_pipelined_wgrads_bit_identical(
+      {"delayed_pipeline", 8, 256, 384, DType::kBF16, 1, {}, 1500, Routing::kSkewed, 0, true, true});
+}
+
+// MXFP8: the slot keeps x and dy as column-wise MXFP8 copies, which the delayed wgrad must read
+// exactly as the immediate one reads its fresh copies.
+TEST(DelayedWgrad, Mxfp8PipelinedMicroBatchesAreBitIdenticalToImmediate) {
+  CaseSpec spec{"delayed_pipeline_mxfp8", 8, 256, 384, DType::kBF16, 32, {}, 1500, Routing::kSkewed, 0, true, true};
+  spec.recipe = Recipe::kMXFP8;
+  expect_pipelined_wgrads_bit_identical(spec);
 }
 
 TEST(DelayedWgrad, RefusedWithoutDelayOption) {

@@ -1,6 +1,8 @@
 // Every GEMM and epilogue against the fp64 reference over a named case table.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -49,7 +51,7 @@ TEST_P(GroupedLinearCase, AllPhasesMatchFp64Reference) {
   // Training forward and backward with every gradient.
   p.poison_outputs();
   p.op->forward_train(p.forward_args(), stream);
-  p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kImmediate, stream);
+  p.op->backward(p.backward_args(), p.spec.recipe, WgradMode::kImmediate, stream);
   p.op->check_device_errors(stream);
   expect_matches_reference(p, OutputSet::kForward, "forward_train");
   expect_matches_reference(p, OutputSet::kDgrad, "backward");
@@ -79,6 +81,67 @@ std::vector<CaseSpec> wide_tile_cases() {
 
 INSTANTIATE_TEST_SUITE_P(WideTiles, GroupedLinearCase, ::testing::ValuesIn(wide_tile_cases()),
                          [](const auto& info) { return info.param.name; });
+
+CaseSpec mxfp8(CaseSpec c) {
+  c.recipe = Recipe::kMXFP8;
+  return c;
+}
+
+// The MXFP8 recipe: K and N multiples of 128, groups 32- or 128-aligned (column-wise blocks of the
+// wgrad operands never straddle groups), and padding past the last group a whole number of blocks.
+std::vector<CaseSpec> mxfp8_cases() {
+  using R = Routing;
+  const DType bf16 = DType::kBF16, fp16 = DType::kFP16;
+  return {
+      // name, groups, k, n, dtype, row_align, splits, rows, routing, capacity_extra, bias, scale, main_grad
+      mxfp8({"g1_one_group_short_last_block", 1, 256, 128, bf16, 32, {300}}),
+      mxfp8({"g8_uniform_bias", 8, 512, 384, bf16, 32, {}, 1000, R::kUniform, 64, true}),
+      mxfp8({"g8_empty_groups", 8, 256, 256, bf16, 32, {0, 37, 0, 0, 100, 1, 0, 5}, 0, R::kUniform, 32, true}),
+      mxfp8({"g8_single_rows", 8, 128, 128, bf16, 32, {1, 1, 1, 1, 1, 1, 1, 1}}),
+      mxfp8({"g8_odd_sizes_bias_scale", 8, 256, 128, bf16, 32, {3, 17, 129, 255, 1, 63, 5, 77}, 0, R::kUniform, 0,
+             true, true}),
+      mxfp8({"g8_all_rows_in_one_group", 8, 256, 384, bf16, 128, {0, 0, 0, 777, 0, 0, 0, 0}, 0, R::kUniform, 0, true}),
+      mxfp8({"g8_all_groups_empty", 8, 128, 128, bf16, 32, {0, 0, 0, 0, 0, 0, 0, 0}, 0, R::kUniform, 32, true}),
+      mxfp8({"g64_skewed_bias_scale", 64, 256, 512, bf16, 32, {}, 3000, R::kSkewed, 0, true, true}),
+      mxfp8({"g256_skewed_main_grad", 256, 256, 128, bf16, 32, {}, 2000, R::kSkewed, 0, false, false, true}),
+      mxfp8({"align128_main_grad_bias", 8, 128, 256, bf16, 128, {}, 900, R::kUniform, 0, true, false, true}),
+      mxfp8({"k2048_n128", 4, 2048, 128, bf16, 32, {}, 200}),
+      mxfp8({"k128_n2048_bias", 4, 128, 2048, bf16, 32, {}, 200, R::kUniform, 0, true}),
+      mxfp8({"fp16_odd_bias_scale", 8, 256, 256, fp16, 32, {3, 17, 129, 255, 1, 63, 5, 77}, 0, R::kUniform, 0, true,
+             true}),
+      mxfp8({"fp16_skewed_main_grad", 16, 512, 256, fp16, 128, {}, 1500, R::kSkewed, 0, false, false, true}),
+  };
+}
+
+INSTANTIATE_TEST_SUITE_P(Mxfp8, GroupedLinearCase, ::testing::ValuesIn(mxfp8_cases()),
+                         [](const auto& info) { return info.param.name; });
+
+// The MXFP8 references must not be the bf16 ones in disguise: a kernel that skipped quantization
+// (exact GEMMs of the unquantized inputs) has to fail the check of every MXFP8 GEMM output. Each
+// MXFP8 reference must still be the same product up to E4M3's precision (3 mantissa bits).
+TEST(Mxfp8Reference, UnquantizedGemmsFailTheCheck) {
+  const CaseSpec spec = mxfp8({"mxfp8_reference_vs_unquantized", 8, 256, 384, DType::kBF16, 32, {}, 600,
+                               Routing::kSkewed, 0, true, true});
+  Problem p(spec, test_seed(spec.name));
+  const int64_t n = spec.n, k = spec.k;
+  const std::map<std::string, Mat> unquantized = {
+      {"y", ref_fprop(p.layout, p.x, p.w, p.b, p.s, n, k)},
+      {"dx", ref_dgrad(p.layout, p.dy, p.w, n, k)},
+      {"dweight", ref_wgrad(p.layout, p.dy, p.x, n, k)},
+  };
+  int checked = 0;
+  for (OutputSet set : {OutputSet::kForward, OutputSet::kDgrad, OutputSet::kWgrad})
+    for (Output& output : p.outputs(set)) {
+      output.got = unquantized.at(output.name);
+      const CompareResult result = compare(output, "unquantized");
+      EXPECT_FALSE(result.ok) << output.name << ": the unquantized product passes the MXFP8 check";
+      EXPECT_GT(result.out_of_tolerance, result.compared / 4) << output.name;
+      EXPECT_GT(result.rel_fro, output.tol.rel_fro) << output.name;
+      EXPECT_LT(result.rel_fro, 0.1) << output.name << ": the MXFP8 reference is not the same product";
+      ++checked;
+    }
+  EXPECT_EQ(checked, 3);
+}
 
 }  // namespace
 }  // namespace moegraph::test

@@ -366,16 +366,19 @@ TEST(MoeLayer, PhaseOrderIsChecked) {
   MG_CUDA_CHECK(cudaStreamSynchronize(h.stream()));
 }
 
-// The step runtime with "step": "moe_layer": graph replays equal eager steps bit for bit.
-TEST(MoeLayer, StepGraphsReplayTheWholeLayer) {
+// The step runtime with "step": "moe_layer": graph replays equal eager steps bit for bit, for the
+// bf16 and the mxfp8 recipe.
+class MoeLayerStep : public ::testing::TestWithParam<const char*> {};
+TEST_P(MoeLayerStep, StepGraphsReplayTheWholeLayer) {
   Config c;
+  c.precision.recipe = GetParam();
   c.name = "moe_layer_step";
   c.step = StepKind::kMoeLayer;
-  c.layer.experts = 16, c.layer.hidden = 128, c.layer.ffn = 64, c.layer.top_k = 4, c.layer.bias = true;
+  c.layer.experts = 16, c.layer.hidden = 128, c.layer.ffn = 128, c.layer.top_k = 4, c.layer.bias = true;
   c.router.score = "softmax", c.router.renormalize = true, c.router.aux_loss_coef = 0.01;
   c.training.enabled = true, c.training.delay_wgrad = true, c.training.wgrad_slots = 2;
   c.buckets = {16, 64};
-  c.row_align = 16;
+  c.row_align = 32;
   StepGraphs step(c);
   Stream stream;
   cudaStream_t s = stream.get();
@@ -415,6 +418,8 @@ TEST(MoeLayer, StepGraphsReplayTheWholeLayer) {
     EXPECT_EQ(nan, 0u) << "every routed token's output is written";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Recipes, MoeLayerStep, ::testing::Values("bf16", "mxfp8"));
 
 }  // namespace
 }  // namespace moegraph::test

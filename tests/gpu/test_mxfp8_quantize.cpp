@@ -190,7 +190,7 @@ struct QuantizeRun {
   void launch(Layouts which, cudaStream_t stream = nullptr) {
     const Mxfp8Rowwise r = row.rowwise();
     const Mxfp8Colwise c = col.colwise();
-    kernels::launch_quantize_mxfp8(dtype, x.get(), rows, cols, offsets.get(), groups(), has_row(which) ? &r : nullptr,
+    kernels::launch_quantize_mxfp8(dtype, x.get(), rows, cols, offsets.get(), nullptr, groups(), has_row(which) ? &r : nullptr,
                                    has_col(which) ? &c : nullptr, stream);
   }
 };
@@ -273,6 +273,34 @@ TEST_P(Mxfp8Grouped, EmptyGroupsGapsAndPaddingBothEqualSeparateRuns) {
   EXPECT_TRUE(same_mx("row-wise: both vs alone", both_row, run.row.download()));
   expect_quantized(run, Layouts::kCol, x, 256, "grouped, column-wise alone");
   EXPECT_TRUE(same_mx("column-wise: both vs alone", both_col, run.col.download()));
+}
+
+// With the splits given, the alignment-gap rows read as zero whatever x holds there (here NaN):
+// the result equals the quantization of the same input with zero gaps.
+TEST_P(Mxfp8Grouped, GapRowsReadAsZeroWithSplits) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_gaps_", dtype_name(dtype))));
+  const std::vector<int32_t> splits{40, 0, 70, 0, 1, 33, 0};
+  const GroupLayout l = make_layout(splits, 32, 352);
+  const int64_t cols = 160;
+  const std::vector<double> x = grouped_values(rng, l, cols, dtype);  // zero gaps: the expectation
+  std::vector<double> garbage = x;
+  const std::vector<bool> data = data_rows(l);
+  for (int64_t r = 0; r < l.offsets.back(); ++r)
+    if (!data[r]) std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
+  QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
+  DeviceArray<int32_t> d_splits(splits.size());
+  d_splits.upload(splits);
+  run.row.poison();
+  run.col.poison();
+  const Mxfp8Rowwise r = run.row.rowwise();
+  const Mxfp8Colwise c = run.col.colwise();
+  kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(), d_splits.get(), run.groups(),
+                                 &r, &c, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  const int64_t used = l.offsets.back();
+  EXPECT_TRUE(same_mx("row-wise, NaN gaps masked", run.row.download(), reference_rowwise(x, run.rows, cols, used)));
+  EXPECT_TRUE(same_mx("column-wise, NaN gaps masked", run.col.download(), reference_colwise(x, run.rows, cols, used)));
 }
 
 // Row-wise needs no alignment: groups of 5, 0, 37, 11, 0 rows (row_align 1) end at row 53 of 100,
@@ -444,7 +472,7 @@ TEST(Mxfp8Graph, CaptureOnceReplayWithNewSplitsAndData) {
     kernels::launch_group_offsets(splits.get(), groups, 32, capacity, offsets.get(), error.get(), stream.get());
     const Mxfp8Rowwise r = row.rowwise();
     const Mxfp8Colwise c = col.colwise();
-    kernels::launch_quantize_mxfp8(dtype, x.get(), capacity, cols, offsets.get(), groups, &r, &c, stream.get());
+    kernels::launch_quantize_mxfp8(dtype, x.get(), capacity, cols, offsets.get(), nullptr, groups, &r, &c, stream.get());
     kernels::launch_dequantize_mxfp8_rowwise(row.data.get(), row.scales.get(), DType::kBF16, y.get(), capacity, cols,
                                              offsets.get(), groups, stream.get());
   };

@@ -122,8 +122,12 @@ std::vector<BadDoc> bad_docs() {
       {"TopKZero", with({{"/layer/top_k", "0"}}), "layer.top_k must be in [1, 8], got 0"},
       {"ActivationGelu", with({{"/layer/activation", R"("gelu")"}}),
        R"(layer.activation must be "swiglu" (the only one implemented), got "gelu")"},
-      {"RecipeMxfp8", with({{"/precision/recipe", R"("mxfp8")"}}),
-       R"(precision.recipe must be "bf16" (mxfp8 is not available yet), got "mxfp8")"},
+      {"RecipeFp8", with({{"/precision/recipe", R"("fp8")"}}),
+       R"(precision.recipe must be "bf16" or "mxfp8", got "fp8")"},
+      {"Mxfp8RowAlign1", with({{"/precision/recipe", R"("mxfp8")"}}),
+       R"(precision.recipe "mxfp8" needs row_align 32 or 128 (a column-wise block of 32 rows must not straddle two experts), got 1)"},
+      {"Mxfp8Ffn", with({{"/precision/recipe", R"("mxfp8")"}, {"/row_align", "32"}, {"/layer/ffn", "784"}}),
+       R"(precision.recipe "mxfp8" needs layer.hidden and layer.ffn multiples of 128, got hidden 256 and ffn 784)"},
       {"DtypeFp32", with({{"/precision/dtype", R"("fp32")"}}),
        R"(precision.dtype must be "bf16" or "fp16", got "fp32")"},
       {"WgradSlotsZero", with({{"/training/wgrad_slots", "0"}}), "training.wgrad_slots must be in [1, 64], got 0"},
@@ -513,6 +517,20 @@ TEST(ConfigRoutingKind, Names) {
   EXPECT_EQ(routing_kind_name(RoutingKind::kUniform), "uniform");
   EXPECT_EQ(routing_kind_name(RoutingKind::kZipf), "zipf");
   EXPECT_EQ(routing_kind_name(RoutingKind::kFixed), "fixed");
+}
+
+TEST(ConfigRecipe, Mxfp8WithAlignedRowsParses) {
+  Config c = default_config();
+  std::string text = to_json(c);
+  const std::string from = R"("recipe": "bf16")", to = R"("recipe": "mxfp8")";
+  ASSERT_NE(text.find(from), std::string::npos) << text;
+  text.replace(text.find(from), from.size(), to);
+  const std::string align = R"("row_align": 1)";
+  ASSERT_NE(text.find(align), std::string::npos) << text;
+  text.replace(text.find(align), align.size(), R"("row_align": 32)");
+  const Config m = parse_config(text, "mxfp8");
+  EXPECT_EQ(m.precision.recipe, "mxfp8");
+  EXPECT_EQ(m.row_align, 32);
 }
 
 TEST(ConfigStepKind, Names) {

@@ -1,4 +1,4 @@
-// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] | --kernels [--quick]
+// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] | --kernels [--quick]
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -11,13 +11,14 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N]\n"
+    "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N] [--recipe bf16|mxfp8]\n"
     "       moegraph-bench --kernels [--quick]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
     "  --plan       print each bucket's buffers, the arena and the kernels chosen; needs no GPU\n"
     "  --json FILE  also write the results as JSON (scripts/plot-bench draws them)\n"
     "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
+    "  --recipe R   override precision.recipe (mxfp8 with row_align 1 uses row_align 32)\n"
     "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone on built-in shapes\n";
 
 int usage_error(const std::string& what) {
@@ -30,6 +31,7 @@ int usage_error(const std::string& what) {
 int main(int argc, char** argv) {
   std::string config_path;
   bool plan = false, kernels = false, quick = false;
+  std::string recipe;
   moegraph::bench::StepBenchOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -47,6 +49,11 @@ int main(int argc, char** argv) {
       const char* v = value("--json");
       if (!v) return 2;
       options.json_path = v;
+    } else if (a == "--recipe") {
+      const char* v = value("--recipe");
+      if (!v) return 2;
+      recipe = v;
+      if (recipe != "bf16" && recipe != "mxfp8") return usage_error("--recipe must be bf16 or mxfp8, got '" + recipe + "'");
     } else if (a == "--replays") {
       const char* v = value("--replays");
       if (!v) return 2;
@@ -64,7 +71,12 @@ int main(int argc, char** argv) {
   }
   try {
     if (kernels) return moegraph::bench::run_kernel_bench(quick);
-    const moegraph::Config config = config_path.empty() ? moegraph::default_config() : moegraph::load_config(config_path);
+    moegraph::Config config = config_path.empty() ? moegraph::default_config() : moegraph::load_config(config_path);
+    if (!recipe.empty() && recipe != config.precision.recipe) {
+      config.precision.recipe = recipe;
+      if (recipe == "mxfp8" && config.row_align == 1) config.row_align = 32;
+      config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
+    }
     if (plan) {
       std::printf("config: %s\n%s", config.name.c_str(), moegraph::plan_step(config).to_string().c_str());
       return 0;

@@ -243,7 +243,8 @@ double run_quantize(const Shape& s, Buffers& b, const MxBuffers& mx, int replays
   auto quantize = [&] {
     kernels::launch_group_offsets(b.splits.as<int32_t>(), s.groups, 32, mx.cap32, off32,
                                   b.error.as<DeviceErrorRecord>(), stream);
-    kernels::launch_quantize_mxfp8(DType::kBF16, x.get(), mx.cap32, s.k, off32, s.groups, &row, &col, stream);
+    kernels::launch_quantize_mxfp8(DType::kBF16, x.get(), mx.cap32, s.k, off32, b.splits.as<int32_t>(), s.groups, &row,
+                                   &col, stream);
   };
   quantize();
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "graphs/expert_mlp_bucket.hpp"
 #include "graphs/graph_exec.hpp"
 #include "kernels/elementwise/elementwise.hpp"
 #include "moegraph/step_graphs.hpp"
@@ -226,6 +227,27 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     std::printf("step: experts only (FC1 -> SwiGLU -> FC2 on grouped rows, %s routing)\n",
                 std::string(routing_kind_name(c.routing.kind)).c_str());
   }
+  if (c.precision.recipe == "mxfp8") {
+    // The experts' saved activations (every slot's x copy and, with delayed wgrad, dy copy of FC1
+    // and FC2) against the same layer in bf16, and the whole bucket.
+    Config bf16 = c;
+    bf16.precision.recipe = "bf16";
+    auto saved = [](const Config& cfg, int64_t rows) {
+      std::size_t bytes = 0;
+      for (const GroupedLinearOptions& o : {fc1_options(cfg, rows), fc2_options(cfg, rows)})
+        for (const auto& buf : GroupedLinear::workspace_buffers(o))
+          if (buf.name.find("slot") != std::string::npos) bytes += buf.bytes;
+      return bytes;
+    };
+    const StepPlan mx_plan = plan_step(c), bf_plan = plan_step(bf16);
+    std::printf("recipe mxfp8 (row_align %d), per bucket: experts' saved tensors mxfp8 / bf16 MiB, bucket arena mxfp8 / "
+                "bf16 MiB:\n", c.row_align);
+    for (std::size_t b = 0; b < mx_plan.buckets.size(); ++b)
+      std::printf("  %lld tokens: saved %.1f / %.1f, arena %.1f / %.1f\n",
+                  static_cast<long long>(mx_plan.buckets[b].tokens), saved(c, mx_plan.buckets[b].rows) / 1048576.0,
+                  saved(bf16, bf_plan.buckets[b].rows) / 1048576.0, mx_plan.buckets[b].bytes / 1048576.0,
+                  bf_plan.buckets[b].bytes / 1048576.0);
+  }
   std::printf("%s, median of %d replays (eager and legacy: %d), fill %.2f, arena %.1f MiB for %d graphs\n\n", what,
               replays, std::min(replays, 10), c.bench.fill, step.plan().arena_bytes / 1048576.0, step.graph_count());
   Table table;
@@ -255,6 +277,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                                 {"tflops", r.flops / r.replay_ms / 1e9}, {"dense_ms", r.dense_ms},
                                 {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped}});
     out["step"] = std::string(step_kind_name(c.step));
+    out["recipe"] = c.precision.recipe;
     std::ofstream f(options.json_path);
     MG_CHECK(f.good(), "cannot write ", options.json_path);
     f << out.dump(2) << "\n";

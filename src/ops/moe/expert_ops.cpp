@@ -25,6 +25,7 @@ GroupedLinearOptions linear_options(const OpSpec& spec, const MoeLayerOptions& o
   g.bias = o.bias;
   g.wgrad_slots = o.training ? o.wgrad_slots : 1;
   g.delay_wgrad = o.training && o.delay_wgrad;
+  g.recipe = o.recipe;
   return g;
 }
 
@@ -80,10 +81,13 @@ class LinearOp final : public LayerOp {
                    scaled_bias_ ? t.get<float>(kDBiasScale) : nullptr,
                    fp32 ? nullptr : dweight_,
                    fp32 ? main_grad_ : nullptr};
-    op_->backward(b, Recipe::kBF16, p.wgrad, stream);
+    op_->backward(b, o_.recipe, p.wgrad, stream);
   }
 
   void wgrad(cudaStream_t stream) override { op_->backward_dw(stream); }
+  void weights_changed(cudaStream_t stream) override {
+    if (o_.recipe == Recipe::kMXFP8) op_->quantize_weights(weight_, stream);
+  }
 
   std::string take_device_error() override {
     try {

@@ -36,6 +36,8 @@ class LayerOp {
   virtual void backward(const Phase& p, cudaStream_t stream) = 0;
   // The oldest weight gradient this op queued in a delayed backward (if it has weights).
   virtual void wgrad(cudaStream_t /*stream*/) {}
+  // The weights were updated (MXFP8: re-quantize the copies the GEMMs read).
+  virtual void weights_changed(cudaStream_t /*stream*/) {}
   // Synchronized by the caller already: read and clear device error records; return the first
   // problem ("" when none).
   virtual std::string take_device_error() { return {}; }

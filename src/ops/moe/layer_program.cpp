@@ -88,6 +88,10 @@ void LayerProgram::backward_dw(cudaStream_t stream) {
   wgrad_queue_.pop_front();
 }
 
+void LayerProgram::weights_changed(cudaStream_t stream) {
+  for (auto& op : ops_) op->weights_changed(stream);
+}
+
 uint64_t LayerProgram::read_dropped(cudaStream_t stream) {
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   uint64_t total = 0;

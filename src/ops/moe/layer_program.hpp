@@ -32,6 +32,7 @@ class LayerProgram {
   void forward_train(const MoeLayerIO& io, cudaStream_t stream);
   void backward(const MoeLayerIO& io, cudaStream_t stream);
   void backward_dw(cudaStream_t stream);
+  void weights_changed(cudaStream_t stream);
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
   const int32_t* splits() const { return tensors_.get<int32_t>(tensor::kSplits, last_slot_); }
