@@ -58,6 +58,12 @@ moegraph::MoeLayer& unwrap(mg_moe_layer* layer) {
   return *layer->layer;
 }
 
+moegraph::Recipe recipe_of(mg_recipe recipe) {
+  MG_CHECK(recipe == MG_RECIPE_BF16 || recipe == MG_RECIPE_MXFP8, "recipe must be MG_RECIPE_BF16 or MG_RECIPE_MXFP8, got ",
+           static_cast<int>(recipe));
+  return recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
+}
+
 moegraph::DType dtype_of(mg_dtype dtype) {
   MG_CHECK(dtype == MG_DTYPE_BF16 || dtype == MG_DTYPE_FP16, "dtype must be MG_DTYPE_BF16 or MG_DTYPE_FP16, got ",
            static_cast<int>(dtype));
@@ -86,6 +92,7 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options& o) {
   opts.wgrad_slots = o.wgrad_slots;
   opts.delay_wgrad = o.delay_wgrad != 0;
   opts.main_grad_fp32 = o.main_grad_fp32 != 0;
+  opts.recipe = recipe_of(o.recipe);
   moegraph::validate(opts);
   return opts;
 }
@@ -121,6 +128,7 @@ mg_status mg_grouped_linear_create(const mg_grouped_linear_options* o, mg_groupe
     opts.bias = o->bias != 0;
     opts.wgrad_slots = o->wgrad_slots;
     opts.delay_wgrad = o->delay_wgrad != 0;
+    opts.recipe = recipe_of(o->recipe);
     moegraph::validate(opts);  // before any CUDA call, so bad options fail the same with or without a GPU
     auto handle = std::make_unique<mg_grouped_linear>();
     handle->op = std::make_unique<moegraph::GroupedLinear>(opts);
@@ -144,13 +152,17 @@ mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_ar
   return guarded([&] {
     MG_CHECK(a != nullptr, "null backward args");
     moegraph::BackwardArgs args{a->dy, a->weight, a->bias, a->dx, a->dbias, a->dbias_scale, a->dweight, a->main_grad};
-    unwrap(op).backward(args, moegraph::Recipe::kBF16,
+    unwrap(op).backward(args, unwrap(op).options().recipe,
                         delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
   });
 }
 
 mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream) {
   return guarded([&] { unwrap(op).backward_dw(stream); });
+}
+
+mg_status mg_grouped_linear_quantize_weights(mg_grouped_linear* op, const void* weight, cudaStream_t stream) {
+  return guarded([&] { unwrap(op).quantize_weights(weight, stream); });
 }
 
 mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream) {
@@ -220,6 +232,10 @@ mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_layer_io* io, 
     moegraph::MoeLayer& l = unwrap(layer);
     l.backward(io_of(io), stream);
   });
+}
+
+mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream) {
+  return guarded([&] { unwrap(layer).weights_changed(stream); });
 }
 
 mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream) {

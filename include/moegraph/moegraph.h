@@ -24,6 +24,10 @@ typedef enum {
 } mg_status;
 
 typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1 } mg_dtype;
+/* MG_RECIPE_MXFP8: the GEMMs run on MXFP8 copies (K, N multiples of 128, row_align 32 or 128);
+ * quantize the weights with mg_grouped_linear_quantize_weights / mg_moe_layer_weights_changed
+ * before the first forward and after every weight update. */
+typedef enum { MG_RECIPE_BF16 = 0, MG_RECIPE_MXFP8 = 1 } mg_recipe;
 
 typedef struct mg_grouped_linear mg_grouped_linear;
 
@@ -37,6 +41,7 @@ typedef struct {
   int bias;              /* bool */
   int wgrad_slots;
   int delay_wgrad;       /* bool */
+  mg_recipe recipe;
 } mg_grouped_linear_options;
 
 typedef struct {
@@ -69,6 +74,8 @@ mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args
 mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* args, int delay_wgrad,
                                      cudaStream_t stream);
 mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream);
+/* MXFP8 recipe: quantizes weight [G, N, K] into the operator's copies (enqueued, capturable). */
+mg_status mg_grouped_linear_quantize_weights(mg_grouped_linear* op, const void* weight, cudaStream_t stream);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if invalid splits were seen since the last check. */
 mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream);
 
@@ -96,6 +103,7 @@ typedef struct {
   int wgrad_slots;         /* training forwards in flight at once, 1..64 */
   int delay_wgrad;         /* bool: backward queues the weight gradients for mg_moe_layer_backward_dw */
   int main_grad_fp32;      /* bool: weight gradients accumulate into fp32 main_grad_* (else d* written) */
+  mg_recipe recipe;
 } mg_moe_layer_options;
 
 /* Parameters and their gradients (device). The gradient set follows main_grad_fp32; biases only
@@ -143,6 +151,8 @@ mg_status mg_moe_layer_forward(mg_moe_layer* layer, const mg_moe_layer_io* io, i
 /* Backward of the oldest training forward; weight gradients at once or queued (options.delay_wgrad). */
 mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_layer_io* io, cudaStream_t stream);
 mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream);
+/* The weights changed: the MXFP8 recipe re-quantizes its copies (nothing for bf16). Enqueued. */
+mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream);
 /* Synchronizes the stream; *out = the (token, expert) assignments dropped by the capacity factor
  * since the last call (the counter is reset); 0 when dropless. */
 mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, uint64_t* out);

@@ -227,6 +227,35 @@ INSTANTIATE_TEST_SUITE_P(
                    "delay_wgrad needs training"}),
     [](const auto& info) { return info.param.name; });
 
+TEST(CAbi, RecipeIsCheckedAndMxfp8SizesItsWorkspace) {
+  mg_moe_layer_options o;
+  mg_moe_layer_options_init(&o);
+  EXPECT_EQ(o.recipe, MG_RECIPE_BF16);
+  o.experts = 8, o.hidden = 256, o.ffn = 256, o.top_k = 2, o.max_tokens = 64, o.wgrad_slots = 2;
+  std::size_t bf16 = 0, mxfp8 = 0;
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &bf16), MG_OK) << mg_last_error();
+  o.recipe = MG_RECIPE_MXFP8;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &mxfp8), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mg_last_error()).find("row_align 32 or 128"), std::string::npos) << mg_last_error();
+  o.row_align = 32;
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &mxfp8), MG_OK) << mg_last_error();
+  EXPECT_GT(mxfp8, 0u);
+  o.recipe = static_cast<mg_recipe>(7);
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &mxfp8), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mg_last_error()).find("recipe must be MG_RECIPE_BF16 or MG_RECIPE_MXFP8, got 7"),
+            std::string::npos) << mg_last_error();
+  mg_grouped_linear_options g;
+  mg_grouped_linear_options_init(&g);
+  EXPECT_EQ(g.recipe, MG_RECIPE_BF16);
+  g.num_groups = 4, g.in_features = 96, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
+  g.recipe = MG_RECIPE_MXFP8;
+  mg_grouped_linear* op = nullptr;
+  EXPECT_EQ(mg_grouped_linear_create(&g, &op), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(op, nullptr);
+  EXPECT_NE(std::string(mg_last_error()).find("in_features (K) a multiple of 128, got 96"), std::string::npos)
+      << mg_last_error();
+}
+
 TEST(CAbi, MoeLayerNullArgumentsAndHandles) {
   const mg_moe_layer_options o = good_moe();
   const mg_moe_layer_weights w{};

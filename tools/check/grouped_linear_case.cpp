@@ -38,6 +38,7 @@ void check_operator_accepts(const GroupedLinearCase& gl, int64_t rows) {
   o.dtype = s.dtype;
   o.bias = s.bias;
   o.delay_wgrad = s.delay_wgrad;
+  o.recipe = s.recipe;
   try {
     validate(o);
   } catch (const Error& e) {
@@ -58,8 +59,12 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   read_shape(c.required("shape"), spec);
 
   spec.dtype = read_dtype(c);
-  // Only the bf16 recipe exists for now (fp16 layers use it too); mxfp8 joins it later.
-  optional_value(c, "recipe", std::string("bf16"), [](const Json& v, const std::string& p) { return choice(v, p, {"bf16"}); });
+  // "bf16" runs the GEMMs on the 16-bit dtype (fp16 layers too); "mxfp8" on MXFP8 copies, checked
+  // against the fp64 reference on the dequantized operands.
+  const std::string recipe = optional_value(c, "recipe", std::string("bf16"), [](const Json& v, const std::string& p) {
+    return choice(v, p, {"bf16", "mxfp8"});
+  });
+  spec.recipe = recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
 
   gl.routing = read_routing(c.required("routing"), "routing", spec.groups);
   gl.phases = read_phases(c);
@@ -67,7 +72,9 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
 
   spec.main_grad = read_main_grad(c, spec.dtype, "dweight");
   gl.replays = read_replays(c);
-  if (const Json* tol = c.find("tolerance")) spec.tolerance = read_tolerance(*tol, verify::tolerance_for(spec.dtype));
+  if (const Json* tol = c.find("tolerance"))
+    spec.tolerance = read_tolerance(*tol, spec.recipe == Recipe::kMXFP8 ? verify::mxfp8_gemm_tolerance()
+                                                                        : verify::tolerance_for(spec.dtype));
 
   const int64_t rows = gl.routing.kind == RoutingKind::kExplicit
                            ? std::accumulate(gl.routing.splits.begin(), gl.routing.splits.end(), int64_t{0})

@@ -28,7 +28,7 @@ void enqueue(Problem& p, Step step, cudaStream_t stream) {
   }
   p.op->forward_train(p.forward_args(), stream);
   const bool delayed = step == Step::kTrainingDelayedWgrad;
-  p.op->backward(p.backward_args(), Recipe::kBF16, delayed ? WgradMode::kDelayed : WgradMode::kImmediate, stream);
+  p.op->backward(p.backward_args(), p.spec.recipe, delayed ? WgradMode::kDelayed : WgradMode::kImmediate, stream);
   if (delayed) p.op->backward_dw(stream);
 }
 
