@@ -25,7 +25,7 @@ GroupedLinearOptions linear_options(const Config& c, int64_t rows, int64_t k, in
   o.bias = c.layer.bias;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
-  o.recipe = c.precision.recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
+  o.recipe = recipe_of(c);
   return o;
 }
 }  // namespace
@@ -114,7 +114,7 @@ void ExpertMlpBucket::backward(int slot, cudaStream_t stream) {
 }
 
 void ExpertMlpBucket::weights_changed(cudaStream_t stream) {
-  if (config_.precision.recipe != "mxfp8") return;
+  if (recipe_of(config_) != Recipe::kMXFP8) return;
   fc1_->quantize_weights(weights_.w1, stream);
   fc2_->quantize_weights(weights_.w2, stream);
 }

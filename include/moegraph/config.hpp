@@ -91,5 +91,6 @@ std::string to_json(const Config& config);
 
 std::string_view routing_kind_name(RoutingKind kind);
 std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
+Recipe recipe_of(const Config& config);          // precision.recipe as the operators' enum
 
 }  // namespace moegraph

@@ -20,17 +20,22 @@ constexpr int kThreads = 256;
 constexpr int kVec = 8;  // elements per 16-byte vector
 constexpr int kTokenSumMinBlocksPerSm = 4;  // <= 64 registers (k row indices and weights live in registers)
 
-// out[t] (+)= sum_j w[t, j] * rows[row_of[t, j]] for t < n, j in order; dropped (-1) rows skipped.
-// kAccumulate: out[t] = out[t] + the sum (unpermute_add); else out[t] = the sum (combine).
-template <class T, bool kAccumulate>
+// out[t] = sum_j w[t, j] * rows[row_of[t, j]] for t < n, j in order; dropped (-1) rows skipped.
+// kZeroPastN: also out[t] = 0 for n <= t < max_tokens (unpermute); else those rows are untouched (combine).
+template <class T, bool kZeroPastN>
 __global__ void __launch_bounds__(kThreads, kTokenSumMinBlocksPerSm)
     token_sum_kernel(const T* __restrict__ rows, const int32_t* __restrict__ row_of, const float* __restrict__ weights,
                      const int32_t* num_tokens, int64_t max_tokens, int k, int64_t hidden, int lanes,
                      T* __restrict__ out) {
   const int64_t n = load_token_count(num_tokens, max_tokens);
   const int64_t vectors = hidden / kVec;
-  for_each_row(n, lanes, [&](int64_t t, int lane, bool active) {
+  for_each_row(kZeroPastN ? max_tokens : n, lanes, [&](int64_t t, int lane, bool active) {
     if (!active) return;
+    if (kZeroPastN && t >= n) {
+      const float zero[kVec] = {};
+      for (int64_t v = lane; v < vectors; v += lanes) store8(out + t * hidden + v * kVec, zero);
+      return;
+    }
     int64_t src[kMaxTopK];
     float w[kMaxTopK];
 #pragma unroll
@@ -52,12 +57,6 @@ __global__ void __launch_bounds__(kThreads, kTokenSumMinBlocksPerSm)
         load8(rows + src[j] * hidden + v * kVec, x);
 #pragma unroll
         for (int i = 0; i < kVec; ++i) acc[i] = fmaf(w[j], x[i], acc[i]);
-      }
-      if constexpr (kAccumulate) {
-        float d[kVec];
-        load8(dst + v * kVec, d);
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[i] = d[i] + acc[i];
       }
       store8(dst + v * kVec, acc);
     }
@@ -147,14 +146,14 @@ void check_tokens_args(const char* what, int64_t max_tokens, int top_k, const vo
   MG_CHECK(row_of != nullptr && num_tokens != nullptr, what, ": row_of and num_tokens are required");
 }
 
-template <class T, bool kAccumulate>
+template <class T, bool kZeroPastN>
 void launch_token_sum(const void* rows, const int32_t* row_of, const float* weights, const int32_t* num_tokens,
                       int64_t max_tokens, int top_k, int64_t hidden, void* out, cudaStream_t stream) {
   const int lanes = lanes_per_row(hidden / kVec);
   const int64_t tokens_per_block = kThreads / lanes;
-  static const int blocks_per_sm = resident_blocks_per_sm(token_sum_kernel<T, kAccumulate>, kThreads);
+  static const int blocks_per_sm = resident_blocks_per_sm(token_sum_kernel<T, kZeroPastN>, kThreads);
   const int grid = grid_blocks((max_tokens + tokens_per_block - 1) / tokens_per_block, blocks_per_sm);
-  token_sum_kernel<T, kAccumulate><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(rows), row_of, weights,
+  token_sum_kernel<T, kZeroPastN><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(rows), row_of, weights,
                                                                   num_tokens, max_tokens, top_k, hidden, lanes,
                                                                   static_cast<T*>(out));
   MG_LAUNCH_CHECK();
@@ -235,10 +234,10 @@ void launch_gather_row_values(const float* d_row_weight, const int32_t* row_of, 
   MG_LAUNCH_CHECK();
 }
 
-void launch_unpermute_add(DType dtype, const void* d_rows, const int32_t* row_of, const int32_t* num_tokens,
-                          int64_t max_tokens, int top_k, int64_t hidden, void* dx, cudaStream_t stream) {
-  check_rows_args("unpermute_add", dtype, hidden, d_rows, dx);
-  check_tokens_args("unpermute_add", max_tokens, top_k, row_of, num_tokens);
+void launch_unpermute(DType dtype, const void* d_rows, const int32_t* row_of, const int32_t* num_tokens,
+                      int64_t max_tokens, int top_k, int64_t hidden, void* dx, cudaStream_t stream) {
+  check_rows_args("unpermute", dtype, hidden, d_rows, dx);
+  check_tokens_args("unpermute", max_tokens, top_k, row_of, num_tokens);
   if (dtype == DType::kFP16)
     launch_token_sum<__half, true>(d_rows, row_of, nullptr, num_tokens, max_tokens, top_k, hidden, dx, stream);
   else

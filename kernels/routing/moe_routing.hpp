@@ -113,10 +113,10 @@ void launch_combine_backward(DType dtype, const void* dy, const int32_t* token_o
 void launch_gather_row_values(const float* d_row_weight, const int32_t* row_of, const int32_t* num_tokens,
                               int64_t max_tokens, int top_k, float* d_topk_weights, cudaStream_t stream);
 
-// dx[t] = dx[t] + sum_j d_rows[row_of[t, j]] for t < n, summed in fp32 and rounded once (dx holds
-// the router's input gradient on entry).
-void launch_unpermute_add(DType dtype, const void* d_rows, const int32_t* row_of, const int32_t* num_tokens,
-                          int64_t max_tokens, int top_k, int64_t hidden, void* dx, cudaStream_t stream);
+// dx[t] = sum_j d_rows[row_of[t, j]] for t < n (fp32 sums, rounded once) and 0 for
+// n <= t < max_tokens: every row written in one pass (the router's dx GEMM then adds into all rows).
+void launch_unpermute(DType dtype, const void* d_rows, const int32_t* row_of, const int32_t* num_tokens,
+                      int64_t max_tokens, int top_k, int64_t hidden, void* dx, cudaStream_t stream);
 
 // dst[t] = src[t] for t < n, zero for n <= t < max_tokens (e.g. the router's saved input, so
 // a GEMM over all max_tokens rows never meets stale data).

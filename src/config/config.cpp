@@ -277,6 +277,8 @@ Config load_config(const std::string& path) {
   return parse_config(text.str(), path);
 }
 
+Recipe recipe_of(const Config& c) { return c.precision.recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16; }
+
 Config default_config() { return parse_config(kDefaultConfigJson, "<built-in>"); }
 
 std::string to_json(const Config& c) {

@@ -23,7 +23,7 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.max_tokens = max_tokens;
   o.row_align = c.row_align;
   o.dtype = c.precision.dtype;
-  o.recipe = c.precision.recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
+  o.recipe = recipe_of(c);
   o.training = c.training.enabled;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;

@@ -10,18 +10,11 @@
 #include "kernels/routing/offsets.hpp"
 #include "src/verify/device_array.hpp"
 #include "src/verify/graph.hpp"
+#include "src/verify/mxfp8_reference.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
 namespace {
-
-// OCP E4M3 (bias 7, subnormals, 0x7F / 0xFF NaN), written here from the format's definition.
-double e4m3_value(uint8_t code) {
-  const int sign = code >> 7, exp = (code >> 3) & 0xf, man = code & 7;
-  if (exp == 15 && man == 7) return std::nan("");
-  const double mag = exp == 0 ? std::ldexp(man / 8.0, -6) : std::ldexp(1.0 + man / 8.0, exp - 7);
-  return sign ? -mag : mag;
-}
 
 struct Mx {
   std::vector<uint8_t> data, scales;  // [rows, k], [rows, k / 32]
@@ -41,7 +34,7 @@ Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread) {
     do c = static_cast<uint8_t>(code(rng));
     while ((c & 0x7f) == 0x7f);
     m.data[i] = c;
-    m.values[i] = e4m3_value(c) * std::ldexp(1.0, m.scales[i / 32] - 127);
+    m.values[i] = e4m3_decode(c) * e8m0_decode(m.scales[i / 32]);
   }
   return m;
 }
@@ -158,7 +151,7 @@ ColumnWise random_column_wise(std::mt19937_64& rng, const GroupLayout& l, int64_
       const bool past_last = r >= l.offsets.back();
       if (!data[r] && !past_last) q = 0;
       m.data[c * cap + r] = q;
-      if (data[r]) m.values[r * cols + c] = e4m3_value(q) * std::ldexp(1.0, m.scales[(r / 32) * cols + c] - 127);
+      if (data[r]) m.values[r * cols + c] = e4m3_decode(q) * e8m0_decode(m.scales[(r / 32) * cols + c]);
     }
   return m;
 }

@@ -74,10 +74,9 @@ class DispatchOp final : public LayerOp {
     const int32_t* row_of = t.get<int32_t>(tensor::kRowOf, p.slot);
     kernels::launch_gather_row_values(t.get<float>(tensor::kDRowWeight), row_of, tokens, o_.max_tokens, o_.top_k,
                                       t.get<float>(tensor::kDTopkWeights), stream);
-    // Zeros past n too: the router's dx GEMM then adds into every row of dx.
-    MG_CUDA_CHECK(cudaMemsetAsync(p.io->dx, 0, o_.max_tokens * o_.hidden * dtype_size(o_.dtype), stream));
-    kernels::launch_unpermute_add(o_.dtype, t.get(tensor::grad(tensor::kPermutedX)), row_of, tokens, o_.max_tokens,
-                                  o_.top_k, o_.hidden, p.io->dx, stream);
+    // Every row of dx, zeros past n: the router's dx GEMM then adds into all of them.
+    kernels::launch_unpermute(o_.dtype, t.get(tensor::grad(tensor::kPermutedX)), row_of, tokens, o_.max_tokens,
+                              o_.top_k, o_.hidden, p.io->dx, stream);
   }
 
   std::string take_device_error() override { return take_error_record(error_, o_.row_align, "dispatch"); }
