@@ -50,7 +50,7 @@ StepPlan plan_step(const Config& config) {
   }
   plan.kernels.insert(plan.kernels.end(), {
       "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
-      "fc1, fc2 fprop/dgrad/wgrad: wgmma_cp_async_sw128, 128 x tile_n x 64, persistent, device tile scheduler",
+      "fc1, fc2 fprop/dgrad/wgrad: wgmma, 128 x tile_n x 64, persistent, device tile scheduler",
       "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
   });
   for (const BucketPlan& b : plan.buckets) {
@@ -58,8 +58,12 @@ StepPlan plan_step(const Config& config) {
     for (const GroupedLinearOptions& o : {fc1_options(config, b.rows), fc2_options(config, b.rows)}) {
       line += o.in_features == config.layer.hidden ? " fc1 " : ", fc2 ";
       for (kernels::GemmPhase ph : {kernels::GemmPhase::kFprop, kernels::GemmPhase::kDgrad, kernels::GemmPhase::kWgrad})
-        line += detail::concat(ph == kernels::GemmPhase::kFprop ? "" : "/",
-                               kernels::choose_tile_n(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features));
+        line += detail::concat(
+            ph == kernels::GemmPhase::kFprop ? "" : "/",
+            kernels::choose_tile_n(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features), "(",
+            kernels::pipeline_name(
+                kernels::choose_pipeline(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features)),
+            ")");
     }
     plan.kernels.push_back(line);
   }

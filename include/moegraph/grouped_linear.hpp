@@ -31,6 +31,10 @@ struct GroupedLinearOptions {
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
   bool reference_kernels = false;  // the simple WMMA kernels instead of wgmma (differential tests)
   int tile_n = 0;                  // wgmma tile width: 0 = chosen from the shapes, or 128 / 256
+  // How the wgmma kernels load operands: chosen at set-up (kAuto), cp.async by all threads, or a
+  // warp-specialized TMA producer (tuning and differential tests).
+  enum class Loads { kAuto, kCpAsync, kTma };
+  Loads loads = Loads::kAuto;
   // kMXFP8: the GEMMs run on MXFP8 copies (x and dy quantized on the fly; the saved activations
   // are kept as MXFP8 column-wise copies instead of a 16-bit copy; the weights are quantized by
   // quantize_weights()). Needs K and N multiples of 128 and row_align 32 or 128.
@@ -133,6 +137,8 @@ class GroupedLinear {
 
   GroupedLinearOptions options_;
   int tile_n_fprop_ = 128, tile_n_dgrad_ = 128, tile_n_wgrad_ = 128;  // chosen at set-up from the shapes
+  using Loads = GroupedLinearOptions::Loads;
+  Loads loads_fprop_ = Loads::kTma, loads_dgrad_ = Loads::kTma, loads_wgrad_ = Loads::kTma;  // likewise
   std::vector<std::unique_ptr<Slot>> slots_;
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_;

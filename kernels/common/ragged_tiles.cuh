@@ -29,8 +29,8 @@ __device__ __forceinline__ int64_t group_rows(const int32_t* splits, const int64
 template <int THREADS, int TILE, bool kUseSpan>
 __device__ void build_tile_prefix(const int32_t* splits, const int64_t* offsets, int num_groups,
                                   int* prefix, int* warp_sums) {
-  static_assert(kMaxGroups % THREADS == 0 && THREADS % 32 == 0 && THREADS / 32 <= 32);
-  constexpr int kPerThread = kMaxGroups / THREADS;
+  static_assert(THREADS % 32 == 0 && THREADS / 32 <= 32);
+  constexpr int kPerThread = (kMaxGroups + THREADS - 1) / THREADS;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int tiles[kPerThread];
   int sum = 0;

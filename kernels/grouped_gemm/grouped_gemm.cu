@@ -2,7 +2,10 @@
 // wgmma (sm_90a), and the same three on the foundation WMMA kernels (the reference path).
 #include <cstdlib>
 #include <sstream>
+#include <type_traits>
 
+#include "kernels/grouped_gemm/grouped_gemm_tma.hpp"
+#include "kernels/grouped_gemm/sm90_grouped_gemm_tma.cuh"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_wgmma.cuh"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_wmma.cuh"
 #include "moegraph/error.hpp"
@@ -18,10 +21,25 @@ std::string GemmTileConfig::to_string() const {
 }
 
 GemmTileConfig foundation_tile_config() { return {"wmma_cp_async", BM, BN, BK, STAGES, THREADS}; }
-GemmTileConfig wgmma_tile_config(int tile_n) {
+const char* pipeline_name(GemmPipeline p) { return p == GemmPipeline::kTma ? "tma" : "cp_async"; }
+
+GemmTileConfig wgmma_tile_config(int tile_n, GemmPipeline pipeline) {
   namespace w = wgmma_gemm;
+  namespace t = tma_gemm;
+  if (pipeline == GemmPipeline::kTma)
+    return tile_n == 256 ? GemmTileConfig{"wgmma_tma_ws_sw128", t::BM, 256, t::BK, t::Ws256::STAGES, t::THREADS}
+                         : GemmTileConfig{"wgmma_tma_ws_sw128", t::BM, 128, t::BK, t::Ws128::STAGES, t::THREADS};
   return tile_n == 256 ? GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 256, w::BK, w::Tile256::STAGES, w::THREADS}
                        : GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 128, w::BK, w::Tile128::STAGES, w::THREADS};
+}
+
+GemmPipeline choose_pipeline(GemmPhase, int, int64_t, int64_t, int64_t) {
+  if (const char* env = std::getenv("MOEGRAPH_GEMM_PIPELINE")) {
+    const std::string v = env;
+    MG_CHECK(v == "tma" || v == "cp_async", "MOEGRAPH_GEMM_PIPELINE must be tma or cp_async, got '", v, "'");
+    return v == "tma" ? GemmPipeline::kTma : GemmPipeline::kCpAsync;
+  }
+  return GemmPipeline::kTma;
 }
 
 int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k) {
@@ -65,6 +83,9 @@ const Occupancy& occupancy(DType dtype) {
 
 namespace w = wgmma_gemm;
 
+template <class T>
+constexpr DType dtype_of() { return std::is_same_v<T, __half> ? DType::kFP16 : DType::kBF16; }
+
 template <class T, class Shape>
 void launch_ragged_wgmma(bool fprop, const RaggedGemmParams& p, int grid, cudaStream_t stream) {
   if (fprop) w::ragged_gemm_kernel<T, Shape, false><<<grid, w::THREADS, Shape::kSmemBytes, stream>>>(p);
@@ -78,6 +99,7 @@ void launch_ragged(RaggedGemmKind kind, const RaggedGemmParams& p, int sm_count,
   const bool fprop = kind == RaggedGemmKind::kFprop;
   if (p.reference && fprop) ragged_gemm_kernel<T, true><<<sm_count * occ.ref_fprop, THREADS, kSmemBytes, stream>>>(p);
   else if (p.reference) ragged_gemm_kernel<T, false><<<sm_count * occ.ref_dgrad, THREADS, kSmemBytes, stream>>>(p);
+  else if (p.pipeline == GemmPipeline::kTma) launch_ragged_gemm_tma(dtype_of<T>(), kind, p, sm_count, stream);
   else if (p.tile_n == 256) launch_ragged_wgmma<T, w::Tile256>(fprop, p, sm_count * (fprop ? occ.fprop256 : occ.dgrad256), stream);
   else launch_ragged_wgmma<T, w::Tile128>(fprop, p, sm_count * (fprop ? occ.fprop : occ.dgrad), stream);
   MG_LAUNCH_CHECK();
@@ -88,6 +110,8 @@ void launch_wgrad(const WgradParams& p, int sm_count, const Occupancy& occ, cuda
   MG_CHECK(p.reference || p.tile_n == 128 || p.tile_n == 256, "tile_n must be 128 or 256, got ", p.tile_n);
   if (p.reference) {
     grouped_wgrad_kernel<T><<<sm_count * occ.ref_wgrad, THREADS, kSmemBytes, stream>>>(p);
+  } else if (p.pipeline == GemmPipeline::kTma) {
+    launch_grouped_wgrad_tma(dtype_of<T>(), p, sm_count, stream);
   } else if (p.tile_n == 256) {
     w::grouped_wgrad_kernel<T, w::Tile256><<<sm_count * occ.wgrad256, w::THREADS, w::Tile256::kSmemBytes, stream>>>(p);
   } else {
@@ -117,6 +141,7 @@ void prepare_grouped_gemm(DType dtype) {
   Occupancy& o = g_occupancy[dtype_index(dtype)];
   if (dtype == DType::kFP16) prepare<__half>(o);
   else prepare<__nv_bfloat16>(o);
+  prepare_tma_gemm(dtype);
 }
 
 void launch_ragged_gemm(DType dtype, RaggedGemmKind kind, const RaggedGemmParams& p, int sm_count,

@@ -16,6 +16,12 @@ namespace moegraph::kernels {
 // dgrad: C[r, :] = A[r, :] · W_e                 A = dy [rows, N], W [G, N, K], C = dx [rows, K]
 enum class RaggedGemmKind { kFprop, kDgrad };
 
+// How the wgmma kernels feed their tensor cores: cp.async by every thread with CTA-wide barriers
+// (sm90_grouped_gemm_wgmma.cuh), or a warp-specialized TMA producer and mbarrier ring
+// (sm90_grouped_gemm_tma.cuh).
+enum class GemmPipeline { kCpAsync, kTma };
+const char* pipeline_name(GemmPipeline p);
+
 struct RaggedGemmParams {
   const void* a = nullptr;          // [capacity_rows, red], row-major
   const void* w = nullptr;          // [G, N, K]
@@ -26,8 +32,10 @@ struct RaggedGemmParams {
   const void* bias = nullptr;       // [G, N] (fprop only) or null
   const float* bias_scale = nullptr;// [capacity_rows] or null
   void* c = nullptr;                // [capacity_rows, cols], row-major
+  int64_t capacity_rows = 0;        // rows of a and c (the TMA pipeline's tensor extent)
   bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
   int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
+  GemmPipeline pipeline = GemmPipeline::kTma;
 };
 
 // dW_e = dy_e^T · x_e over group e's rows: written (empty group: zeros) or added into main_grad.
@@ -40,8 +48,10 @@ struct WgradParams {
   int num_groups = 0;
   void* dweight = nullptr;          // [G, N, K] in the input dtype, or
   float* main_grad = nullptr;       // [G, N, K] fp32, accumulated (beta = 1)
+  int64_t capacity_rows = 0;        // rows of dy and x (the TMA pipeline's tensor extent)
   bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
   int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
+  GemmPipeline pipeline = GemmPipeline::kTma;
 };
 
 // MXFP8 ragged GEMM: C[r, :] = A[r, :] · B_e^T (+ s_r b_e) for the rows r of group e, with A and B
@@ -87,7 +97,7 @@ struct GemmTileConfig {
   int block_m, block_n, block_k, stages, threads;
   std::string to_string() const;
 };
-GemmTileConfig wgmma_tile_config(int tile_n);  // the default kernels: fprop, dgrad, wgrad on wgmma
+GemmTileConfig wgmma_tile_config(int tile_n, GemmPipeline pipeline);  // the default kernels (wgmma)
 GemmTileConfig foundation_tile_config();       // the reference kernels (WMMA)
 
 enum class GemmPhase { kFprop, kDgrad, kWgrad };
@@ -95,6 +105,9 @@ enum class GemmPhase { kFprop, kDgrad, kWgrad };
 // weights [groups, n, k]; decided at set-up from these shapes alone (the splits live on the
 // device). MOEGRAPH_TILE_N=128|256 overrides it (for tuning).
 int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k);
+// The pipeline of a phase (decided at set-up like the tile width); MOEGRAPH_GEMM_PIPELINE=cp_async|tma
+// overrides it (for tuning and side-by-side measurements).
+GemmPipeline choose_pipeline(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k);
 
 // Raises the kernels' shared-memory limits and records how many CTAs of each fit on an SM (the
 // persistent grids). Must run at set-up, before capture, before the launchers of that dtype.

@@ -14,6 +14,12 @@
 
 namespace moegraph {
 
+namespace {
+kernels::GemmPipeline pipeline(GroupedLinearOptions::Loads loads) {
+  return loads == GroupedLinearOptions::Loads::kCpAsync ? kernels::GemmPipeline::kCpAsync : kernels::GemmPipeline::kTma;
+}
+}  // namespace
+
 // A forward_train context: what backward and the (possibly delayed) wgrad read. The memory lives
 // in the operator's workspace.
 struct GroupedLinear::Slot {
@@ -134,6 +140,16 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   tile_n_fprop_ = choose(kernels::GemmPhase::kFprop);
   tile_n_dgrad_ = choose(kernels::GemmPhase::kDgrad);
   tile_n_wgrad_ = choose(kernels::GemmPhase::kWgrad);
+  auto choose_loads = [&](kernels::GemmPhase phase) {
+    if (o.loads != Loads::kAuto) return o.loads;
+    return kernels::choose_pipeline(phase, o.num_groups, o.capacity_rows, o.out_features, o.in_features) ==
+                   kernels::GemmPipeline::kTma
+               ? Loads::kTma
+               : Loads::kCpAsync;
+  };
+  loads_fprop_ = choose_loads(kernels::GemmPhase::kFprop);
+  loads_dgrad_ = choose_loads(kernels::GemmPhase::kDgrad);
+  loads_wgrad_ = choose_loads(kernels::GemmPhase::kWgrad);
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
   MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
@@ -156,9 +172,9 @@ std::string GroupedLinear::describe() const {
                         " row_align=", o.row_align, " slots=", o.wgrad_slots,
                         o.reference_kernels
                             ? " | fprop, dgrad, wgrad: " + kernels::foundation_tile_config().to_string()
-                            : " | fprop: " + kernels::wgmma_tile_config(tile_n_fprop_).to_string() +
-                                  " | dgrad: " + kernels::wgmma_tile_config(tile_n_dgrad_).to_string() +
-                                  " | wgrad: " + kernels::wgmma_tile_config(tile_n_wgrad_).to_string(),
+                            : " | fprop: " + kernels::wgmma_tile_config(tile_n_fprop_, pipeline(loads_fprop_)).to_string() +
+                                  " | dgrad: " + kernels::wgmma_tile_config(tile_n_dgrad_, pipeline(loads_dgrad_)).to_string() +
+                                  " | wgrad: " + kernels::wgmma_tile_config(tile_n_wgrad_, pipeline(loads_wgrad_)).to_string(),
                         " | persistent over ", scratch_->sm_count, " SMs");
 }
 
@@ -179,8 +195,10 @@ void GroupedLinear::run_fprop(const ForwardArgs& args, const int32_t* splits, co
   p.bias = args.bias;
   p.bias_scale = bias_scale;
   p.c = args.y;
+  p.capacity_rows = options_.capacity_rows;
   p.reference = options_.reference_kernels;
   p.tile_n = tile_n_fprop_;
+  p.pipeline = pipeline(loads_fprop_);
   kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kFprop, p, scratch_->sm_count, stream);
 }
 
@@ -275,8 +293,10 @@ void GroupedLinear::run_wgrad(const void* dy, const void* x, const int32_t* spli
   p.num_groups = options_.num_groups;
   p.dweight = dweight;
   p.main_grad = main_grad;
+  p.capacity_rows = options_.capacity_rows;
   p.reference = options_.reference_kernels;
   p.tile_n = tile_n_wgrad_;
+  p.pipeline = pipeline(loads_wgrad_);
   kernels::launch_grouped_wgrad(options_.dtype, p, scratch_->sm_count, stream);
 }
 
@@ -327,8 +347,10 @@ void GroupedLinear::backward(const BackwardArgs& args, Recipe recipe, WgradMode 
     p.offsets = offsets;
     p.num_groups = g;
     p.c = args.dx;
+    p.capacity_rows = options_.capacity_rows;
     p.reference = options_.reference_kernels;
     p.tile_n = tile_n_dgrad_;
+    p.pipeline = pipeline(loads_dgrad_);
     kernels::launch_ragged_gemm(options_.dtype, kernels::RaggedGemmKind::kDgrad, p, scratch_->sm_count, stream);
   }
   if (args.dbias != nullptr || args.dbias_scale != nullptr) {

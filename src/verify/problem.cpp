@@ -95,6 +95,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   o.delay_wgrad = spec.delay_wgrad;
   o.reference_kernels = spec.reference_kernels;
   o.tile_n = spec.tile_n;
+  o.loads = spec.loads;
   o.recipe = spec.recipe;
   op = std::make_unique<GroupedLinear>(o);
 

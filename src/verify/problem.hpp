@@ -31,6 +31,7 @@ struct CaseSpec {
   int wgrad_slots = 1;
   bool reference_kernels = false;  // the WMMA reference kernels instead of wgmma
   int tile_n = 0;                  // wgmma tile width (0: the heuristic's choice)
+  GroupedLinearOptions::Loads loads = GroupedLinearOptions::Loads::kAuto;  // wgmma operand loads
   // Tolerance of the outputs in `dtype` (default: tolerance_for(dtype)). The fp32 outputs
   // (main_grad, dbias_scale) always use the fp32 entry of the table.
   std::optional<Tolerance> tolerance = std::nullopt;

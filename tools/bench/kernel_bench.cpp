@@ -66,7 +66,7 @@ void fill_random(DeviceBuffer& b, std::size_t elems, std::mt19937_64& rng) {
 }
 
 struct Result {
-  double grouped_ms, dense_ms, legacy_ms;
+  double grouped_ms, cp_async_ms, dense_ms, legacy_ms;  // grouped: the chosen pipeline; cp_async: the v4 kernels
 };
 
 // MXFP8 operands of a shape (one input set: every operand but decode's x already exceeds L2):
@@ -157,13 +157,18 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   auto offsets = b.offsets.as<int64_t>();
   auto err = b.error.as<DeviceErrorRecord>();
 
-  auto grouped = [&](int set) {
+  const kernels::GemmPhase gp = phase == Phase::kFprop   ? kernels::GemmPhase::kFprop
+                                : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
+                                                         : kernels::GemmPhase::kWgrad;
+  const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
+  const kernels::GemmPipeline chosen = kernels::choose_pipeline(gp, s.groups, s.rows, s.n, s.k);
+  auto grouped_on = [&](int set, kernels::GemmPipeline pipeline) {
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
     if (phase == Phase::kWgrad) {
       kernels::WgradParams p;
-      p.dy = b.dy[set].get(), p.x = b.x[set].get(), p.n = s.n, p.k = s.k;
+      p.dy = b.dy[set].get(), p.x = b.x[set].get(), p.n = s.n, p.k = s.k, p.capacity_rows = s.rows;
       p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.dweight = b.dw.get();
-      p.tile_n = kernels::choose_tile_n(kernels::GemmPhase::kWgrad, s.groups, s.rows, s.n, s.k);
+      p.tile_n = tile_n, p.pipeline = pipeline;
       kernels::launch_grouped_wgrad(DType::kBF16, p, grid, stream);
       return;
     }
@@ -171,12 +176,13 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
     const bool fprop = phase == Phase::kFprop;
     p.a = fprop ? b.x[set].get() : b.dy[set].get();
     p.w = b.w.get(), p.n = s.n, p.k = s.k, p.splits = splits, p.offsets = offsets, p.num_groups = s.groups;
-    p.c = b.out_rows[set].get();
-    p.tile_n = kernels::choose_tile_n(fprop ? kernels::GemmPhase::kFprop : kernels::GemmPhase::kDgrad, s.groups, s.rows,
-                                      s.n, s.k);
+    p.c = b.out_rows[set].get(), p.capacity_rows = s.rows;
+    p.tile_n = tile_n, p.pipeline = pipeline;
     kernels::launch_ragged_gemm(DType::kBF16, fprop ? kernels::RaggedGemmKind::kFprop : kernels::RaggedGemmKind::kDgrad,
                                 p, grid, stream);
   };
+  auto grouped = [&](int set) { grouped_on(set, chosen); };
+  auto cp_async = [&](int set) { grouped_on(set, kernels::GemmPipeline::kCpAsync); };
   auto dense = [&](int set) {
     RowMajorGemm d;
     if (phase == Phase::kFprop) {
@@ -203,20 +209,22 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   };
   // Warm-up outside capture: module loading, cuBLASLt heuristics (cached per shape).
   set_routing(0);
-  for (int set = 0; set < sets; ++set) grouped(set), dense(set);
+  for (int set = 0; set < sets; ++set) grouped(set), cp_async(set), dense(set);
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
 
-  std::vector<GraphExec> grouped_graphs, dense_graphs;
+  std::vector<GraphExec> grouped_graphs, cp_async_graphs, dense_graphs;
   for (int set = 0; set < sets; ++set) {
     grouped_graphs.emplace_back(stream, [&] { grouped(set); });
+    cp_async_graphs.emplace_back(stream, [&] { cp_async(set); });
     dense_graphs.emplace_back(stream, [&] { dense(set); });
   }
   EventTimer timer;
-  std::vector<float> tg, td, tl;
+  std::vector<float> tg, tc, td, tl;
   for (int i = 0; i < replays; ++i) {
     const int set = i % sets;
     set_routing(i);
     tg.push_back(timer.time(stream, [&] { grouped_graphs[set].launch(stream); }));
+    tc.push_back(timer.time(stream, [&] { cp_async_graphs[set].launch(stream); }));
     td.push_back(timer.time(stream, [&] { dense_graphs[set].launch(stream); }));
   }
   const int legacy_reps = std::min(replays, 20);
@@ -227,7 +235,7 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   DeviceErrorRecord rec{};
   MG_CUDA_CHECK(cudaMemcpy(&rec, err, sizeof(rec), cudaMemcpyDeviceToHost));
   MG_CHECK(rec.code == 0, "benchmark routings raised device error code ", rec.code);
-  return {median(tg), median(td), median(tl)};
+  return {median(tg), median(tc), median(td), median(tl)};
 }
 
 // Quantizing the bf16 activations x [rows, k] (32-aligned groups) into both MXFP8 copies from one
@@ -270,7 +278,8 @@ int run_kernel_bench(bool quick) {
   kernels::prepare_grouped_gemm(DType::kBF16);
   kernels::prepare_mxfp8_gemm();
   const int grid = prop.multiProcessorCount;  // the launchers scale it by each kernel's occupancy
-  std::printf("grouped kernels: wgmma_cp_async_sw128 128 x tile_n x 64 (tile_n per shape and phase), persistent\n");
+  std::printf("grouped kernels: wgmma 128 x tile_n x 64 (tile_n and the load pipeline per shape and phase), "
+              "persistent; cp_async column: the v4 cp.async kernels on the same tile\n");
   cudaStream_t stream;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
@@ -332,10 +341,11 @@ int run_kernel_bench(bool quick) {
                                       : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
                                                                : kernels::GemmPhase::kWgrad;
         table.add({s.name, routing_name(routing), phase_name(phase),
-                   std::to_string(kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k)), fmt(r.grouped_ms, 3),
-                   fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0), fmt(r.dense_ms, 3),
-                   fmt(flops / r.dense_ms / 1e9, 1), fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2),
-                   fmt(r.legacy_ms / r.grouped_ms, 2)});
+                   std::to_string(kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k)) + " " +
+                       kernels::pipeline_name(kernels::choose_pipeline(gp, s.groups, s.rows, s.n, s.k)),
+                   fmt(r.grouped_ms, 3), fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0),
+                   fmt(flops / r.cp_async_ms / 1e9, 1), fmt(r.dense_ms, 3), fmt(flops / r.dense_ms / 1e9, 1),
+                   fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2), fmt(r.legacy_ms / r.grouped_ms, 2)});
         progress(++done, total, s.name);
       }
     }
@@ -343,8 +353,8 @@ int run_kernel_bench(bool quick) {
   std::fprintf(stderr, "\n");
   std::printf("\nmedian of %d graph replays (legacy: %d eager runs), bf16, fresh routing per replay\n", replays,
               std::min(replays, 20));
-  table.print({"shape", "routing", "phase", "tile_n", "grouped ms", "TFLOP/s", "W GB/s", "dense ms", "dense TFLOP/s",
-               "legacy ms", "vs dense", "vs legacy"});
+  table.print({"shape", "routing", "phase", "tile", "grouped ms", "TFLOP/s", "W GB/s", "cp_async TFLOP/s", "dense ms",
+               "dense TFLOP/s", "legacy ms", "vs dense", "vs legacy"});
   std::printf("\nMXFP8 (e4m3 wgmma, per-32 E8M0 scales promoted every K block) vs BF16, same routings"
               " (MXFP8 wgrad: groups 32-row aligned)\n");
   mx_table.print({"shape", "routing", "phase", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
