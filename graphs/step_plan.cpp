@@ -58,12 +58,11 @@ StepPlan plan_step(const Config& config) {
     for (const GroupedLinearOptions& o : {fc1_options(config, b.rows), fc2_options(config, b.rows)}) {
       line += o.in_features == config.layer.hidden ? " fc1 " : ", fc2 ";
       for (kernels::GemmPhase ph : {kernels::GemmPhase::kFprop, kernels::GemmPhase::kDgrad, kernels::GemmPhase::kWgrad})
-        line += detail::concat(
-            ph == kernels::GemmPhase::kFprop ? "" : "/",
-            kernels::choose_tile_n(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features), "(",
-            kernels::pipeline_name(
-                kernels::choose_pipeline(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features)),
-            ")");
+      {
+        const int tile_n = kernels::choose_tile_n(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features);
+        line += detail::concat(ph == kernels::GemmPhase::kFprop ? "" : "/", tile_n, "(",
+                               kernels::pipeline_name(kernels::choose_pipeline(ph, tile_n)), ")");
+      }
     }
     plan.kernels.push_back(line);
   }

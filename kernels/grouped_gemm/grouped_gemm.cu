@@ -33,13 +33,16 @@ GemmTileConfig wgmma_tile_config(int tile_n, GemmPipeline pipeline) {
                        : GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 128, w::BK, w::Tile128::STAGES, w::THREADS};
 }
 
-GemmPipeline choose_pipeline(GemmPhase, int, int64_t, int64_t, int64_t) {
+GemmPipeline choose_pipeline(GemmPhase phase, int tile_n) {
   if (const char* env = std::getenv("MOEGRAPH_GEMM_PIPELINE")) {
     const std::string v = env;
     MG_CHECK(v == "tma" || v == "cp_async", "MOEGRAPH_GEMM_PIPELINE must be tma or cp_async, got '", v, "'");
     return v == "tma" ? GemmPipeline::kTma : GemmPipeline::kCpAsync;
   }
-  return GemmPipeline::kTma;
+  // Measured (docs/PERF.md, v5): TMA wins or ties everywhere except wgrad on the narrow tiles (small
+  // experts, e.g. decode: 1.49 against 0.93 ms), whose many short tiles are epilogue-bound; the
+  // cp.async kernel runs two CTAs per SM there, so one CTA's epilogue hides under the other's loads.
+  return phase == GemmPhase::kWgrad && tile_n == 128 ? GemmPipeline::kCpAsync : GemmPipeline::kTma;
 }
 
 int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k) {

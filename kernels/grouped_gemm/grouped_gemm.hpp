@@ -105,9 +105,9 @@ enum class GemmPhase { kFprop, kDgrad, kWgrad };
 // weights [groups, n, k]; decided at set-up from these shapes alone (the splits live on the
 // device). MOEGRAPH_TILE_N=128|256 overrides it (for tuning).
 int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k);
-// The pipeline of a phase (decided at set-up like the tile width); MOEGRAPH_GEMM_PIPELINE=cp_async|tma
-// overrides it (for tuning and side-by-side measurements).
-GemmPipeline choose_pipeline(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k);
+// The pipeline of a phase on tiles of width tile_n (decided at set-up, after the tile width);
+// MOEGRAPH_GEMM_PIPELINE=cp_async|tma overrides it (for tuning and side-by-side measurements).
+GemmPipeline choose_pipeline(GemmPhase phase, int tile_n);
 
 // Raises the kernels' shared-memory limits and records how many CTAs of each fit on an SM (the
 // persistent grids). Must run at set-up, before capture, before the launchers of that dtype.

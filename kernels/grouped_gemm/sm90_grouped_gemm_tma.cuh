@@ -2,8 +2,10 @@
 // into a ring of shared-memory stages guarded by mbarriers, and two consumer warpgroups, each owning
 // 64 rows of a 128 x BN tile, issue wgmma from those stages and never wait on each other. The ring
 // runs across tiles (persistent grid, tiles scheduled from the device offsets), so the producer
-// fetches the next tile's operands while the consumers run the epilogue, which stores straight
-// from the accumulators. Tiles land in the same 128-byte-swizzled layouts as the cp.async kernels
+// fetches the next tile's operands while the consumers run the epilogue. 16-bit results go through
+// a padded shared-memory staging area to the copy engine (one bulk copy per row, so rows of other
+// groups are never touched) and drain while the next tile computes; main_grad is read-modify-written
+// from the accumulators, its lines prefetched into L2 when the tile starts. Tiles land in the same 128-byte-swizzled layouts as the cp.async kernels
 // (sm90_grouped_gemm_wgmma.cuh), so the wgmma descriptors are shared.
 //   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
 //   dgrad: dx = dy · W_e      A = dy (K-major box)       B = W_e (MN-major boxes [64 N][64 K])
@@ -31,17 +33,20 @@ constexpr int kAtomBytes = 64 * BK * 2;  // 64 MN x 64 K: one MN-major box, or a
 constexpr int kRasterM = 8;              // row tiles walked together (L2 reuse of both operands)
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
-// (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM.
+// (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus the (128, kBN) 16-bit output
+// staging, whose rows are padded by 16 bytes so a warp's 8 rows x 4 words hit 32 distinct banks.
 template <int kBN, int kStages>
 struct WsShape {
   static constexpr int BN = kBN, STAGES = kStages;
   static constexpr int kTileBytesB = BN * BK * 2;
   static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
-  static constexpr int kSmemBytes = STAGES * kStageBytes + 1024;  // + slack to align stages to 1024 bytes
-  static_assert(kSmemBytes <= 227 * 1024);
+  static constexpr int kStagingLd = BN * 2 + 16;  // bytes per staged row
+  static constexpr int kStagingBytes = BM * kStagingLd;
+  static constexpr int kSmemBytes = STAGES * kStageBytes + kStagingBytes + 1024;  // + slack to align to 1024
+  static_assert(kSmemBytes + 5 * 1024 <= 227 * 1024, "with the static tile prefix and barriers");
 };
-using Ws128 = WsShape<128, 6>;
-using Ws256 = WsShape<256, 4>;
+using Ws128 = WsShape<128, 5>;
+using Ws256 = WsShape<256, 3>;
 
 // Kernel parameters: the tensor maps live in parameter space (__grid_constant__) for the copy engine.
 struct RaggedTmaParams {
@@ -150,6 +155,36 @@ struct Pair<__half> {
   static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
 };
 
+// A warpgroup's 64 rows of the tile, f(half, row, col, v0, v1) applied to each accumulator pair, written
+// in T to the staging area; then thread r of the warpgroup's first 64 hands row r (if below row_lim)
+// to the copy engine: col_bytes from the staging row to dst0 + row * ld. Returns without waiting for
+// the copies; the next call waits for their reads before reusing the staging area.
+template <class T, class Shape, class F>
+__device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[Shape::BN / 2], T* dst0, int64_t ld,
+                                           int row_lim, uint32_t col_bytes, F f) {
+  const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
+  sm90::bulk_wait_read();
+  sm90::named_barrier(2 + wg, 128);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = acc_row(half);
+#pragma unroll
+    for (int j = 0; j < Shape::BN / 8; ++j) {
+      const int col = acc_col(j);
+      float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+      f(half, row, col, v0, v1);
+      *reinterpret_cast<typename Pair<T>::type*>(staging + row * Shape::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
+    }
+  }
+  sm90::fence_proxy_async_smem();
+  sm90::named_barrier(2 + wg, 128);
+  if (wtid < 64) {
+    const int row = wg * 64 + wtid;
+    if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Shape::kStagingLd, col_bytes);
+    sm90::bulk_commit();
+  }
+}
+
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
 }
@@ -204,6 +239,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
   }
 
   sm90::claim_registers<kConsumerRegs>();
+  uint8_t* staging = smem + STAGES * Shape::kStageBytes;
   const T* bias = static_cast<const T*>(p.bias);
   T* c_all = static_cast<T*>(p.c);
   using P = Pair<T>;
@@ -215,29 +251,25 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
     const int64_t n0 = static_cast<int64_t>(nt) * BN;
     float acc[BN / 2];
     consume<T, Shape, false, kDgrad>(smem, full, empty, pos, ktiles, acc, [](uint8_t*) {});
+    const T* b = bias != nullptr ? bias + static_cast<int64_t>(tile.group) * cols + n0 : nullptr;
+    float s[2];  // this thread's rows' bias scales
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = acc_row(half);
-      if (row >= tile.span_rows) continue;
-      const bool gap = row >= tile.data_rows;  // alignment gap rows read as zero downstream
-      const float s = !gap && bias != nullptr && p.bias_scale != nullptr ? p.bias_scale[tile.row0 + row] : 1.0f;
-      const T* b = bias != nullptr ? bias + static_cast<int64_t>(tile.group) * cols + n0 : nullptr;
-      typename P::type* out = reinterpret_cast<typename P::type*>(c_all + (tile.row0 + row) * cols + n0);
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = acc_col(j);
-        if (n0 + col >= cols) break;
-        float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-        if (gap) {
-          v0 = v1 = 0.0f;
-        } else if (bias != nullptr) {
-          const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
-          v0 += s * bb.x, v1 += s * bb.y;
-        }
-        out[col / 2] = P::make(v0, v1);
-      }
+      s[half] = b != nullptr && p.bias_scale != nullptr && row < tile.data_rows ? p.bias_scale[tile.row0 + row] : 1.0f;
     }
+    store_rows<T, Shape>(staging, acc, c_all + tile.row0 * cols + n0, cols, static_cast<int>(tile.span_rows),
+                         static_cast<uint32_t>(min(static_cast<int64_t>(BN), cols - n0) * 2),
+                         [&](int half, int row, int col, float& v0, float& v1) {
+                           if (row >= tile.data_rows) {
+                             v0 = v1 = 0.0f;  // alignment gap rows read as zero downstream
+                           } else if (b != nullptr && n0 + col < cols) {
+                             const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
+                             v0 += s[half] * bb.x, v1 += s[half] * bb.y;
+                           }
+                         });
   }
+  sm90::bulk_wait();
 }
 
 // Zeroes reduction rows [valid, 64) of every operand box of a wgrad stage: those rows lie past the
@@ -300,8 +332,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
   }
 
   sm90::claim_registers<kConsumerRegs>();
+  uint8_t* staging = smem + STAGES * Shape::kStageBytes;
   T* dweight = static_cast<T*>(p.dweight);
-  using P = Pair<T>;
   RingPos pos;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const int e = static_cast<int>(t / per_group);
@@ -309,6 +341,18 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
     const int64_t n0 = (local / tiles_k) * BM, k0 = (local % tiles_k) * BN;
     const int rows = static_cast<int>(group_rows(p.splits, p.offsets, e));
     if (rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
+    const int64_t out0 = static_cast<int64_t>(e) * p.n * p.k + n0 * p.k + k0;
+    if (p.main_grad != nullptr) {  // into L2 while the tile computes: this thread's 2 rows, its quarter of each
+      constexpr int kLines = BN / 128;  // a row's BN floats are 4 * kLines 128-byte lines
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = acc_row(half);
+        const int first = (threadIdx.x % 4) * kLines;
+#pragma unroll
+        for (int l = first; l < first + kLines; ++l)
+          if (n0 + row < p.n && k0 + l * 32 < p.k) sm90::prefetch_l2(p.main_grad + out0 + row * p.k + l * 32);
+      }
+    }
     float acc[BN / 2];
     if (rows > 0) {
       const int tail = rows % BK;
@@ -319,34 +363,33 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;  // an empty group's gradient is zero
     }
-    const int64_t out0 = static_cast<int64_t>(e) * p.n * p.k + n0 * p.k + k0;
+    if (p.main_grad == nullptr) {
+      store_rows<T, Shape>(staging, acc, dweight + out0, p.k, static_cast<int>(min(int64_t{BM}, p.n - n0)),
+                           static_cast<uint32_t>(min(static_cast<int64_t>(BN), p.k - k0) * 2),
+                           [](int, int, int, float&, float&) {});
+      continue;
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = acc_row(half);
       if (n0 + row >= p.n) continue;
-      if (p.main_grad != nullptr) {
-        float* mg = p.main_grad + out0 + row * p.k;
-        constexpr int kBatch = 4;  // loads issued before the stores (they may alias as far as the compiler knows)
+      float* mg = p.main_grad + out0 + row * p.k;
+      constexpr int kBatch = 4;  // loads issued before the stores (they may alias as far as the compiler knows)
 #pragma unroll
-        for (int j0 = 0; j0 < BN / 8; j0 += kBatch) {
-          float2 old[kBatch];
+      for (int j0 = 0; j0 < BN / 8; j0 += kBatch) {
+        float2 old[kBatch];
 #pragma unroll
-          for (int j = j0; j < j0 + kBatch; ++j)
-            if (k0 + acc_col(j) < p.k) old[j - j0] = *reinterpret_cast<const float2*>(mg + acc_col(j));
+        for (int j = j0; j < j0 + kBatch; ++j)
+          if (k0 + acc_col(j) < p.k) old[j - j0] = *reinterpret_cast<const float2*>(mg + acc_col(j));
 #pragma unroll
-          for (int j = j0; j < j0 + kBatch; ++j)
-            if (k0 + acc_col(j) < p.k)
-              *reinterpret_cast<float2*>(mg + acc_col(j)) =
-                  make_float2(old[j - j0].x + acc[4 * j + 2 * half], old[j - j0].y + acc[4 * j + 2 * half + 1]);
-        }
-      } else {
-        typename P::type* out = reinterpret_cast<typename P::type*>(dweight + out0 + row * p.k);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-          if (k0 + acc_col(j) < p.k) out[acc_col(j) / 2] = P::make(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        for (int j = j0; j < j0 + kBatch; ++j)
+          if (k0 + acc_col(j) < p.k)
+            *reinterpret_cast<float2*>(mg + acc_col(j)) =
+                make_float2(old[j - j0].x + acc[4 * j + 2 * half], old[j - j0].y + acc[4 * j + 2 * half + 1]);
       }
     }
   }
+  sm90::bulk_wait();
 }
 
 }  // namespace moegraph::kernels::tma_gemm

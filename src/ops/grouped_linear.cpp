@@ -140,16 +140,13 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   tile_n_fprop_ = choose(kernels::GemmPhase::kFprop);
   tile_n_dgrad_ = choose(kernels::GemmPhase::kDgrad);
   tile_n_wgrad_ = choose(kernels::GemmPhase::kWgrad);
-  auto choose_loads = [&](kernels::GemmPhase phase) {
+  auto choose_loads = [&](kernels::GemmPhase phase, int tile_n) {
     if (o.loads != Loads::kAuto) return o.loads;
-    return kernels::choose_pipeline(phase, o.num_groups, o.capacity_rows, o.out_features, o.in_features) ==
-                   kernels::GemmPipeline::kTma
-               ? Loads::kTma
-               : Loads::kCpAsync;
+    return kernels::choose_pipeline(phase, tile_n) == kernels::GemmPipeline::kTma ? Loads::kTma : Loads::kCpAsync;
   };
-  loads_fprop_ = choose_loads(kernels::GemmPhase::kFprop);
-  loads_dgrad_ = choose_loads(kernels::GemmPhase::kDgrad);
-  loads_wgrad_ = choose_loads(kernels::GemmPhase::kWgrad);
+  loads_fprop_ = choose_loads(kernels::GemmPhase::kFprop, tile_n_fprop_);
+  loads_dgrad_ = choose_loads(kernels::GemmPhase::kDgrad, tile_n_dgrad_);
+  loads_wgrad_ = choose_loads(kernels::GemmPhase::kWgrad, tile_n_wgrad_);
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
   MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')

@@ -1,11 +1,9 @@
 // Every GEMM and epilogue against the fp64 reference over a named case table.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <map>
 #include <string>
 
-#include "kernels/grouped_gemm/grouped_gemm.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -75,38 +73,25 @@ std::vector<CaseSpec> reference_kernel_cases() {
 INSTANTIATE_TEST_SUITE_P(ReferenceKernels, GroupedLinearCase, ::testing::ValuesIn(reference_kernel_cases()),
                          [](const auto& info) { return info.param.name; });
 
-// And on the 256-wide wgmma tiles, which the heuristic picks only for large problems.
-std::vector<CaseSpec> wide_tile_cases() {
-  std::vector<CaseSpec> out = cases();
-  for (CaseSpec& c : out) c.tile_n = 256, c.name += "_tile256";
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(WideTiles, GroupedLinearCase, ::testing::ValuesIn(wide_tile_cases()),
-                         [](const auto& info) { return info.param.name; });
-
-// The default pipeline is the warp-specialized TMA one; the cp.async wgmma kernels stay selectable
-// (MOEGRAPH_GEMM_PIPELINE, GroupedLinearOptions::loads), so the table runs on them too, both widths.
-std::vector<CaseSpec> cp_async_cases() {
+// And on every wgmma kernel by name, whatever the heuristics would pick for these shapes: both
+// load pipelines (warp-specialized TMA, cp.async) at both tile widths.
+std::vector<CaseSpec> pipeline_cases(GroupedLinearOptions::Loads loads, const std::string& suffix) {
   std::vector<CaseSpec> out;
   for (int tile_n : {128, 256})
     for (CaseSpec c : cases()) {
-      c.tile_n = tile_n, c.loads = GroupedLinearOptions::Loads::kCpAsync;
-      c.name += "_cp_async" + std::to_string(tile_n);
+      c.tile_n = tile_n, c.loads = loads;
+      c.name += suffix + std::to_string(tile_n);
       out.push_back(c);
     }
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(CpAsync, GroupedLinearCase, ::testing::ValuesIn(cp_async_cases()),
+INSTANTIATE_TEST_SUITE_P(Tma, GroupedLinearCase,
+                         ::testing::ValuesIn(pipeline_cases(GroupedLinearOptions::Loads::kTma, "_tma")),
                          [](const auto& info) { return info.param.name; });
-
-// Cases are built with the automatic pipeline: make sure that is the TMA one, so the default table
-// above (and WideTiles) runs the TMA kernels unless MOEGRAPH_GEMM_PIPELINE says otherwise.
-TEST(GemmPipeline, DefaultIsTma) {
-  if (std::getenv("MOEGRAPH_GEMM_PIPELINE") != nullptr) GTEST_SKIP() << "MOEGRAPH_GEMM_PIPELINE is set";
-  EXPECT_EQ(kernels::choose_pipeline(kernels::GemmPhase::kFprop, 8, 1024, 256, 256), kernels::GemmPipeline::kTma);
-}
+INSTANTIATE_TEST_SUITE_P(CpAsync, GroupedLinearCase,
+                         ::testing::ValuesIn(pipeline_cases(GroupedLinearOptions::Loads::kCpAsync, "_cp_async")),
+                         [](const auto& info) { return info.param.name; });
 
 CaseSpec mxfp8(CaseSpec c) {
   c.recipe = Recipe::kMXFP8;

@@ -161,7 +161,7 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
                                 : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
                                                          : kernels::GemmPhase::kWgrad;
   const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
-  const kernels::GemmPipeline chosen = kernels::choose_pipeline(gp, s.groups, s.rows, s.n, s.k);
+  const kernels::GemmPipeline chosen = kernels::choose_pipeline(gp, tile_n);
   auto grouped_on = [&](int set, kernels::GemmPipeline pipeline) {
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
     if (phase == Phase::kWgrad) {
@@ -340,9 +340,9 @@ int run_kernel_bench(bool quick) {
         const kernels::GemmPhase gp = phase == Phase::kFprop   ? kernels::GemmPhase::kFprop
                                       : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
                                                                : kernels::GemmPhase::kWgrad;
+        const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
         table.add({s.name, routing_name(routing), phase_name(phase),
-                   std::to_string(kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k)) + " " +
-                       kernels::pipeline_name(kernels::choose_pipeline(gp, s.groups, s.rows, s.n, s.k)),
+                   std::to_string(tile_n) + " " + kernels::pipeline_name(kernels::choose_pipeline(gp, tile_n)),
                    fmt(r.grouped_ms, 3), fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0),
                    fmt(flops / r.cp_async_ms / 1e9, 1), fmt(r.dense_ms, 3), fmt(flops / r.dense_ms / 1e9, 1),
                    fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2), fmt(r.legacy_ms / r.grouped_ms, 2)});
