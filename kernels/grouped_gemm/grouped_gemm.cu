@@ -51,14 +51,11 @@ int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n,
     MG_CHECK(forced == 128 || forced == 256, "MOEGRAPH_TILE_N must be 128 or 256, got '", env, "'");
     return forced;
   }
-  // Measured on H100 (docs/PERF.md, v5): on the TMA pipeline the wide tile wins whenever the output
-  // is wide, even at decode's dozen rows per expert; wgrad reduces each output tile over the expert's
-  // rows, and below ~128 of them its tiles are epilogue-bound: the narrow cp.async tiles (two CTAs per
-  // SM, see choose_pipeline) do better there.
+  // The wide tile pays off when every expert holds many rows (full tiles along M, long wgrad
+  // reductions) and the output is wide; small or memory-bound problems want two CTAs per SM.
   const int64_t rows_per_group = capacity_rows / groups;
   const int64_t out_cols = phase == GemmPhase::kFprop ? n : k;
-  if (out_cols < 1024) return 128;
-  return phase == GemmPhase::kWgrad && rows_per_group < 128 ? 128 : 256;
+  return rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
 }
 
 namespace {
