@@ -53,6 +53,8 @@ int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n,
   }
   // The wide tile pays off when every expert holds many rows (full tiles along M, long wgrad
   // reductions) and the output is wide; small or memory-bound problems want two CTAs per SM.
+  // (v5, docs/PERF.md: the FC1 kernel bench alone preferred wide TMA tiles for Qwen3's 256 rows per
+  // expert too, but the whole Qwen3 step got slower with them, 4.52 -> 5.22 ms: kept as is.)
   const int64_t rows_per_group = capacity_rows / groups;
   const int64_t out_cols = phase == GemmPhase::kFprop ? n : k;
   return rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
