@@ -4,8 +4,8 @@
 // runs across tiles (persistent grid, tiles scheduled from the device offsets), so the producer
 // fetches the next tile's operands while the consumers run the epilogue. 16-bit results go through
 // a padded shared-memory staging area to the copy engine (one bulk copy per row, so rows of other
-// groups are never touched) and drain while the next tile computes; main_grad is read-modify-written
-// from the accumulators, its lines prefetched into L2 when the tile starts. Tiles land in the same 128-byte-swizzled layouts as the cp.async kernels
+// groups are never touched) and drain while the next tile computes; main_grad takes the fp32 tile
+// the same way, in two halves of columns, as bulk reduce-adds performed at L2. Tiles land in the same 128-byte-swizzled layouts as the cp.async kernels
 // (sm90_grouped_gemm_wgmma.cuh), so the wgmma descriptors are shared.
 //   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
 //   dgrad: dx = dy · W_e      A = dy (K-major box)       B = W_e (MN-major boxes [64 N][64 K])
@@ -107,6 +107,10 @@ __device__ __forceinline__ void consume(uint8_t* smem, uint64_t* full, uint64_t*
                                         float (&acc)[Shape::BN / 2], ZeroTail zero_tail) {
   const int wg = threadIdx.x / 128 - 1;
   int prev = -1;
+  // The first MMA ignores acc (scale-d = 0), but the compiler sees the asm read it: zeroing ends the
+  // previous tile's accumulators' lives here, so they are not kept (spilled) across its epilogue.
+#pragma unroll
+  for (int i = 0; i < Shape::BN / 2; ++i) acc[i] = 0.0f;
   for (int kt = 0; kt < ktiles; ++kt) {
     sm90::mbar_wait(&full[pos.stage], pos.phase);
     uint8_t* stage = smem + pos.stage * Shape::kStageBytes;
@@ -183,6 +187,42 @@ __device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[
     if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Shape::kStagingLd, col_bytes);
     sm90::bulk_commit();
   }
+}
+
+// main_grad rows += this warpgroup's 64 rows of the fp32 tile, by the copy engine (bulk reduce-add,
+// one add per element, so the result is the read-modify-write's). The tile goes through the staging
+// area in two halves of BN / 2 columns (a half row of floats is as long as a 16-bit staged row).
+template <class Shape, int kPart>
+__device__ __forceinline__ void add_half_rows_f32(uint8_t* staging, const float (&acc)[Shape::BN / 2], float* dst0,
+                                                  int64_t ld, int row_lim, int col_lim) {
+  constexpr int kHalfCols = Shape::BN / 2, part = kPart;
+  const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
+  {
+    sm90::bulk_wait_read();
+    sm90::named_barrier(2 + wg, 128);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = acc_row(half);
+#pragma unroll
+      for (int j = part * Shape::BN / 16; j < (part + 1) * Shape::BN / 16; ++j)
+        *reinterpret_cast<float2*>(staging + row * Shape::kStagingLd + (acc_col(j) - part * kHalfCols) * 4) =
+            make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    }
+    sm90::fence_proxy_async_smem();
+    sm90::named_barrier(2 + wg, 128);
+    if (wtid < 64) {
+      const int row = wg * 64 + wtid, cols = min(kHalfCols, col_lim - part * kHalfCols);
+      if (row < row_lim && cols > 0)
+        sm90::bulk_reduce_add_f32(dst0 + row * ld + part * kHalfCols, staging + row * Shape::kStagingLd, cols * 4);
+      sm90::bulk_commit();
+    }
+  }
+}
+template <class Shape>
+__device__ __forceinline__ void add_rows_f32(uint8_t* staging, const float (&acc)[Shape::BN / 2], float* dst0, int64_t ld,
+                                             int row_lim, int col_lim) {
+  add_half_rows_f32<Shape, 0>(staging, acc, dst0, ld, row_lim, col_lim);
+  add_half_rows_f32<Shape, 1>(staging, acc, dst0, ld, row_lim, col_lim);
 }
 
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
@@ -342,17 +382,6 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
     const int rows = static_cast<int>(group_rows(p.splits, p.offsets, e));
     if (rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
     const int64_t out0 = static_cast<int64_t>(e) * p.n * p.k + n0 * p.k + k0;
-    if (p.main_grad != nullptr) {  // into L2 while the tile computes: this thread's 2 rows, its quarter of each
-      constexpr int kLines = BN / 128;  // a row's BN floats are 4 * kLines 128-byte lines
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = acc_row(half);
-        const int first = (threadIdx.x % 4) * kLines;
-#pragma unroll
-        for (int l = first; l < first + kLines; ++l)
-          if (n0 + row < p.n && k0 + l * 32 < p.k) sm90::prefetch_l2(p.main_grad + out0 + row * p.k + l * 32);
-      }
-    }
     float acc[BN / 2];
     if (rows > 0) {
       const int tail = rows % BK;
@@ -363,31 +392,13 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;  // an empty group's gradient is zero
     }
-    if (p.main_grad == nullptr) {
-      store_rows<T, Shape>(staging, acc, dweight + out0, p.k, static_cast<int>(min(int64_t{BM}, p.n - n0)),
-                           static_cast<uint32_t>(min(static_cast<int64_t>(BN), p.k - k0) * 2),
+    const int row_lim = static_cast<int>(min(int64_t{BM}, p.n - n0));
+    const int col_lim = static_cast<int>(min(static_cast<int64_t>(BN), p.k - k0));
+    if (p.main_grad != nullptr)
+      add_rows_f32<Shape>(staging, acc, p.main_grad + out0, p.k, row_lim, col_lim);
+    else
+      store_rows<T, Shape>(staging, acc, dweight + out0, p.k, row_lim, static_cast<uint32_t>(col_lim * 2),
                            [](int, int, int, float&, float&) {});
-      continue;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = acc_row(half);
-      if (n0 + row >= p.n) continue;
-      float* mg = p.main_grad + out0 + row * p.k;
-      constexpr int kBatch = 4;  // loads issued before the stores (they may alias as far as the compiler knows)
-#pragma unroll
-      for (int j0 = 0; j0 < BN / 8; j0 += kBatch) {
-        float2 old[kBatch];
-#pragma unroll
-        for (int j = j0; j < j0 + kBatch; ++j)
-          if (k0 + acc_col(j) < p.k) old[j - j0] = *reinterpret_cast<const float2*>(mg + acc_col(j));
-#pragma unroll
-        for (int j = j0; j < j0 + kBatch; ++j)
-          if (k0 + acc_col(j) < p.k)
-            *reinterpret_cast<float2*>(mg + acc_col(j)) =
-                make_float2(old[j - j0].x + acc[4 * j + 2 * half], old[j - j0].y + acc[4 * j + 2 * half + 1]);
-      }
-    }
   }
   sm90::bulk_wait();
 }

@@ -45,12 +45,16 @@ const Shape kQuickShapes[] = {
     {"decode_fc1", 64, 4096, 2816, 768},
 };
 
-enum class Phase { kFprop, kDgrad, kWgrad };
-const char* phase_name(Phase p) { return p == Phase::kFprop ? "fprop" : p == Phase::kDgrad ? "dgrad" : "wgrad"; }
+// kWgradMainGrad: wgrad accumulated into fp32 main_grad (the training step's), against the dense
+// GEMM accumulating into one fp32 [N, K] and the legacy loop accumulating too.
+enum class Phase { kFprop, kDgrad, kWgrad, kWgradMainGrad };
+const char* phase_name(Phase p) {
+  return p == Phase::kFprop ? "fprop" : p == Phase::kDgrad ? "dgrad" : p == Phase::kWgrad ? "wgrad" : "wgrad+mg";
+}
 
 struct Buffers {
   std::vector<DeviceBuffer> x, dy, out_rows;  // rotated input sets; outputs per set
-  DeviceBuffer w, dw, splits, offsets, error, routings;
+  DeviceBuffer w, dw, main_grad, dense_main_grad, splits, offsets, error, routings;
 };
 
 void fill_random(DeviceBuffer& b, std::size_t elems, std::mt19937_64& rng) {
@@ -164,10 +168,12 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   const kernels::GemmPipeline chosen = kernels::choose_pipeline(gp, tile_n);
   auto grouped_on = [&](int set, kernels::GemmPipeline pipeline) {
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
-    if (phase == Phase::kWgrad) {
+    if (phase == Phase::kWgrad || phase == Phase::kWgradMainGrad) {
       kernels::WgradParams p;
       p.dy = b.dy[set].get(), p.x = b.x[set].get(), p.n = s.n, p.k = s.k, p.capacity_rows = s.rows;
-      p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.dweight = b.dw.get();
+      p.splits = splits, p.offsets = offsets, p.num_groups = s.groups;
+      if (phase == Phase::kWgrad) p.dweight = b.dw.get();
+      else p.main_grad = b.main_grad.as<float>();
       p.tile_n = tile_n, p.pipeline = pipeline;
       kernels::launch_grouped_wgrad(DType::kBF16, p, grid, stream);
       return;
@@ -194,13 +200,16 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
     } else {
       d.trans_a = true, d.m = s.n, d.n = s.k, d.k = s.rows;
       d.a = b.dy[set].get(), d.lda = s.n, d.b = b.x[set].get(), d.ldb = s.k, d.c = b.dw.get(), d.ldc = s.k;
+      if (phase == Phase::kWgradMainGrad) d.c = b.dense_main_grad.get(), d.c_type = DType::kFP32, d.beta = 1.0f;
     }
     lt.run(d, stream);
   };
   auto legacy_run = [&](int set) {
     if (phase == Phase::kFprop) legacy.fprop_not_capturable(b.x[set].get(), splits, b.w.get(), b.out_rows[set].get(), stream);
     else if (phase == Phase::kDgrad) legacy.dgrad_not_capturable(b.dy[set].get(), splits, b.w.get(), b.out_rows[set].get(), stream);
-    else legacy.wgrad_not_capturable(b.dy[set].get(), b.x[set].get(), splits, b.dw.get(), nullptr, stream);
+    else if (phase == Phase::kWgrad)
+      legacy.wgrad_not_capturable(b.dy[set].get(), b.x[set].get(), splits, b.dw.get(), nullptr, stream);
+    else legacy.wgrad_not_capturable(b.dy[set].get(), b.x[set].get(), splits, nullptr, b.main_grad.as<float>(), stream);
   };
 
   auto set_routing = [&](int i) {
@@ -289,7 +298,7 @@ int run_kernel_bench(bool quick) {
   const int replays = quick ? 15 : 40;
   Table table, mx_table, q_table;
   int done = 0;
-  const int total = static_cast<int>(shapes.size()) * 2 * 3;
+  const int total = static_cast<int>(shapes.size()) * 2 * 4;
   for (const Shape& s : shapes) {
     std::mt19937_64 rng(1234);
     Buffers b;
@@ -305,6 +314,10 @@ int run_kernel_bench(bool quick) {
     b.w = DeviceBuffer(s.groups * s.n * s.k * 2);
     fill_random(b.w, s.groups * s.n * s.k, rng);
     b.dw = DeviceBuffer(s.groups * s.n * s.k * 2);
+    b.main_grad = DeviceBuffer(s.groups * s.n * s.k * 4);
+    MG_CUDA_CHECK(cudaMemset(b.main_grad.get(), 0, b.main_grad.bytes()));
+    b.dense_main_grad = DeviceBuffer(s.n * s.k * 4);
+    MG_CUDA_CHECK(cudaMemset(b.dense_main_grad.get(), 0, b.dense_main_grad.bytes()));
     b.splits = DeviceBuffer(s.groups * 4);
     b.offsets = DeviceBuffer((s.groups + 1) * 8);
     b.error = DeviceBuffer(sizeof(DeviceErrorRecord));
@@ -327,10 +340,10 @@ int run_kernel_bench(bool quick) {
         const double ms = run_quantize(s, b, mx, replays, stream, &gbps);
         q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), fmt(ms, 3), fmt(gbps, 0)});
       }
-      for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad}) {
+      for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad, Phase::kWgradMainGrad}) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
         const double flops = 2.0 * s.rows * s.n * s.k;
-        if (mx_shape) {
+        if (mx_shape && phase != Phase::kWgradMainGrad) {
           const double mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
           mx_table.add({s.name, routing_name(routing), phase_name(phase), fmt(r.grouped_ms, 3),
                         fmt(flops / r.grouped_ms / 1e9, 1), fmt(mx_ms, 3), fmt(flops / mx_ms / 1e9, 1),
