@@ -5,7 +5,6 @@
 #include <type_traits>
 
 #include "kernels/grouped_gemm/grouped_gemm_tma.hpp"
-#include "kernels/grouped_gemm/sm90_grouped_gemm_tma.cuh"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_wgmma.cuh"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_wmma.cuh"
 #include "moegraph/error.hpp"
@@ -25,10 +24,7 @@ const char* pipeline_name(GemmPipeline p) { return p == GemmPipeline::kTma ? "tm
 
 GemmTileConfig wgmma_tile_config(int tile_n, GemmPipeline pipeline) {
   namespace w = wgmma_gemm;
-  namespace t = tma_gemm;
-  if (pipeline == GemmPipeline::kTma)
-    return tile_n == 256 ? GemmTileConfig{"wgmma_tma_ws_sw128", t::BM, 256, t::BK, t::Ws256::STAGES, t::THREADS}
-                         : GemmTileConfig{"wgmma_tma_ws_sw128", t::BM, 128, t::BK, t::Ws128::STAGES, t::THREADS};
+  if (pipeline == GemmPipeline::kTma) return tma_tile_config(tile_n);
   return tile_n == 256 ? GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 256, w::BK, w::Tile256::STAGES, w::THREADS}
                        : GemmTileConfig{"wgmma_cp_async_sw128", w::BM, 128, w::BK, w::Tile128::STAGES, w::THREADS};
 }

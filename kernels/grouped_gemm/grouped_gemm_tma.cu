@@ -84,6 +84,11 @@ void launch_wgrad(DType dtype, const WgradParams& p, int grid, cudaStream_t stre
 
 }  // namespace
 
+GemmTileConfig tma_tile_config(int tile_n) {
+  return tile_n == 256 ? GemmTileConfig{"wgmma_tma_ws_sw128", t::BM, 256, t::BK, t::Ws256::STAGES, t::THREADS}
+                       : GemmTileConfig{"wgmma_tma_ws_sw128", t::BM, 128, t::BK, t::Ws128::STAGES, t::THREADS};
+}
+
 void prepare_tma_gemm(DType dtype) {
   if (g_encode == nullptr) {
     void* fn = nullptr;

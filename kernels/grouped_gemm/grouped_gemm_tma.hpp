@@ -8,6 +8,7 @@
 
 namespace moegraph::kernels {
 
+GemmTileConfig tma_tile_config(int tile_n);
 // Set-up, before capture: looks up the tensor-map encoder and raises the kernels' shared memory.
 void prepare_tma_gemm(DType dtype);
 // One CTA per SM; p.capacity_rows gives the extent of the row buffers.

@@ -18,6 +18,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
@@ -159,70 +160,76 @@ struct Pair<__half> {
   static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
 };
 
-// A warpgroup's 64 rows of the tile, f(half, row, col, v0, v1) applied to each accumulator pair, written
-// in T to the staging area; then thread r of the warpgroup's first 64 hands row r (if below row_lim)
-// to the copy engine: col_bytes from the staging row to dst0 + row * ld. Returns without waiting for
-// the copies; the next call waits for their reads before reusing the staging area.
-template <class T, class Shape, class F>
-__device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[Shape::BN / 2], T* dst0, int64_t ld,
-                                           int row_lim, uint32_t col_bytes, F f) {
+// The staging protocol of one consumer warpgroup (its 64 rows of the staging area): wait until the
+// copy engine has read what this warpgroup's threads handed it last time, write the rows with
+// write(), publish them to the async proxy, and let thread r < 64 of the warpgroup issue copy(row)
+// for tile row 64 * wg + r. Returns without waiting for the copies, which drain under the next tile.
+template <class Write, class Copy>
+__device__ __forceinline__ void through_staging(Write write, Copy copy) {
   const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
   sm90::bulk_wait_read();
   sm90::named_barrier(2 + wg, 128);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = acc_row(half);
-#pragma unroll
-    for (int j = 0; j < Shape::BN / 8; ++j) {
-      const int col = acc_col(j);
-      float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-      f(half, row, col, v0, v1);
-      *reinterpret_cast<typename Pair<T>::type*>(staging + row * Shape::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
-    }
-  }
+  write();
   sm90::fence_proxy_async_smem();
   sm90::named_barrier(2 + wg, 128);
   if (wtid < 64) {
-    const int row = wg * 64 + wtid;
-    if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Shape::kStagingLd, col_bytes);
+    copy(wg * 64 + wtid);
     sm90::bulk_commit();
   }
 }
 
-// main_grad rows += this warpgroup's 64 rows of the fp32 tile, by the copy engine (bulk reduce-add,
-// one add per element, so the result is the read-modify-write's). The tile goes through the staging
-// area in two halves of BN / 2 columns (a half row of floats is as long as a 16-bit staged row).
-template <class Shape, int kPart>
-__device__ __forceinline__ void add_half_rows_f32(uint8_t* staging, const float (&acc)[Shape::BN / 2], float* dst0,
-                                                  int64_t ld, int row_lim, int col_lim) {
-  constexpr int kHalfCols = Shape::BN / 2, part = kPart;
-  const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
-  {
-    sm90::bulk_wait_read();
-    sm90::named_barrier(2 + wg, 128);
+// Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators, stored in T:
+// col_bytes of each row to dst0 + row * ld.
+template <class T, class Shape, class F>
+__device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[Shape::BN / 2], T* dst0, int64_t ld,
+                                           int row_lim, uint32_t col_bytes, F f) {
+  through_staging(
+      [&] {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = acc_row(half);
+        for (int half = 0; half < 2; ++half) {
+          const int row = acc_row(half);
 #pragma unroll
-      for (int j = part * Shape::BN / 16; j < (part + 1) * Shape::BN / 16; ++j)
-        *reinterpret_cast<float2*>(staging + row * Shape::kStagingLd + (acc_col(j) - part * kHalfCols) * 4) =
-            make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-    }
-    sm90::fence_proxy_async_smem();
-    sm90::named_barrier(2 + wg, 128);
-    if (wtid < 64) {
-      const int row = wg * 64 + wtid, cols = min(kHalfCols, col_lim - part * kHalfCols);
-      if (row < row_lim && cols > 0)
-        sm90::bulk_reduce_add_f32(dst0 + row * ld + part * kHalfCols, staging + row * Shape::kStagingLd, cols * 4);
-      sm90::bulk_commit();
-    }
-  }
+          for (int j = 0; j < Shape::BN / 8; ++j) {
+            const int col = acc_col(j);
+            float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
+            f(half, row, col, v0, v1);
+            *reinterpret_cast<typename Pair<T>::type*>(staging + row * Shape::kStagingLd + col * 2) =
+                Pair<T>::make(v0, v1);
+          }
+        }
+      },
+      [&](int row) {
+        if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Shape::kStagingLd, col_bytes);
+      });
 }
+
+// main_grad rows below row_lim += the fp32 tile's columns below col_lim, by bulk reduce-adds (one add
+// per element, so the result is the read-modify-write's). The tile goes through the staging area in
+// two halves of BN / 2 columns: a half row of floats is as long as a 16-bit staged row.
 template <class Shape>
 __device__ __forceinline__ void add_rows_f32(uint8_t* staging, const float (&acc)[Shape::BN / 2], float* dst0, int64_t ld,
                                              int row_lim, int col_lim) {
-  add_half_rows_f32<Shape, 0>(staging, acc, dst0, ld, row_lim, col_lim);
-  add_half_rows_f32<Shape, 1>(staging, acc, dst0, ld, row_lim, col_lim);
+  constexpr int kHalfCols = Shape::BN / 2, kHalfJ = Shape::BN / 16;  // accumulator pairs per half row
+  auto add_half = [&](auto part) {
+    through_staging(
+        [&] {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = acc_row(half);
+#pragma unroll
+            for (int j = part * kHalfJ; j < (part + 1) * kHalfJ; ++j)
+              *reinterpret_cast<float2*>(staging + row * Shape::kStagingLd + (acc_col(j) - part * kHalfCols) * 4) =
+                  make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+          }
+        },
+        [&](int row) {
+          const int cols = min(kHalfCols, col_lim - part * kHalfCols);
+          if (row < row_lim && cols > 0)
+            sm90::bulk_reduce_add_f32(dst0 + row * ld + part * kHalfCols, staging + row * Shape::kStagingLd, cols * 4);
+        });
+  };
+  add_half(std::integral_constant<int, 0>{});  // compile-time halves: acc is only indexed by constants
+  add_half(std::integral_constant<int, 1>{});
 }
 
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {

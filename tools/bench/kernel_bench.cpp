@@ -48,6 +48,11 @@ const Shape kQuickShapes[] = {
 // kWgradMainGrad: wgrad accumulated into fp32 main_grad (the training step's), against the dense
 // GEMM accumulating into one fp32 [N, K] and the legacy loop accumulating too.
 enum class Phase { kFprop, kDgrad, kWgrad, kWgradMainGrad };
+kernels::GemmPhase gemm_phase(Phase p) {
+  return p == Phase::kFprop ? kernels::GemmPhase::kFprop
+         : p == Phase::kDgrad ? kernels::GemmPhase::kDgrad
+                              : kernels::GemmPhase::kWgrad;
+}
 const char* phase_name(Phase p) {
   return p == Phase::kFprop ? "fprop" : p == Phase::kDgrad ? "dgrad" : p == Phase::kWgrad ? "wgrad" : "wgrad+mg";
 }
@@ -161,9 +166,7 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   auto offsets = b.offsets.as<int64_t>();
   auto err = b.error.as<DeviceErrorRecord>();
 
-  const kernels::GemmPhase gp = phase == Phase::kFprop   ? kernels::GemmPhase::kFprop
-                                : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
-                                                         : kernels::GemmPhase::kWgrad;
+  const kernels::GemmPhase gp = gemm_phase(phase);
   const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
   const kernels::GemmPipeline chosen = kernels::choose_pipeline(gp, tile_n);
   auto grouped_on = [&](int set, kernels::GemmPipeline pipeline) {
@@ -350,9 +353,7 @@ int run_kernel_bench(bool quick) {
                         fmt(r.grouped_ms / mx_ms, 2)});
         }
         const double weight_gb = active * s.n * s.k * 2 / 1e9;
-        const kernels::GemmPhase gp = phase == Phase::kFprop   ? kernels::GemmPhase::kFprop
-                                      : phase == Phase::kDgrad ? kernels::GemmPhase::kDgrad
-                                                               : kernels::GemmPhase::kWgrad;
+        const kernels::GemmPhase gp = gemm_phase(phase);
         const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
         table.add({s.name, routing_name(routing), phase_name(phase),
                    std::to_string(tile_n) + " " + kernels::pipeline_name(kernels::choose_pipeline(gp, tile_n)),
