@@ -5,8 +5,9 @@
 // fetches the next tile's operands while the consumers run the epilogue. 16-bit results go through
 // a padded shared-memory staging area to the copy engine (one bulk copy per row, so rows of other
 // groups are never touched) and drain while the next tile computes; main_grad takes the fp32 tile
-// the same way, in two halves of columns, as bulk reduce-adds performed at L2. Tiles land in the same 128-byte-swizzled layouts as the cp.async kernels
-// (sm90_grouped_gemm_wgmma.cuh), so the wgmma descriptors are shared.
+// the same way, in two halves of columns, as bulk reduce-adds performed at L2. Tiles land in the
+// same 128-byte-swizzled layouts as the cp.async kernels (sm90_grouped_gemm_wgmma.cuh), so the
+// wgmma descriptors are shared.
 //   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
 //   dgrad: dx = dy · W_e      A = dy (K-major box)       B = W_e (MN-major boxes [64 N][64 K])
 //   wgrad: dW_e = dy_e^T x_e  A = dy (MN-major boxes)    B = x   (MN-major boxes), over the group's rows
