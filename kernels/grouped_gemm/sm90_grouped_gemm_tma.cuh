@@ -179,6 +179,18 @@ __device__ __forceinline__ void through_staging(Write write, Copy copy) {
   }
 }
 
+// f(half, row, col, v0, v1) for this thread's accumulator pairs in columns [kJ0 * 8, kJ1 * 8) of
+// the tile: v0, v1 are the pair at (row, col) and (row, col + 1). Compile-time bounds keep acc in
+// registers.
+template <int kJ0, int kJ1, int kN, class F>
+__device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kN], F f) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int j = kJ0; j < kJ1; ++j) f(half, acc_row(half), acc_col(j), acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  }
+}
+
 // Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators, stored in T:
 // col_bytes of each row to dst0 + row * ld.
 template <class T, class Shape, class F>
@@ -186,18 +198,10 @@ __device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[
                                            int row_lim, uint32_t col_bytes, F f) {
   through_staging(
       [&] {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = acc_row(half);
-#pragma unroll
-          for (int j = 0; j < Shape::BN / 8; ++j) {
-            const int col = acc_col(j);
-            float v0 = acc[4 * j + 2 * half], v1 = acc[4 * j + 2 * half + 1];
-            f(half, row, col, v0, v1);
-            *reinterpret_cast<typename Pair<T>::type*>(staging + row * Shape::kStagingLd + col * 2) =
-                Pair<T>::make(v0, v1);
-          }
-        }
+        for_each_acc_pair<0, Shape::BN / 8>(acc, [&](int half, int row, int col, float v0, float v1) {
+          f(half, row, col, v0, v1);
+          *reinterpret_cast<typename Pair<T>::type*>(staging + row * Shape::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
+        });
       },
       [&](int row) {
         if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Shape::kStagingLd, col_bytes);
@@ -214,14 +218,10 @@ __device__ __forceinline__ void add_rows_f32(uint8_t* staging, const float (&acc
   auto add_half = [&](auto part) {
     through_staging(
         [&] {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = acc_row(half);
-#pragma unroll
-            for (int j = part * kHalfJ; j < (part + 1) * kHalfJ; ++j)
-              *reinterpret_cast<float2*>(staging + row * Shape::kStagingLd + (acc_col(j) - part * kHalfCols) * 4) =
-                  make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-          }
+          for_each_acc_pair<part * kHalfJ, (part + 1) * kHalfJ>(acc, [&](int, int row, int col, float v0, float v1) {
+            *reinterpret_cast<float2*>(staging + row * Shape::kStagingLd + (col - part * kHalfCols) * 4) =
+                make_float2(v0, v1);
+          });
         },
         [&](int row) {
           const int cols = min(kHalfCols, col_lim - part * kHalfCols);
