@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "moegraph/step_graphs.hpp"
-#include "src/common/layout.hpp"
+#include "src/core/layout.hpp"
 
 namespace moegraph {
 
@@ -33,8 +33,11 @@ class BucketStep {
   virtual std::vector<PlannedBuffer> sub_buffers(const LayoutWalker::Entry& /*buffer*/) const { return {}; }
 };
 
-// The bucket of `tokens` tokens for config.step: sizes only (create = false) or real operators.
-std::unique_ptr<BucketStep> make_bucket_step(const Config& config, int64_t tokens, LayoutWalker& walk,
+// The options of the bucket of `tokens` tokens.
+MoeLayerOptions bucket_layer_options(const StepGraphsOptions& options, int64_t tokens);
+
+// The bucket of `tokens` tokens for options.step: sizes only (create = false) or real operators.
+std::unique_ptr<BucketStep> make_bucket_step(const StepGraphsOptions& options, int64_t tokens, LayoutWalker& walk,
                                              const StepWeights& weights, bool create);
 
 }  // namespace moegraph

@@ -5,18 +5,18 @@
 
 namespace moegraph {
 
-MoeLayerBucket::MoeLayerBucket(const Config& config, int64_t tokens, LayoutWalker& walk, const StepWeights& w,
+MoeLayerBucket::MoeLayerBucket(const StepGraphsOptions& step, int64_t tokens, LayoutWalker& walk, const StepWeights& w,
                                bool create)
-    : options_(moe_layer_options(config, tokens)) {
-  const std::size_t es = dtype_size(config.precision.dtype);
-  const int64_t h = config.layer.hidden;
+    : options_(bucket_layer_options(step, tokens)) {
+  const std::size_t es = dtype_size(options_.dtype);
+  const int64_t h = options_.hidden;
   io_.tokens = tokens;
   io_.rows = moe_layer_rows(options_);
   io_.x = walk.take("x", tokens * h * es);
   io_.num_tokens = walk.take<int32_t>("num_tokens", sizeof(int32_t));
   io_.y = walk.take("y", tokens * h * es);
   io_.aux_loss = walk.take<float>("aux_loss", sizeof(float));
-  if (config.training.enabled) {
+  if (options_.training) {
     io_.dy = walk.take("dy", tokens * h * es);
     io_.dx = walk.take("dx", tokens * h * es);
   }
@@ -59,11 +59,19 @@ std::vector<PlannedBuffer> MoeLayerBucket::sub_buffers(const LayoutWalker::Entry
   return out;
 }
 
-std::unique_ptr<BucketStep> make_bucket_step(const Config& config, int64_t tokens, LayoutWalker& walk,
+MoeLayerOptions bucket_layer_options(const StepGraphsOptions& options, int64_t tokens) {
+  MoeLayerOptions o = options.layer;
+  o.max_tokens = tokens;
+  return o;
+}
+
+std::unique_ptr<BucketStep> make_bucket_step(const StepGraphsOptions& options, int64_t tokens, LayoutWalker& walk,
                                              const StepWeights& weights, bool create) {
-  if (config.step == StepKind::kMoeLayer)
-    return std::make_unique<MoeLayerBucket>(config, tokens, walk, weights, create);
-  return std::make_unique<ExpertMlpBucket>(config, tokens, walk, weights, create);
+  switch (options.step) {
+    case StepKind::kMoeLayer: return std::make_unique<MoeLayerBucket>(options, tokens, walk, weights, create);
+    case StepKind::kExperts: return std::make_unique<ExpertMlpBucket>(options, tokens, walk, weights, create);
+  }
+  MG_FAIL("unknown step kind ", static_cast<int>(options.step));
 }
 
 }  // namespace moegraph

@@ -1,13 +1,10 @@
 #include "moegraph/step_graphs.hpp"
 
 #include <chrono>
-#include <cmath>
 
 #include "graphs/bucket_step.hpp"
-#include "src/common/device_buffer.hpp"
+#include "src/core/device_buffer.hpp"
 #include "graphs/graph_exec.hpp"
-#include "graphs/step_weights.hpp"
-#include "kernels/elementwise/elementwise.hpp"
 
 namespace moegraph {
 
@@ -17,7 +14,7 @@ struct StepGraphs::Graphs {
 };
 
 struct StepGraphs::Memory {
-  DeviceBuffer arena, weights;
+  DeviceBuffer arena;
   cudaStream_t stream = nullptr;  // set-up work: warm-up and capture
   ~Memory() {
     if (stream != nullptr) cudaStreamDestroy(stream);
@@ -25,37 +22,42 @@ struct StepGraphs::Memory {
 };
 
 namespace {
-int slots_of(const Config& c) { return c.training.enabled ? c.training.wgrad_slots : 1; }
+int slots_of(const MoeLayerOptions& o) { return o.training ? o.wgrad_slots : 1; }
+
+// The caller's parameters that these options read or write.
+void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
+  const MoeLayerOptions& l = o.layer;
+  const bool layer = o.step == StepKind::kMoeLayer;
+  MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "StepWeights needs w1 and w2");
+  MG_CHECK(!layer || w.router != nullptr, "StepWeights needs the router weight for the whole-layer step");
+  MG_CHECK(!l.bias || (w.b1 != nullptr && w.b2 != nullptr), "StepWeights needs b1 and b2 (layer.bias)");
+  if (!l.training) return;
+  if (l.main_grad_fp32)
+    MG_CHECK(w.main_grad1 != nullptr && w.main_grad2 != nullptr && (!layer || w.main_grad_router != nullptr),
+             "StepWeights needs main_grad1, main_grad2", layer ? " and main_grad_router" : "",
+             " (training with main_grad_fp32)");
+  else
+    MG_CHECK(w.dw1 != nullptr && w.dw2 != nullptr && (!layer || w.d_router != nullptr), "StepWeights needs dw1, dw2",
+             layer ? " and d_router" : "", " (training without main_grad_fp32)");
+  MG_CHECK(!l.bias || (w.db1 != nullptr && w.db2 != nullptr), "StepWeights needs db1 and db2 (layer.bias)");
+}
 }  // namespace
 
-StepGraphs::StepGraphs(const Config& config) : config_(config), plan_(plan_step(config)) {
+StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights)
+    : options_(options), plan_(plan_step(options)), weights_(weights) {
+  check_weights(options_, weights_);
   memory_ = std::make_unique<Memory>();
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&memory_->stream, cudaStreamNonBlocking));
   cudaStream_t s = memory_->stream;
   memory_->arena = DeviceBuffer(plan_.arena_bytes);
   MG_CUDA_CHECK(cudaMemsetAsync(memory_->arena.get(), 0, plan_.arena_bytes, s));
-  memory_->weights = DeviceBuffer(plan_.weight_bytes);
-  MG_CUDA_CHECK(cudaMemsetAsync(memory_->weights.get(), 0, plan_.weight_bytes, s));
-  LayoutWalker wwalk(static_cast<std::byte*>(memory_->weights.get()));
-  weights_ = lay_out_weights(config_, wwalk);
-  // Random weights so a benchmark or a first replay computes something real; callers overwrite them.
-  const DType dt = config_.precision.dtype;
-  const auto& l = config_.layer;
-  kernels::launch_fill_uniform(dt, weights_.w1, l.experts * 2 * l.ffn * l.hidden, 1.0f / std::sqrt(float(l.hidden)), 1, s);
-  kernels::launch_fill_uniform(dt, weights_.w2, l.experts * l.hidden * l.ffn, 1.0f / std::sqrt(float(l.ffn)), 2, s);
-  // Router rows of norm ~1 against unit-variance x: logits spread about 1, a realistic routing.
-  if (weights_.router != nullptr)
-    kernels::launch_fill_uniform(dt, weights_.router, l.experts * l.hidden, std::sqrt(3.0f / float(l.hidden)), 5, s);
-  if (l.bias) {
-    kernels::launch_fill_uniform(dt, weights_.b1, l.experts * 2 * l.ffn, 0.1f, 3, s);
-    kernels::launch_fill_uniform(dt, weights_.b2, l.experts * l.hidden, 0.1f, 4, s);
-  }
-  for (int64_t tokens : config_.buckets) {
+  const MoeLayerOptions& l = options_.layer;
+  for (int64_t tokens : options_.buckets) {
     LayoutWalker walk(static_cast<std::byte*>(memory_->arena.get()));
-    buckets_.push_back(make_bucket_step(config_, tokens, walk, weights_, true));
+    buckets_.push_back(make_bucket_step(options_, tokens, walk, weights_, true));
   }
-  for (int slot = slots_of(config_) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
-  weights_changed(s);  // MXFP8: the first quantization of the random weights
+  for (int slot = slots_of(l) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
+  weights_changed(s);  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold)
 
   // Warm-up: one eager step per bucket (no tokens, or all experts empty: valid, and every kernel
   // is loaded).
@@ -64,26 +66,26 @@ StepGraphs::StepGraphs(const Config& config) : config_(config), plan_(plan_step(
     if (bio.splits != nullptr) MG_CUDA_CHECK(cudaMemsetAsync(bio.splits, 0, l.experts * sizeof(int32_t), s));
     if (bio.num_tokens != nullptr) MG_CUDA_CHECK(cudaMemsetAsync(bio.num_tokens, 0, sizeof(int32_t), s));
     run_eager(b, StepPhase::kForward, s);
-    if (!config_.training.enabled) continue;
+    if (!l.training) continue;
     run_eager(b, StepPhase::kForwardTrain, s);
     run_eager(b, StepPhase::kBackward, s);
-    if (config_.training.delay_wgrad) run_eager(b, StepPhase::kWgrad, s);
+    if (l.delay_wgrad) run_eager(b, StepPhase::kWgrad, s);
   }
   check_device_errors(s);
 
   // Capture. Per slot, in the FIFO order replays follow: all forward_trains, then all backwards,
   // then all wgrads, so each operator's saved contexts pair up inside every slot's graphs.
-  const int slots = slots_of(config_);
+  const int slots = slots_of(l);
   for (int b = 0; b < num_buckets(); ++b) {
     const auto t0 = std::chrono::steady_clock::now();
     BucketStep& bucket = *buckets_[b];
     auto g = std::make_unique<Graphs>();
     g->forward = GraphExec(s, [&] { bucket.forward(s); });
-    if (config_.training.enabled) {
+    if (l.training) {
       for (int slot = 0; slot < slots; ++slot)
         g->forward_train.emplace_back(s, [&] { bucket.forward_train(slot, s); });
       for (int slot = 0; slot < slots; ++slot) g->backward.emplace_back(s, [&] { bucket.backward(slot, s); });
-      if (config_.training.delay_wgrad)
+      if (l.delay_wgrad)
         for (int slot = 0; slot < slots; ++slot) g->wgrad.emplace_back(s, [&] { bucket.wgrad(s); });
     }
     graphs_.push_back(std::move(g));
@@ -104,9 +106,9 @@ int StepGraphs::graph_count() const {
 int StepGraphs::bucket_for(int64_t tokens) const {
   MG_CHECK(tokens >= 0, "token count must be non-negative, got ", tokens);
   for (int b = 0; b < num_buckets(); ++b)
-    if (tokens <= config_.buckets[b]) return b;
-  MG_FAIL(tokens, " tokens exceed the largest bucket (", config_.buckets.back(),
-          " tokens): add a larger bucket to the config's \"buckets\"");
+    if (tokens <= options_.buckets[b]) return b;
+  MG_FAIL(tokens, " tokens exceed the largest bucket (", options_.buckets.back(),
+          " tokens): add a larger bucket (the config's \"buckets\")");
 }
 
 BucketIO StepGraphs::io(int bucket) const {
@@ -117,10 +119,10 @@ BucketIO StepGraphs::io(int bucket) const {
 void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t stream) {
   MG_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range [0, ", num_buckets(), ")");
   const bool training_phase = phase != StepPhase::kForward;
-  MG_CHECK(!training_phase || config_.training.enabled, step_phase_name(phase), " needs training.enabled");
-  MG_CHECK(phase != StepPhase::kWgrad || config_.training.delay_wgrad, "wgrad needs training.delay_wgrad");
+  MG_CHECK(!training_phase || options_.layer.training, step_phase_name(phase), " needs training.enabled");
+  MG_CHECK(phase != StepPhase::kWgrad || options_.layer.delay_wgrad, "wgrad needs training.delay_wgrad");
   if (active_bucket_ >= 0 && (active_bucket_ != b || phase == StepPhase::kForward))
-    MG_FAIL("bucket ", active_bucket_, " (", config_.buckets[active_bucket_], " tokens) has ", awaiting_backward_.size(),
+    MG_FAIL("bucket ", active_bucket_, " (", options_.buckets[active_bucket_], " tokens) has ", awaiting_backward_.size(),
             " forward_train awaiting backward and ", awaiting_wgrad_.size(),
             " queued wgrads; buckets share one arena, so ", step_phase_name(phase), " of bucket ", b,
             " must wait until they finish");
@@ -133,7 +135,7 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
       else bucket.forward(stream);
       return;
     case StepPhase::kForwardTrain: {
-      MG_CHECK(!free_slots_.empty(), "all ", slots_of(config_),
+      MG_CHECK(!free_slots_.empty(), "all ", slots_of(options_.layer),
                " wgrad_slots hold micro-batches in flight: run backward/wgrad first");
       const int slot = free_slots_.back();
       if (use_graph) graphs().forward_train[slot].launch(stream);
@@ -149,7 +151,7 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
       if (use_graph) graphs().backward[slot].launch(stream);
       else bucket.backward(slot, stream);
       awaiting_backward_.pop_front();
-      if (config_.training.delay_wgrad) awaiting_wgrad_.push_back(slot);
+      if (options_.layer.delay_wgrad) awaiting_wgrad_.push_back(slot);
       else free_slots_.push_back(slot);
       break;
     }

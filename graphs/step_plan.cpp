@@ -1,12 +1,13 @@
-// plan_step: every bucket's buffers from one layout walk with a null base (no GPU), the shared
-// arena, the weights, and the kernels chosen.
+// The step's typed options (from a Config), and plan_step: every bucket's buffers from one layout
+// walk with a null base (no GPU), the shared arena, the weights, and the kernels chosen.
+#include <algorithm>
 #include <sstream>
 
 #include "graphs/bucket_step.hpp"
-#include "graphs/expert_mlp_bucket.hpp"
-#include "src/ops/moe/op_spec.hpp"
 #include "graphs/step_weights.hpp"
-#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "moegraph/config.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph {
 
@@ -20,11 +21,30 @@ std::string_view step_phase_name(StepPhase phase) {
   return "?";
 }
 
-StepPlan plan_step(const Config& config) {
+StepGraphsOptions step_graphs_options(const Config& config) {
+  StepGraphsOptions o;
+  o.step = config.step;
+  o.layer = moe_layer_options(config, config.buckets.empty() ? 1 : config.buckets.front());
+  o.buckets = config.buckets;
+  return o;
+}
+
+void validate(const StepGraphsOptions& o) {
+  MG_CHECK(!o.buckets.empty(), "buckets must list at least one capacity in tokens");
+  for (std::size_t b = 0; b < o.buckets.size(); ++b) {
+    MG_CHECK(o.buckets[b] >= 1, "buckets[", b, "] must be >= 1, got ", o.buckets[b]);
+    MG_CHECK(b == 0 || o.buckets[b] > o.buckets[b - 1], "buckets must be strictly increasing, got ",
+             o.buckets[b - 1], " then ", o.buckets[b]);
+    validate(bucket_layer_options(o, o.buckets[b]));
+  }
+}
+
+StepPlan plan_step(const StepGraphsOptions& options) {
+  validate(options);
   StepPlan plan;
-  for (int64_t tokens : config.buckets) {
+  for (int64_t tokens : options.buckets) {
     LayoutWalker walk;
-    const auto sizing = make_bucket_step(config, tokens, walk, StepWeights{}, /*create=*/false);
+    const auto sizing = make_bucket_step(options, tokens, walk, StepWeights{}, /*create=*/false);
     BucketPlan b;
     b.tokens = tokens;
     b.rows = sizing->io().rows;
@@ -39,35 +59,30 @@ StepPlan plan_step(const Config& config) {
     plan.buckets.push_back(std::move(b));
   }
   LayoutWalker weights;
-  lay_out_weights(config, weights);
+  lay_out_weights(options, weights);
   plan.weight_bytes = weights.bytes();
-  if (config.step == StepKind::kMoeLayer) {
-    std::vector<layer::OpSpec> ops = layer::moe_layer_ops(moe_layer_options(config, config.buckets.front()));
-    if (config.router.fuse_weights) layer::fuse_routing_weights(ops);
+  const MoeLayerOptions first = bucket_layer_options(options, options.buckets.front());
+  if (options.step == StepKind::kMoeLayer) {
+    std::vector<layer::OpSpec> ops = layer::moe_layer_ops(first);
+    if (first.fuse_weights) layer::fuse_routing_weights(ops);
     plan.kernels.push_back("moe layer: " + layer::describe(ops));
     plan.kernels.push_back("router: logits by cuBLASLt (bf16 in, fp32 out), scores + top-k one warp per token");
-    plan.kernels.push_back("dispatch: stable counting sort by expert, row gather; combine: fp32 sum of k rows per token");
+    plan.kernels.push_back("dispatch: stable counting sort by expert (the group layout: splits, offsets), row gather; "
+                           "combine: fp32 sum of k rows per token");
+  } else {
+    plan.kernels.push_back("group layout: splits copied per slot, offsets by a CUB BlockScan (1 CTA x 256 threads, "
+                           "device validation), read by fc1, swiglu and fc2");
   }
-  plan.kernels.insert(plan.kernels.end(), {
-      "group offsets: CUB BlockScan, 1 CTA x 256 threads, device validation",
-      "fc1, fc2 fprop/dgrad/wgrad: wgmma, 128 x tile_n x 64, persistent, device tile scheduler",
-      "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows",
-  });
+  // The kernel of every GEMM, per bucket: the same heuristic and overrides as set-up.
   for (const BucketPlan& b : plan.buckets) {
-    std::string line = detail::concat("bucket ", b.tokens, " tile_n fprop/dgrad/wgrad:");
-    for (const GroupedLinearOptions& o : {fc1_options(config, b.rows), fc2_options(config, b.rows)}) {
-      line += o.in_features == config.layer.hidden ? " fc1 " : ", fc2 ";
-      for (kernels::GemmPhase ph : {kernels::GemmPhase::kFprop, kernels::GemmPhase::kDgrad, kernels::GemmPhase::kWgrad})
-      {
-        const int tile_n = kernels::choose_tile_n(ph, o.num_groups, o.capacity_rows, o.out_features, o.in_features);
-        line += detail::concat(ph == kernels::GemmPhase::kFprop ? "" : "/", tile_n, "(",
-                               kernels::pipeline_name(kernels::choose_pipeline(ph, tile_n)), ")");
-      }
-    }
-    plan.kernels.push_back(line);
+    const MoeLayerOptions o = bucket_layer_options(options, b.tokens);
+    for (int fc : {1, 2})
+      plan.kernels.push_back(detail::concat("bucket ", b.tokens, " fc", fc, ": ",
+                                            GroupedLinear::describe_kernels(layer::expert_linear_options(o, fc, b.rows))));
   }
-  if (config.layer.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
-  if (config.training.enabled) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
+  plan.kernels.push_back("swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
+  if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
+  if (first.training) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
   return plan;
 }
 

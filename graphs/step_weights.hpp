@@ -1,25 +1,27 @@
-// The weights, biases and gradients of the expert-MLP step, laid out in one block.
+// The weights, biases and gradients a step's options need, as one walk: sized for --plan, and
+// laid out by callers that keep them in one block (the benchmark, the tests).
 #pragma once
 
 #include "moegraph/step_graphs.hpp"
-#include "src/common/layout.hpp"
+#include "src/core/layout.hpp"
 
 namespace moegraph {
 
-inline StepWeights lay_out_weights(const Config& c, LayoutWalker& walk) {
-  const std::size_t es = dtype_size(c.precision.dtype);
-  const int64_t g = c.layer.experts, h = c.layer.hidden, f2 = 2 * c.layer.ffn, f = c.layer.ffn;
+inline StepWeights lay_out_weights(const StepGraphsOptions& options, LayoutWalker& walk) {
+  const MoeLayerOptions& l = options.layer;
+  const std::size_t es = dtype_size(l.dtype);
+  const int64_t g = l.experts, h = l.hidden, f2 = 2 * l.ffn, f = l.ffn;
   StepWeights w;
-  const bool layer = c.step == StepKind::kMoeLayer;
+  const bool layer = options.step == StepKind::kMoeLayer;
   if (layer) w.router = walk.take("router", g * h * es);
   w.w1 = walk.take("w1", g * f2 * h * es);
   w.w2 = walk.take("w2", g * h * f * es);
-  if (c.layer.bias) {
+  if (l.bias) {
     w.b1 = walk.take("b1", g * f2 * es);
     w.b2 = walk.take("b2", g * h * es);
   }
-  if (!c.training.enabled) return w;
-  if (c.training.main_grad_fp32) {
+  if (!l.training) return w;
+  if (l.main_grad_fp32) {
     if (layer) w.main_grad_router = walk.take<float>("main_grad_router", g * h * sizeof(float));
     w.main_grad1 = walk.take<float>("main_grad1", g * f2 * h * sizeof(float));
     w.main_grad2 = walk.take<float>("main_grad2", g * h * f * sizeof(float));
@@ -28,7 +30,7 @@ inline StepWeights lay_out_weights(const Config& c, LayoutWalker& walk) {
     w.dw1 = walk.take("dw1", g * f2 * h * es);
     w.dw2 = walk.take("dw2", g * h * f * es);
   }
-  if (c.layer.bias) {
+  if (l.bias) {
     w.db1 = walk.take("db1", g * f2 * es);
     w.db2 = walk.take("db2", g * h * es);
   }

@@ -30,7 +30,7 @@ struct LayerConfig {
 };
 
 struct PrecisionConfig {
-  std::string recipe = "bf16";        // "bf16" (mxfp8 when it exists)
+  Recipe recipe = Recipe::kBF16;      // "bf16" or "mxfp8"
   DType dtype = DType::kBF16;         // "bf16" or "fp16"
 };
 
@@ -56,12 +56,8 @@ struct BenchConfig {
   double fill = 1.0;                  // fraction of each bucket's tokens actually routed, (0, 1]
 };
 
-// What a step runs: the whole MoE layer (router, dispatch, experts, combine), or the expert MLP
-// alone on rows already grouped by expert (splits drawn by the benchmark's routing).
-enum class StepKind { kMoeLayer, kExperts };
-
 struct RouterConfig {
-  std::string score = "softmax";      // "softmax" or "sigmoid"
+  RouterScore score = RouterScore::kSoftmax;  // "softmax" or "sigmoid"
   bool renormalize = false;           // the chosen top-k weights are divided by their sum
   double aux_loss_coef = 0.0;         // >= 0; 0: no auxiliary load-balancing loss
   double capacity_factor = 0.0;       // 0: dropless; > 0: at most ceil(cf * tokens * top_k / experts) rows per expert
@@ -90,7 +86,5 @@ Config default_config();
 std::string to_json(const Config& config);
 
 std::string_view routing_kind_name(RoutingKind kind);
-std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
-Recipe recipe_of(const Config& config);          // precision.recipe as the operators' enum
 
 }  // namespace moegraph

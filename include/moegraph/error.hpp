@@ -11,7 +11,14 @@
 namespace moegraph {
 
 // What went wrong, for callers that map errors to codes (the C ABI does).
-enum class ErrorKind { kInvalidArgument, kCuda, kLibrary, kDeviceSplits };
+enum class ErrorKind {
+  kInvalidArgument,   // bad options or arguments (the message names the field, value and rule)
+  kCuda,              // a CUDA runtime error
+  kLibrary,           // cuBLASLt or NCCL
+  kDeviceSplits,      // invalid device inputs recorded by a kernel (check_device_errors)
+  kNoDevice,          // no usable CUDA device
+  kUnsupportedDevice, // a device other than compute capability 9.0
+};
 
 class Error : public std::runtime_error {
  public:

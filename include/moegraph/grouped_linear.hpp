@@ -17,10 +17,13 @@
 
 namespace moegraph {
 
-class LayoutWalker;  // src/common/layout.hpp
+class LayoutWalker;  // src/core/layout.hpp
+namespace linear {
+class LinearBackend;  // src/ops/grouped_linear/linear_backend.hpp
+}
 
 struct GroupedLinearOptions {
-  int num_groups = 0;          // G, 1..1024
+  int num_groups = 0;          // G, 1..kMaxGroups (1024)
   int64_t in_features = 0;     // K, multiple of 16
   int64_t out_features = 0;    // N, multiple of 16
   int64_t capacity_rows = 0;   // rows of every grouped buffer (including alignment padding)
@@ -29,20 +32,23 @@ struct GroupedLinearOptions {
   bool bias = false;           // bias [G, N]
   int wgrad_slots = 1;         // forward_train contexts that may be in flight at once
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
-  bool reference_kernels = false;  // the simple WMMA kernels instead of wgmma (differential tests)
+  // Kernel choices, normally left to the GEMM heuristic (tuning and differential tests); where left
+  // open, MOEGRAPH_TILE_N / MOEGRAPH_GEMM_PIPELINE may force them.
+  bool reference_kernels = false;  // the simple WMMA reference kernels (bf16 recipe only)
   int tile_n = 0;                  // wgmma tile width: 0 = chosen from the shapes, or 128 / 256
-  // How the wgmma kernels load operands: chosen at set-up (kAuto), cp.async by all threads, or a
-  // warp-specialized TMA producer (tuning and differential tests).
-  enum class Loads { kAuto, kCpAsync, kTma };
-  Loads loads = Loads::kAuto;
+  GemmPipeline pipeline = GemmPipeline::kAuto;  // 16-bit wgmma kernels: cp.async or TMA loads
   // kMXFP8: the GEMMs run on MXFP8 copies (x and dy quantized on the fly; the saved activations
   // are kept as MXFP8 column-wise copies instead of a 16-bit copy; the weights are quantized by
-  // quantize_weights()). Needs K and N multiples of 128 and row_align 32 or 128.
+  // weights_changed()). Needs K and N multiples of 128 and row_align 32 or 128.
   Recipe recipe = Recipe::kBF16;
 };
 
-// Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
+// Throws moegraph::Error naming the field, its value and the rule (the recipe's own rules
+// included). Touches no GPU.
 void validate(const GroupedLinearOptions& options);
+// The recipe's shape rules for these options: "" when its kernels can run them, else the reason
+// ("the mxfp8 recipe needs ..."). Touches no GPU.
+std::string recipe_can_implement(const GroupedLinearOptions& options);
 
 // Buffers are device pointers; all row buffers have options.capacity_rows rows. Group e occupies
 // rows [offsets[e], offsets[e] + splits[e]); gap rows up to the next aligned start read as zero
@@ -54,6 +60,12 @@ struct ForwardArgs {
   const void* bias = nullptr;         // [G, N]; options.bias must be set
   const float* bias_scale = nullptr;  // [capacity_rows]: y_r = x_r W^T + s_r b (needs bias)
   void* y = nullptr;                  // [capacity_rows, N]
+  // Optional [G + 1] int64, device: the group offsets of `splits` already computed for this
+  // operator's row_align and capacity_rows (e.g. by a dispatch), so the operator skips its own
+  // scan (and the device check of the splits that comes with it: the producer checks them).
+  // forward_train then keeps pointers to splits and offsets instead of copies: both must stay
+  // unchanged until the micro-batch's backward (and delayed wgrad) has run.
+  const int64_t* offsets = nullptr;
 };
 
 struct BackwardArgs {
@@ -88,8 +100,11 @@ class GroupedLinear {
   GroupedLinear& operator=(const GroupedLinear&) = delete;
 
   const GroupedLinearOptions& options() const { return options_; }
-  // The kernels and tile configurations chosen (MOEGRAPH_PRINT_CONFIG=1 prints it at set-up).
+  // The options and the kernel each GEMM runs (MOEGRAPH_PRINT_CONFIG=1 prints it at set-up).
   std::string describe() const;
+  // The kernel each GEMM (fprop, dgrad, wgrad) of these options runs, as describe() prints them;
+  // the same heuristic and overrides as set-up. Touches no GPU (--plan).
+  static std::string describe_kernels(const GroupedLinearOptions& options);
   // Device bytes this operator uses (workspace and error record).
   std::size_t device_bytes() const;
 
@@ -100,13 +115,13 @@ class GroupedLinear {
   void forward_train(const ForwardArgs& args, cudaStream_t stream);
   // Backward of the oldest forward_train not yet backwarded: dx, dbias, dbias_scale, and the
   // weight gradient at once or queued (then dy is saved in the slot until backward_dw()).
-  void backward(const BackwardArgs& args, Recipe recipe, WgradMode mode, cudaStream_t stream);
+  void backward(const BackwardArgs& args, WgradMode mode, cudaStream_t stream);
   // Runs the oldest queued weight gradient. Bit-identical to the immediate one.
   void backward_dw(cudaStream_t stream);
-  // MXFP8 recipe: quantizes `weight` [G, N, K] into the operator's row-wise copy (fprop) and its
-  // transposed copy W_e^T blocked along N (dgrad). An enqueue path: call it once before the first
-  // forward and again whenever the weights change (e.g. after each optimizer step).
-  void quantize_weights(const void* weight, cudaStream_t stream);
+  // The weights [G, N, K] changed: the recipe prepares what its GEMMs read (MXFP8: the row-wise
+  // copy for fprop and the transposed copy W_e^T blocked along N for dgrad; bf16: nothing). An
+  // enqueue path: call it before the first forward and after every weight update.
+  void weights_changed(const void* weight, cudaStream_t stream);
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
 
@@ -116,43 +131,27 @@ class GroupedLinear {
 
  private:
   struct Slot;
+  struct Scratch;
   struct QueuedWgrad {
     int slot;
     void* dweight;
     float* main_grad;
   };
-  struct Scratch;
-  struct Mxfp8State;
-  // MXFP8: quantizes x (row-wise, and column-wise into `save`'s x_t when given) and runs fprop.
-  void run_mxfp8_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
-                       const float* bias_scale, Slot* save, cudaStream_t stream);
-  void run_mxfp8_wgrad(const Slot& slot, const void* dy_t, const void* dy_t_scales, void* dweight, float* main_grad,
-                       cudaStream_t stream);
-  static void lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, std::vector<std::unique_ptr<Slot>>* slots,
-                      Scratch* scratch, Mxfp8State* mx_state);
-  void run_fprop(const ForwardArgs& args, const int32_t* splits, const int64_t* offsets,
-                 const float* bias_scale, cudaStream_t stream);
-  void run_wgrad(const void* dy, const void* x, const int32_t* splits, const int64_t* offsets,
-                 void* dweight, float* main_grad, cudaStream_t stream);
+  // One walk lays out the workspace: with a null base it only sizes (sizing_walk), with the
+  // workspace it binds the slots, the scratch and the backend.
+  static void lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, linear::LinearBackend& backend,
+                      std::vector<Slot>& slots, Scratch& scratch);
+  static LayoutWalker sizing_walk(const GroupedLinearOptions& options);
+  // Group offsets for a forward: the caller's, or computed into `computed`.
+  const int64_t* group_offsets(const ForwardArgs& args, int64_t* computed, cudaStream_t stream);
 
   GroupedLinearOptions options_;
-  int tile_n_fprop_ = 128, tile_n_dgrad_ = 128, tile_n_wgrad_ = 128;  // chosen at set-up from the shapes
-  using Loads = GroupedLinearOptions::Loads;
-  Loads loads_fprop_ = Loads::kTma, loads_dgrad_ = Loads::kTma, loads_wgrad_ = Loads::kTma;  // likewise
-  std::vector<std::unique_ptr<Slot>> slots_;
+  std::unique_ptr<linear::LinearBackend> backend_;  // the recipe's GEMMs and operand copies
+  std::vector<Slot> slots_;  // wgrad_slots saved contexts (common part; the backend keeps its own)
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_;
   std::deque<QueuedWgrad> wgrad_queue_;
   std::unique_ptr<Scratch> scratch_;
-  std::unique_ptr<Mxfp8State> mx_;  // MXFP8 recipe only
-};
-
-// Last-resort device check usable by any caller: the record type the offset kernel writes.
-struct DeviceErrorRecord {
-  int32_t code;   // 0: none, 1: negative split, 2: splits past capacity
-  int32_t group;  // first offending group
-  int64_t value;  // the split (code 1) or the aligned row total (code 2)
-  int64_t limit;  // capacity_rows (code 2)
 };
 
 }  // namespace moegraph

@@ -21,8 +21,6 @@ namespace moegraph {
 
 struct Config;
 
-enum class RouterScore { kSoftmax, kSigmoid };
-
 struct MoeLayerOptions {
   int experts = 0;                  // E, 1..1024
   int64_t hidden = 0, ffn = 0;      // multiples of 16

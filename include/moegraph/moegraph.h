@@ -20,7 +20,9 @@ typedef enum {
   MG_ERR_CUDA = 2,             /* a CUDA runtime call failed */
   MG_ERR_LIBRARY = 3,          /* cuBLASLt or NCCL failed */
   MG_ERR_DEVICE_SPLITS = 4,    /* the device raised an invalid-splits error (check_device_errors) */
-  MG_ERR_INTERNAL = 5
+  MG_ERR_INTERNAL = 5,
+  MG_ERR_NO_DEVICE = 6,          /* no usable CUDA device */
+  MG_ERR_UNSUPPORTED_DEVICE = 7  /* the device is not compute capability 9.0 (Hopper) */
 } mg_status;
 
 typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1 } mg_dtype;
@@ -74,8 +76,9 @@ mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args
 mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* args, int delay_wgrad,
                                      cudaStream_t stream);
 mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream);
-/* MXFP8 recipe: quantizes weight [G, N, K] into the operator's copies (enqueued, capturable). */
-mg_status mg_grouped_linear_quantize_weights(mg_grouped_linear* op, const void* weight, cudaStream_t stream);
+/* The weights [G, N, K] changed: MXFP8 re-quantizes its copies, bf16 has nothing to do (enqueued,
+   capturable). Call it before the first forward and after every update. */
+mg_status mg_grouped_linear_weights_changed(mg_grouped_linear* op, const void* weight, cudaStream_t stream);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if invalid splits were seen since the last check. */
 mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream);
 

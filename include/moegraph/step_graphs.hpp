@@ -14,9 +14,24 @@
 #include <string_view>
 #include <vector>
 
-#include "moegraph/config.hpp"
+#include "moegraph/moe_layer.hpp"
+#include "moegraph/types.hpp"
 
 namespace moegraph {
+
+struct Config;
+
+// What a StepGraphs runs, typed. A Config converts to it (step_graphs_options); code that builds
+// a step without JSON fills it directly.
+struct StepGraphsOptions {
+  StepKind step = StepKind::kMoeLayer;
+  MoeLayerOptions layer;           // every field but max_tokens (each bucket sets its own)
+  std::vector<int64_t> buckets;    // capacities in tokens, strictly increasing, >= 1
+};
+// The step of a config: layer, router, precision, training, row_align and buckets.
+StepGraphsOptions step_graphs_options(const Config& config);
+// Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
+void validate(const StepGraphsOptions& options);
 
 enum class StepPhase { kForward, kForwardTrain, kBackward, kWgrad };
 std::string_view step_phase_name(StepPhase phase);
@@ -42,8 +57,9 @@ struct StepPlan {
   std::string to_string() const;
 };
 
-// Lays out every bucket with a null base: no GPU needed (moegraph-bench --plan).
-StepPlan plan_step(const Config& config);
+// Lays out every bucket with a null base and names the kernels each GEMM runs (the same choice
+// set-up makes): no GPU needed (moegraph-bench --plan).
+StepPlan plan_step(const StepGraphsOptions& options);
 
 // A bucket's device buffers. Whole layer: the caller writes x [tokens, hidden] and num_tokens (and
 // dy), reads y, aux_loss (and dx); the router makes the splits. Experts only: the caller writes x
@@ -59,7 +75,9 @@ struct BucketIO {
   void* dx = nullptr;
 };
 
-// Device parameters and gradients shared by every bucket. Fill the weights before replaying.
+// Device parameters and gradients shared by every bucket, owned by the caller (a trainer's or
+// server's own parameters). Which are needed follows the options: the router for the whole layer,
+// biases with layer.bias, and with training either fp32 main_grad_* (main_grad_fp32) or d*.
 struct StepWeights {
   void* router = nullptr;  // [experts, hidden] (whole layer)
   float* main_grad_router = nullptr;
@@ -77,14 +95,16 @@ class BucketStep;  // graphs/bucket_step.hpp
 
 class StepGraphs {
  public:
-  // Allocates the weights and one arena (the largest bucket), warms every bucket up eagerly, then
-  // captures each phase of each bucket (per wgrad slot) into a graph. Host work only here.
-  explicit StepGraphs(const Config& config);
+  // Allocates one arena (the largest bucket), binds the caller's weights (they must stay valid
+  // for the object's lifetime), warms every bucket up eagerly on zero tokens, then captures each
+  // phase of each bucket (per wgrad slot) into a graph. The weights' contents are not read until a
+  // replay (MXFP8: call weights_changed once they are written). Host work only here.
+  StepGraphs(const StepGraphsOptions& options, const StepWeights& weights);
   ~StepGraphs();
   StepGraphs(const StepGraphs&) = delete;
   StepGraphs& operator=(const StepGraphs&) = delete;
 
-  const Config& config() const { return config_; }
+  const StepGraphsOptions& options() const { return options_; }
   const StepPlan& plan() const { return plan_; }
   int num_buckets() const { return static_cast<int>(buckets_.size()); }
   // The smallest bucket holding `tokens`; a clear error above the largest.
@@ -117,7 +137,7 @@ class StepGraphs {
   int next_slot(int bucket, StepPhase phase);
   void launch(int bucket, StepPhase phase, bool use_graph, cudaStream_t stream);
 
-  Config config_;
+  StepGraphsOptions options_;
   StepPlan plan_;
   std::vector<std::unique_ptr<BucketStep>> buckets_;
   std::vector<std::unique_ptr<Graphs>> graphs_;

@@ -1,3 +1,5 @@
+// The small vocabulary every layer shares: element types, recipes, router scores, step kinds and
+// the device error record. Each enum has one name function (an exhaustive switch).
 #pragma once
 
 #include <cstddef>
@@ -5,6 +7,9 @@
 #include <string_view>
 
 namespace moegraph {
+
+// Groups (experts) of one grouped operator: the device tile scheduler keeps a prefix per group.
+inline constexpr int kMaxGroups = 1024;
 
 // Element types of grouped buffers. Activations and weights are bf16 or fp16; fp32 is used for
 // main_grad, bias scales and their gradients.
@@ -14,11 +19,38 @@ constexpr std::size_t dtype_size(DType t) { return t == DType::kFP32 ? 4 : 2; }
 std::string_view dtype_name(DType t);
 
 // How the GEMMs compute: kBF16 on the activation dtype; kMXFP8 on E4M3 operands with one E8M0
-// scale per 32 elements (docs/mxfp8.md). Backward always gets the recipe explicitly.
+// scale per 32 elements (docs/mxfp8.md). Fixed when an operator is set up; its backend owns it.
 enum class Recipe { kBF16, kMXFP8 };
 std::string_view recipe_name(Recipe r);
 
 // Weight gradient of a backward call: computed at once, or queued for backward_dw().
 enum class WgradMode { kImmediate, kDelayed };
+
+// The router's score function.
+enum class RouterScore { kSoftmax, kSigmoid };
+std::string_view router_score_name(RouterScore s);
+
+// What a step runs: the whole MoE layer (router, dispatch, experts, combine), or the expert MLP
+// alone on rows already grouped by expert.
+enum class StepKind { kMoeLayer, kExperts };
+std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
+
+// How the 16-bit wgmma GEMMs feed their tensor cores: chosen by the GEMM heuristic (kAuto),
+// cp.async by every thread, or a warp-specialized TMA producer.
+enum class GemmPipeline { kAuto, kCpAsync, kTma };
+std::string_view gemm_pipeline_name(GemmPipeline p);
+
+// What a kernel raises on the device for invalid device inputs (never clipped silently); the
+// host reads it after the step (check_device_errors). The first problem of a step is kept.
+struct DeviceErrorRecord {
+  int32_t code;   // kDeviceErrorNone, ...
+  int32_t group;  // first offending group
+  int64_t value;  // the split (negative split), the aligned row total, or the token count
+  int64_t limit;  // capacity_rows, or the bucket's capacity in tokens
+};
+inline constexpr int32_t kDeviceErrorNone = 0;
+inline constexpr int32_t kDeviceErrorNegativeSplit = 1;   // value: the split
+inline constexpr int32_t kDeviceErrorPastCapacity = 2;    // value: aligned rows needed; limit: capacity_rows
+inline constexpr int32_t kDeviceErrorTokenCount = 3;      // value: num_tokens; limit: the bucket's tokens
 
 }  // namespace moegraph

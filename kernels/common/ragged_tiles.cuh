@@ -6,10 +6,9 @@
 #include <cstdint>
 
 #include "kernels/common/vector_io.cuh"
+#include "moegraph/types.hpp"
 
 namespace moegraph::kernels {
-
-constexpr int kMaxGroups = 1024;
 
 __device__ __forceinline__ int64_t group_span(const int64_t* offsets, int e) {
   return offsets[e + 1] - offsets[e];

@@ -7,9 +7,9 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
+#include "kernels/common/device_query.hpp"
 #include "moegraph/error.hpp"
 
 namespace moegraph::kernels {
@@ -40,30 +40,11 @@ inline int lanes_per_row(int64_t vectors) {
   return lanes;
 }
 
-// SMs of the current device: queried once per device (an attribute query, which never
-// synchronizes; the warm-up run makes it happen before capture) and cached.
-inline int current_sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};
-  int device = 0, sms = 0;
-  MG_CUDA_CHECK(cudaGetDevice(&device));
-  const bool cacheable = device >= 0 && device < kMaxDevices;
-  if (cacheable) sms = cached[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (cacheable) cached[device].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
-}
-
-// How many blocks of `kernel` (at `threads` threads) fit on one SM: a query without synchronization.
-// Launchers keep the answer in a function-local static, so it is asked once (at warm-up).
+// How many blocks of `kernel` (at `threads` threads) fit on one SM of the current device (cached
+// per device, kernels/common/device_query.hpp).
 template <class Kernel>
 int resident_blocks_per_sm(Kernel kernel, int threads) {
-  int blocks = 0;
-  MG_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, reinterpret_cast<const void*>(kernel), threads,
-                                                              0));
-  return std::max(blocks, 1);
+  return resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), threads);
 }
 
 // Blocks of a grid-stride kernel: every SM filled `blocks_per_sm` times (the resident count: more

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/common/vector_io.cuh"
 #include "kernels/elementwise/elementwise.hpp"
@@ -126,8 +127,7 @@ std::size_t bias_grad_workspace_floats(int64_t capacity_rows, int num_groups, in
 void launch_bias_grad(DType dtype, const BiasGradParams& p, int grid, cudaStream_t stream) {
   MG_CHECK(p.dbias == nullptr || p.partials != nullptr, "bias gradient needs its workspace");
   MG_CHECK(p.dbias_scale == nullptr || p.bias != nullptr, "dbias_scale needs the bias");
-  if (dtype == DType::kFP16) launch<__half>(p, grid, stream);
-  else launch<__nv_bfloat16>(p, grid, stream);
+  with_16bit_type(dtype, "bias_grad", [&](auto t) { launch<decltype(t)>(p, grid, stream); });
 }
 
 }  // namespace moegraph::kernels

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/vector_io.cuh"
 #include "kernels/elementwise/elementwise.hpp"
@@ -101,8 +102,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_weighted_backward_kernel(
   });
 }
 
-void check_weighted_args(DType dtype, int64_t ffn, int experts, const void* a, const void* b) {
-  MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, "swiglu_weighted: dtype must be bf16 or fp16");
+void check_weighted_args(int64_t ffn, int experts, const void* a, const void* b) {
   MG_CHECK(ffn > 0 && ffn % kVec == 0, "swiglu_weighted needs ffn to be a positive multiple of ", kVec, ", got ", ffn);
   MG_CHECK(experts >= 1, "swiglu_weighted: experts must be positive, got ", experts);
   MG_CHECK(reinterpret_cast<std::uintptr_t>(a) % 16 == 0 && reinterpret_cast<std::uintptr_t>(b) % 16 == 0,
@@ -112,7 +112,7 @@ void check_weighted_args(DType dtype, int64_t ffn, int experts, const void* a, c
 template <class T>
 void launch_weighted_forward(const void* h, const float* row_weight, void* a, int64_t ffn, const int64_t* offsets,
                              int experts, cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(swiglu_kernel<T, false, true>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(swiglu_kernel<T, false, true>, kThreads);
   const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
   launch<T, false, true>(h, nullptr, a, ffn, offsets, experts, grid, stream, row_weight);
 }
@@ -121,7 +121,7 @@ template <class T>
 void launch_weighted_backward(const void* h, const float* row_weight, const void* da, void* dh, const float* extra,
                               float* d_row_weight, int64_t ffn, const int64_t* offsets, int experts,
                               cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(swiglu_weighted_backward_kernel<T>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(swiglu_weighted_backward_kernel<T>, kThreads);
   const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
   swiglu_weighted_backward_kernel<T><<<grid, kThreads, 0, stream>>>(
       static_cast<const T*>(h), row_weight, static_cast<const T*>(da), static_cast<T*>(dh), extra, d_row_weight, ffn,
@@ -133,33 +133,35 @@ void launch_weighted_backward(const void* h, const float* row_weight, const void
 
 void launch_swiglu_forward(DType dtype, const void* h, void* a, int64_t ffn, const int64_t* offsets, int num_groups,
                            int grid, cudaStream_t stream) {
-  if (dtype == DType::kFP16) launch<__half, false>(h, nullptr, a, ffn, offsets, num_groups, grid, stream);
-  else launch<__nv_bfloat16, false>(h, nullptr, a, ffn, offsets, num_groups, grid, stream);
+  with_16bit_type(dtype, "swiglu_forward", [&](auto t) {
+    launch<decltype(t), false>(h, nullptr, a, ffn, offsets, num_groups, grid, stream);
+  });
 }
 
 void launch_swiglu_backward(DType dtype, const void* h, const void* da, void* dh, int64_t ffn, const int64_t* offsets,
                             int num_groups, int grid, cudaStream_t stream) {
-  if (dtype == DType::kFP16) launch<__half, true>(h, da, dh, ffn, offsets, num_groups, grid, stream);
-  else launch<__nv_bfloat16, true>(h, da, dh, ffn, offsets, num_groups, grid, stream);
+  with_16bit_type(dtype, "swiglu_backward", [&](auto t) {
+    launch<decltype(t), true>(h, da, dh, ffn, offsets, num_groups, grid, stream);
+  });
 }
 
 void launch_swiglu_weighted_forward(DType dtype, const void* h, const float* row_weight, void* a, int64_t ffn,
                                     const int64_t* offsets, int experts, cudaStream_t stream) {
-  check_weighted_args(dtype, ffn, experts, h, a);
+  check_weighted_args(ffn, experts, h, a);
   MG_CHECK(row_weight != nullptr, "swiglu_weighted_forward: row_weight is required");
-  if (dtype == DType::kFP16) launch_weighted_forward<__half>(h, row_weight, a, ffn, offsets, experts, stream);
-  else launch_weighted_forward<__nv_bfloat16>(h, row_weight, a, ffn, offsets, experts, stream);
+  with_16bit_type(dtype, "swiglu_weighted_forward", [&](auto t) {
+    launch_weighted_forward<decltype(t)>(h, row_weight, a, ffn, offsets, experts, stream);
+  });
 }
 
 void launch_swiglu_weighted_backward(DType dtype, const void* h, const float* row_weight, const void* da, void* dh,
                                      const float* extra, float* d_row_weight, int64_t ffn, const int64_t* offsets,
                                      int experts, cudaStream_t stream) {
-  check_weighted_args(dtype, ffn, experts, h, dh);
+  check_weighted_args(ffn, experts, h, dh);
   MG_CHECK(reinterpret_cast<std::uintptr_t>(da) % 16 == 0, "swiglu_weighted_backward: da must be 16-byte aligned");
-  if (dtype == DType::kFP16)
-    launch_weighted_backward<__half>(h, row_weight, da, dh, extra, d_row_weight, ffn, offsets, experts, stream);
-  else
-    launch_weighted_backward<__nv_bfloat16>(h, row_weight, da, dh, extra, d_row_weight, ffn, offsets, experts, stream);
+  with_16bit_type(dtype, "swiglu_weighted_backward", [&](auto t) {
+    launch_weighted_backward<decltype(t)>(h, row_weight, da, dh, extra, d_row_weight, ffn, offsets, experts, stream);
+  });
 }
 
 }  // namespace moegraph::kernels

@@ -1,12 +1,15 @@
-// Grouped GEMM launchers (host-callable; no device code here). Every launcher reads the group
-// sizes from device splits/offsets only: the grid is fixed at set-up and blocks walk the tiles
-// that exist, so a captured launch serves any routing and its cost follows the real rows.
+// Grouped GEMMs (host-callable; no device code here): a problem goes into one heuristic that returns
+// a printable config; set-up prepares it on the device (a plan); launches take the plan. Every
+// kernel reads the group sizes from device splits/offsets only: the grid is fixed at set-up and
+// blocks walk the tiles that exist, so a captured launch serves any routing and its cost follows
+// the real rows.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "moegraph/types.hpp"
 
@@ -14,14 +17,7 @@ namespace moegraph::kernels {
 
 // fprop: C[r, :] = A[r, :] · W_e^T (+ s_r b_e)   A = x [rows, K], W [G, N, K], C = y [rows, N]
 // dgrad: C[r, :] = A[r, :] · W_e                 A = dy [rows, N], W [G, N, K], C = dx [rows, K]
-enum class RaggedGemmKind { kFprop, kDgrad };
-
-// How the wgmma kernels feed their tensor cores: cp.async by every thread with CTA-wide barriers
-// (sm90_grouped_gemm_wgmma.cuh), or a warp-specialized TMA producer and mbarrier ring
-// (sm90_grouped_gemm_tma.cuh).
-enum class GemmPipeline { kCpAsync, kTma };
-const char* pipeline_name(GemmPipeline p);
-
+// wgrad: dW_e = dy_e^T · x_e over group e's rows
 struct RaggedGemmParams {
   const void* a = nullptr;          // [capacity_rows, red], row-major
   const void* w = nullptr;          // [G, N, K]
@@ -33,9 +29,6 @@ struct RaggedGemmParams {
   const float* bias_scale = nullptr;// [capacity_rows] or null
   void* c = nullptr;                // [capacity_rows, cols], row-major
   int64_t capacity_rows = 0;        // rows of a and c (the TMA pipeline's tensor extent)
-  bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
-  int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
-  GemmPipeline pipeline = GemmPipeline::kTma;
 };
 
 // dW_e = dy_e^T · x_e over group e's rows: written (empty group: zeros) or added into main_grad.
@@ -49,9 +42,6 @@ struct WgradParams {
   void* dweight = nullptr;          // [G, N, K] in the input dtype, or
   float* main_grad = nullptr;       // [G, N, K] fp32, accumulated (beta = 1)
   int64_t capacity_rows = 0;        // rows of dy and x (the TMA pipeline's tensor extent)
-  bool reference = false;           // the foundation WMMA kernel (differential tests) instead of wgmma
-  int tile_n = 128;                 // wgmma tile width: 128 or 256 (choose_tile)
-  GemmPipeline pipeline = GemmPipeline::kTma;
 };
 
 // MXFP8 ragged GEMM: C[r, :] = A[r, :] · B_e^T (+ s_r b_e) for the rows r of group e, with A and B
@@ -86,36 +76,70 @@ struct Mxfp8WgradParams {
   void* dweight = nullptr;               // [G, n, k] bf16 / fp16, written (empty group: zeros), or
   float* main_grad = nullptr;            // [G, n, k] fp32, accumulated
 };
-// Set-up (before capture): raises the kernels' shared-memory limit.
-void prepare_mxfp8_gemm();
-void launch_mxfp8_ragged_gemm(DType out, const Mxfp8RaggedGemmParams& p, int sm_count, cudaStream_t stream);
-void launch_mxfp8_wgrad(DType out, const Mxfp8WgradParams& p, int sm_count, cudaStream_t stream);
-
-// A kernel's tile configuration, printable.
-struct GemmTileConfig {
-  const char* name;
-  int block_m, block_n, block_k, stages, threads;
-  std::string to_string() const;
-};
-GemmTileConfig wgmma_tile_config(int tile_n, GemmPipeline pipeline);  // the default kernels (wgmma)
-GemmTileConfig foundation_tile_config();       // the reference kernels (WMMA)
-
+// ---- Problem -> config -> plan -> launch ---------------------------------------------------------
 enum class GemmPhase { kFprop, kDgrad, kWgrad };
-// The wgmma tile width for a phase of a layer with `groups` experts, `capacity_rows` rows and
-// weights [groups, n, k]; decided at set-up from these shapes alone (the splits live on the
-// device). MOEGRAPH_TILE_N=128|256 overrides it (for tuning).
-int choose_tile_n(GemmPhase phase, int groups, int64_t capacity_rows, int64_t n, int64_t k);
-// The pipeline of a phase on tiles of width tile_n (decided at set-up, after the tile width);
-// MOEGRAPH_GEMM_PIPELINE=cp_async|tma overrides it (for tuning and side-by-side measurements).
-GemmPipeline choose_pipeline(GemmPhase phase, int tile_n);
+std::string_view gemm_phase_name(GemmPhase phase);
 
-// Raises the kernels' shared-memory limits and records how many CTAs of each fit on an SM (the
-// persistent grids). Must run at set-up, before capture, before the launchers of that dtype.
-void prepare_grouped_gemm(DType dtype);
+// The kernel families, one file each (named by arch, format and pipeline).
+enum class GemmFamily {
+  kReference,      // sm80_grouped_gemm_16bit_wmma.cuh: simple WMMA kernels, the differential-test reference
+  kCpAsync16,      // sm90_grouped_gemm_16bit_cp_async.cuh: wgmma fed by cp.async from every thread
+  kTma16,          // sm90_grouped_gemm_16bit_tma.cuh: wgmma, warp-specialized TMA producer, mbarrier ring
+  kMxfp8CpAsync,   // sm90_grouped_gemm_mxfp8_cp_async.cuh: e4m3 wgmma with per-32 scale promotion
+};
+std::string_view gemm_family_name(GemmFamily family);
 
-// `sm_count`: multiprocessors of the device; each kernel launches sm_count x its occupancy CTAs.
-void launch_ragged_gemm(DType dtype, RaggedGemmKind kind, const RaggedGemmParams& p, int sm_count,
-                        cudaStream_t stream);
-void launch_grouped_wgrad(DType dtype, const WgradParams& p, int sm_count, cudaStream_t stream);
+// One GEMM of a layer, as far as the host knows it at set-up (the splits live on the device).
+struct GemmProblem {
+  GemmPhase phase = GemmPhase::kFprop;
+  Recipe recipe = Recipe::kBF16;
+  DType dtype = DType::kBF16;           // activations (and the bf16 recipe's operands)
+  int groups = 0;
+  int64_t capacity_rows = 0;
+  int64_t expected_rows_per_group = 0;  // the routing the layer expects (today: capacity_rows / groups)
+  int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
+};
+
+// Choices forced by the caller or, where the caller left them open, by the environment.
+struct GemmOverrides {
+  bool reference = false;                         // the reference (WMMA) kernels
+  int tile_n = 0;                                 // 0: the heuristic's; 128 or 256
+  GemmPipeline pipeline = GemmPipeline::kAuto;    // 16-bit wgmma kernels: cp.async or TMA
+  int mxfp8_ping_pong = -1;                       // -1: the heuristic's; 0 or 1
+};
+// `base` completed from MOEGRAPH_TILE_N=128|256, MOEGRAPH_GEMM_PIPELINE=tma|cp_async and
+// MOEGRAPH_MXFP8_PINGPONG=0|1 where it leaves a choice open: the one place the environment is read.
+// Throws on a malformed value.
+GemmOverrides with_environment(GemmOverrides base);
+
+// The kernel a GEMM runs: printable, and the same object set-up, describe() and --plan show.
+struct GemmConfig {
+  GemmPhase phase = GemmPhase::kFprop;
+  GemmFamily family = GemmFamily::kTma16;
+  DType dtype = DType::kBF16;     // the kernel's 16-bit type (activations or outputs)
+  int block_m = 0, block_n = 0, block_k = 0, stages = 0, threads = 0;
+  bool ping_pong = false;         // mxfp8: two fp32 partials per 32-deep block
+  std::string to_string() const;  // e.g. "wgmma_tma_ws_sw128 128x128x64 stages=5 threads=384"
+};
+// The heuristic: shapes and overrides in, a config out. Touches no GPU.
+GemmConfig choose_gemm_config(const GemmProblem& problem, const GemmOverrides& overrides);
+
+// A config made ready on the current device at set-up (before capture): the kernel's
+// shared-memory limit raised, its persistent grid sized from its residency on this device.
+// Held by the operator that launches it, so each device keeps its own.
+struct GemmPlan {
+  GemmConfig config;
+  int grid = 0;                      // sm_count x resident CTAs per SM
+  void* encode_tensor_map = nullptr; // the driver's cuTensorMapEncodeTiled (TMA family)
+};
+GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
+
+// Launches (enqueue paths: capturable). The plan's phase and family pick the kernel; the params
+// must be of that phase (RaggedGemmParams: fprop and dgrad; WgradParams: wgrad) and family
+// (Mxfp8*: kMxfp8CpAsync).
+void launch_ragged_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
+void launch_grouped_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
+void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
+void launch_mxfp8_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream);
 
 }  // namespace moegraph::kernels

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/error.hpp"
@@ -292,7 +293,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
 
 template <class T, bool kRow, bool kCol>
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
   quantize_mxfp8_kernel<T, kRow, kCol><<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a);
   MG_LAUNCH_CHECK();
@@ -312,7 +313,6 @@ bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 
 // then the launch.
 void check_and_quantize(const char* who, const char* rows_name, DType in, QuantizeArgs a, const Mxfp8Rowwise* rowwise,
                         const Mxfp8Colwise* colwise, cudaStream_t stream) {
-  MG_CHECK(in == DType::kBF16 || in == DType::kFP16, who, ": the input must be bf16 or fp16, got ", dtype_name(in));
   MG_CHECK(rowwise != nullptr || colwise != nullptr, who, ": needs a row-wise or a column-wise output (both null)");
   MG_CHECK(a.x != nullptr && aligned16(a.x), who, ": the input must be a 16-byte aligned device pointer");
   MG_CHECK(a.rows >= 0 && a.cols > 0 && a.batches >= 1, who, ": bad shape ", a.batches, " x ", a.rows, " x ", a.cols);
@@ -332,8 +332,7 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
              ": the column-wise output needs a 16-byte aligned data pointer and a scales pointer");
     a.colwise = *colwise;
   }
-  if (in == DType::kBF16) launch_quantize_layouts<__nv_bfloat16>(a, stream);
-  else launch_quantize_layouts<__half>(a, stream);
+  with_16bit_type(in, who, [&](auto t) { launch_quantize_layouts<decltype(t)>(a, stream); });
 }
 
 // ---- Dequantize (row-wise) --------------------------------------------------------------------
@@ -378,7 +377,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_rowwise_kernel(cons
 template <class Out>
 void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
                        const int64_t* used_rows, cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(dequantize_mxfp8_rowwise_kernel<Out>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(dequantize_mxfp8_rowwise_kernel<Out>, kThreads);
   const int64_t max_blocks = (rows * cols / kChunk + kThreads - 1) / kThreads;
   dequantize_mxfp8_rowwise_kernel<Out><<<grid_blocks(max_blocks, blocks_per_sm), kThreads, 0, stream>>>(
       data, scales, static_cast<Out*>(y), rows, cols, used_rows);

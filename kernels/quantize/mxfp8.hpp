@@ -1,6 +1,6 @@
 // MXFP8 (OCP Microscaling) quantization of grouped bf16/fp16 buffers and grouped weights
 // (host-callable launchers; no device code in this header). The rules — scale choice, rounding,
-// NaN/Inf blocks — are in docs/mxfp8.md; src/verify/mxfp8_reference.hpp is their host reference,
+// NaN/Inf blocks — are in docs/mxfp8.md; testing/mxfp8_reference.hpp is their host reference,
 // and the kernels match it bit for bit.
 //
 // Every launcher is an enqueue path: it never synchronizes, allocates or reads device memory on

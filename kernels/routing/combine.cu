@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/vector_io.cuh"
@@ -133,8 +134,7 @@ __global__ void __launch_bounds__(kThreads) copy_tokens_kernel(const V* __restri
     dst[i] = i < copied ? src[i] : V{};
 }
 
-void check_rows_args(const char* what, DType dtype, int64_t hidden, const void* a, const void* b) {
-  MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, what, ": dtype must be bf16 or fp16");
+void check_rows_args(const char* what, int64_t hidden, const void* a, const void* b) {
   MG_CHECK(hidden > 0 && hidden % 16 == 0, what, ": hidden must be a positive multiple of 16, got ", hidden);
   MG_CHECK(reinterpret_cast<std::uintptr_t>(a) % 16 == 0 && reinterpret_cast<std::uintptr_t>(b) % 16 == 0, what,
            ": buffers must be 16-byte aligned");
@@ -151,7 +151,7 @@ void launch_token_sum(const void* rows, const int32_t* row_of, const float* weig
                       int64_t max_tokens, int top_k, int64_t hidden, void* out, cudaStream_t stream) {
   const int lanes = lanes_per_row(hidden / kVec);
   const int64_t tokens_per_block = kThreads / lanes;
-  static const int blocks_per_sm = resident_blocks_per_sm(token_sum_kernel<T, kZeroPastN>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(token_sum_kernel<T, kZeroPastN>, kThreads);
   const int grid = grid_blocks((max_tokens + tokens_per_block - 1) / tokens_per_block, blocks_per_sm);
   token_sum_kernel<T, kZeroPastN><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(rows), row_of, weights,
                                                                   num_tokens, max_tokens, top_k, hidden, lanes,
@@ -163,7 +163,7 @@ template <class T, bool kDot>
 void launch_combine_backward_typed(const void* dy, const int32_t* token_of_row, const float* row_weight,
                                    const void* rows, const int32_t* splits, const int64_t* offsets, int experts,
                                    int64_t hidden, void* d_rows, float* d_row_weight, cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(combine_backward_kernel<T, kDot>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(combine_backward_kernel<T, kDot>, kThreads);
   const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
   combine_backward_kernel<T, kDot><<<grid, kThreads, 0, stream>>>(
       static_cast<const T*>(dy), token_of_row, row_weight, static_cast<const T*>(rows), splits, offsets, experts,
@@ -175,7 +175,7 @@ template <class V>
 void launch_copy(const void* src, void* dst, std::size_t row_bytes, const int32_t* num_tokens, int64_t max_tokens,
                  cudaStream_t stream) {
   const int64_t units = static_cast<int64_t>(row_bytes / sizeof(V));
-  static const int blocks_per_sm = resident_blocks_per_sm(copy_tokens_kernel<V>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(copy_tokens_kernel<V>, kThreads);
   const int grid = grid_blocks((max_tokens * units + kThreads - 1) / kThreads, blocks_per_sm);
   copy_tokens_kernel<V><<<grid, kThreads, 0, stream>>>(static_cast<const V*>(src), static_cast<V*>(dst), units,
                                                        num_tokens, max_tokens);
@@ -187,39 +187,31 @@ void launch_copy(const void* src, void* dst, std::size_t row_bytes, const int32_
 void launch_combine(DType dtype, const void* rows, const int32_t* row_of, const float* topk_weights,
                     const int32_t* num_tokens, int64_t max_tokens, int top_k, int64_t hidden, void* y,
                     cudaStream_t stream) {
-  check_rows_args("combine", dtype, hidden, rows, y);
+  check_rows_args("combine", hidden, rows, y);
   check_tokens_args("combine", max_tokens, top_k, row_of, num_tokens);
-  if (dtype == DType::kFP16)
-    launch_token_sum<__half, false>(rows, row_of, topk_weights, num_tokens, max_tokens, top_k, hidden, y, stream);
-  else
-    launch_token_sum<__nv_bfloat16, false>(rows, row_of, topk_weights, num_tokens, max_tokens, top_k, hidden, y,
-                                           stream);
+  with_16bit_type(dtype, "combine", [&](auto t) {
+    launch_token_sum<decltype(t), false>(rows, row_of, topk_weights, num_tokens, max_tokens, top_k, hidden, y, stream);
+  });
 }
 
 void launch_combine_backward(DType dtype, const void* dy, const int32_t* token_of_row, const float* row_weight,
                              const void* rows, const int32_t* splits, const int64_t* offsets, int experts,
                              int64_t hidden, void* d_rows, float* d_row_weight, cudaStream_t stream) {
-  check_rows_args("combine_backward", dtype, hidden, dy, d_rows);
+  check_rows_args("combine_backward", hidden, dy, d_rows);
   MG_CHECK(experts >= 1 && experts <= kMaxExperts, "combine_backward: experts must be in [1, ", kMaxExperts, "]");
   MG_CHECK(token_of_row != nullptr && splits != nullptr && offsets != nullptr,
            "combine_backward: token_of_row, splits and offsets are required");
   const bool dot = rows != nullptr && d_row_weight != nullptr;
   MG_CHECK(!dot || reinterpret_cast<std::uintptr_t>(rows) % 16 == 0, "combine_backward: rows must be 16-byte aligned");
-  if (dtype == DType::kFP16) {
+  with_16bit_type(dtype, "combine_backward", [&](auto t) {
+    using T = decltype(t);
     if (dot)
-      launch_combine_backward_typed<__half, true>(dy, token_of_row, row_weight, rows, splits, offsets, experts,
-                                                  hidden, d_rows, d_row_weight, stream);
+      launch_combine_backward_typed<T, true>(dy, token_of_row, row_weight, rows, splits, offsets, experts, hidden,
+                                             d_rows, d_row_weight, stream);
     else
-      launch_combine_backward_typed<__half, false>(dy, token_of_row, row_weight, rows, splits, offsets, experts,
-                                                   hidden, d_rows, d_row_weight, stream);
-  } else {
-    if (dot)
-      launch_combine_backward_typed<__nv_bfloat16, true>(dy, token_of_row, row_weight, rows, splits, offsets,
-                                                         experts, hidden, d_rows, d_row_weight, stream);
-    else
-      launch_combine_backward_typed<__nv_bfloat16, false>(dy, token_of_row, row_weight, rows, splits, offsets,
-                                                          experts, hidden, d_rows, d_row_weight, stream);
-  }
+      launch_combine_backward_typed<T, false>(dy, token_of_row, row_weight, rows, splits, offsets, experts, hidden,
+                                              d_rows, d_row_weight, stream);
+  });
 }
 
 void launch_gather_row_values(const float* d_row_weight, const int32_t* row_of, const int32_t* num_tokens,
@@ -227,7 +219,7 @@ void launch_gather_row_values(const float* d_row_weight, const int32_t* row_of, 
   check_tokens_args("gather_row_values", max_tokens, top_k, row_of, num_tokens);
   MG_CHECK(d_row_weight != nullptr && d_topk_weights != nullptr,
            "gather_row_values: d_row_weight and d_topk_weights are required");
-  static const int blocks_per_sm = resident_blocks_per_sm(gather_row_values_kernel, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(gather_row_values_kernel, kThreads);
   const int grid = grid_blocks((max_tokens * top_k + kThreads - 1) / kThreads, blocks_per_sm);
   gather_row_values_kernel<<<grid, kThreads, 0, stream>>>(d_row_weight, row_of, num_tokens, max_tokens, top_k,
                                                           d_topk_weights);
@@ -236,13 +228,11 @@ void launch_gather_row_values(const float* d_row_weight, const int32_t* row_of, 
 
 void launch_unpermute(DType dtype, const void* d_rows, const int32_t* row_of, const int32_t* num_tokens,
                       int64_t max_tokens, int top_k, int64_t hidden, void* dx, cudaStream_t stream) {
-  check_rows_args("unpermute", dtype, hidden, d_rows, dx);
+  check_rows_args("unpermute", hidden, d_rows, dx);
   check_tokens_args("unpermute", max_tokens, top_k, row_of, num_tokens);
-  if (dtype == DType::kFP16)
-    launch_token_sum<__half, true>(d_rows, row_of, nullptr, num_tokens, max_tokens, top_k, hidden, dx, stream);
-  else
-    launch_token_sum<__nv_bfloat16, true>(d_rows, row_of, nullptr, num_tokens, max_tokens, top_k, hidden, dx,
-                                          stream);
+  with_16bit_type(dtype, "unpermute", [&](auto t) {
+    launch_token_sum<decltype(t), true>(d_rows, row_of, nullptr, num_tokens, max_tokens, top_k, hidden, dx, stream);
+  });
 }
 
 void launch_copy_tokens(const void* src, void* dst, std::size_t row_bytes, const int32_t* num_tokens,

@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(DispatchPar
   __syncthreads();  // first_past_capacity is final
   if (tid == 0) {
     if (total > p.capacity_rows && p.error != nullptr)
-      raise_routing_error(p.error, 2 /* launch_group_offsets' code */, first_past_capacity, total, p.capacity_rows);
+      raise_routing_error(p.error, kDeviceErrorPastCapacity, first_past_capacity, total, p.capacity_rows);
     if (p.dropped != nullptr && dropped > 0) atomicAdd(p.dropped, static_cast<unsigned long long>(dropped));
   }
 }
@@ -304,7 +304,7 @@ void launch_permute_rows(DType dtype, const void* x, const int32_t* token_of_row
   MG_CHECK(reinterpret_cast<std::uintptr_t>(x) % 16 == 0 && reinterpret_cast<std::uintptr_t>(permuted) % 16 == 0,
            "permute_rows: x and permuted must be 16-byte aligned");
   const int64_t vectors = hidden * static_cast<int64_t>(dtype_size(dtype)) / 16;
-  static const int blocks_per_sm = resident_blocks_per_sm(permute_rows_kernel, kCopyThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(permute_rows_kernel, kCopyThreads);
   const int grid = grid_blocks(INT64_MAX, blocks_per_sm);  // the rows are known on the device only
   permute_rows_kernel<<<grid, kCopyThreads, 0, stream>>>(static_cast<const uint4*>(x), token_of_row, splits,
                                                          offsets, experts, vectors, lanes_per_row(vectors),

@@ -11,15 +11,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "moegraph/grouped_linear.hpp"
 #include "moegraph/types.hpp"
 
 namespace moegraph::kernels {
-
-enum class ScoreFunction { kSoftmax, kSigmoid };
-
-// Error codes the routing kernels raise into a DeviceErrorRecord (the offsets kernel uses 1 and 2).
-constexpr int32_t kErrorTokenCount = 3;  // num_tokens < 0 or > the bucket's capacity: value, limit
 
 // ---- Router ---------------------------------------------------------------------------------
 struct RouterTopkParams {
@@ -27,12 +21,12 @@ struct RouterTopkParams {
   const int32_t* num_tokens = nullptr;  // device scalar n; tokens [0, n) are routed
   int64_t max_tokens = 0;
   int experts = 0, top_k = 0;           // 1 <= top_k <= 8, top_k <= experts <= 1024
-  ScoreFunction score = ScoreFunction::kSoftmax;
+  RouterScore score = RouterScore::kSoftmax;
   bool renormalize = false;             // chosen weights divided by their sum
   float* scores = nullptr;              // [max_tokens, E]: softmax probabilities or sigmoids
   int32_t* topk_ids = nullptr;          // [max_tokens, top_k]: descending score, ties to the lower id
   float* topk_weights = nullptr;        // [max_tokens, top_k]: scores of the chosen (renormalized)
-  DeviceErrorRecord* error = nullptr;   // kErrorTokenCount (n is then clamped into [0, max_tokens])
+  DeviceErrorRecord* error = nullptr;   // kDeviceErrorTokenCount (n is then clamped into [0, max_tokens])
 };
 void launch_router_topk(const RouterTopkParams& p, cudaStream_t stream);
 
@@ -52,7 +46,7 @@ struct RouterBackwardParams {
   const int32_t* num_tokens = nullptr;
   int64_t max_tokens = 0;
   int experts = 0, top_k = 0;
-  ScoreFunction score = ScoreFunction::kSoftmax;
+  RouterScore score = RouterScore::kSoftmax;
   bool renormalize = false;
   float aux_coef = 0.0f;                  // d aux / d aux = 1: the loss is added to the caller's
   DType dtype = DType::kBF16;
@@ -83,7 +77,7 @@ struct DispatchParams {
   float* row_weight = nullptr;            // [capacity_rows]: topk weight of each data row (gap rows 0)
   unsigned long long* dropped = nullptr;  // += assignments dropped by this step (cumulative counter)
   int32_t* workspace = nullptr;           // dispatch_workspace_bytes(max_tokens, experts, top_k)
-  DeviceErrorRecord* error = nullptr;     // kErrorTokenCount
+  DeviceErrorRecord* error = nullptr;     // kDeviceErrorTokenCount
 };
 // Rows are ordered by expert, then token, then j (a stable counting sort): deterministic.
 std::size_t dispatch_workspace_bytes(int64_t max_tokens, int experts, int top_k);

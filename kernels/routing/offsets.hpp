@@ -5,7 +5,8 @@
 
 #include <cstdint>
 
-#include "moegraph/grouped_linear.hpp"
+#include "moegraph/types.hpp"
+
 
 namespace moegraph::kernels {
 

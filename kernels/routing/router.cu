@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) router_topk_kernel(RouterTopkParams 
       const int e = i * 32 + lane;
       v[i] = e < experts ? logits[e] : -INFINITY;
     }
-    if (p.score == ScoreFunction::kSoftmax) {
+    if (p.score == RouterScore::kSoftmax) {
       float m = -INFINITY;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) m = fmaxf(m, v[i]);
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kThreads) router_topk_kernel(RouterTopkParams 
 
 template <int kPerLane>
 void launch_topk(const RouterTopkParams& p, cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(router_topk_kernel<kPerLane>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(router_topk_kernel<kPerLane>, kThreads);
   const int grid = grid_blocks((p.max_tokens + kWarps - 1) / kWarps, blocks_per_sm);
   router_topk_kernel<kPerLane><<<grid, kThreads, 0, stream>>>(p);
   MG_LAUNCH_CHECK();
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(RouterBackwar
       for (int i = 0; i < kPerLane; ++i)
         if (i * 32 + lane == id_j) ds[i] += g_j;
     }
-    if (p.score == ScoreFunction::kSoftmax) {
+    if (p.score == RouterScore::kSoftmax) {
       float dot = 0.0f;
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) dot += s[i] * ds[i];
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) router_backward_kernel(RouterBackwar
 
 template <class T, int kPerLane>
 void launch_backward(const RouterBackwardParams& p, cudaStream_t stream) {
-  static const int blocks_per_sm = resident_blocks_per_sm(router_backward_kernel<T, kPerLane>, kThreads);
+  const int blocks_per_sm = resident_blocks_per_sm(router_backward_kernel<T, kPerLane>, kThreads);
   const int grid = grid_blocks((p.max_tokens + kWarps - 1) / kWarps, blocks_per_sm);
   router_backward_kernel<T, kPerLane><<<grid, kThreads, 0, stream>>>(p);
   MG_LAUNCH_CHECK();

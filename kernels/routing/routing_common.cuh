@@ -25,13 +25,13 @@ __device__ __forceinline__ void raise_routing_error(DeviceErrorRecord* error, in
 
 // n = *num_tokens clamped into [0, max_tokens], identically in every kernel that reads it, so an
 // invalid count never takes a kernel outside its buffers. A non-null `error` (pass it from one
-// thread only) also records an out-of-range count as kErrorTokenCount (group -1, value n,
+// thread only) also records an out-of-range count as kDeviceErrorTokenCount (group -1, value n,
 // limit max_tokens).
 __device__ __forceinline__ int64_t load_token_count(const int32_t* num_tokens, int64_t max_tokens,
                                                     DeviceErrorRecord* error = nullptr) {
   const int64_t n = *num_tokens;
   if (n >= 0 && n <= max_tokens) return n;
-  if (error != nullptr) raise_routing_error(error, kErrorTokenCount, -1, n, max_tokens);
+  if (error != nullptr) raise_routing_error(error, kDeviceErrorTokenCount, -1, n, max_tokens);
   return n < 0 ? 0 : max_tokens;
 }
 

@@ -1,7 +1,7 @@
 // NCCL is linked for expert-parallel communication; this reports the version the library runs with.
 #include <string>
 
-#include "src/common/checks.hpp"
+#include "src/core/checks.hpp"
 #include "moegraph/moegraph.h"
 
 extern "C" int mg_nccl_version(void) {

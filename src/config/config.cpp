@@ -9,7 +9,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "moegraph/grouped_linear.hpp"
+#include "moegraph/moe_layer.hpp"
 #include "src/config/json_reader.hpp"
+#include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph {
 
@@ -68,9 +71,12 @@ StepKind step_kind_from(const std::string& name) {
 RouterConfig read_router(const Json& value) {
   const JsonObject o(value, "router", {"score", "renormalize", "aux_loss_coef", "capacity_factor", "fuse_weights"});
   RouterConfig router;
-  if (const Json* v = o.find("score")) router.score = config_detail::string(*v, o.path("score"));
-  MG_CONFIG_CHECK(router.score == "softmax" || router.score == "sigmoid",
-                  "router.score must be \"softmax\" or \"sigmoid\", got ", config_detail::quoted_excerpt(router.score));
+  if (const Json* v = o.find("score")) {
+    const std::string score = config_detail::string(*v, o.path("score"));
+    MG_CONFIG_CHECK(score == "softmax" || score == "sigmoid", "router.score must be \"softmax\" or \"sigmoid\", got ",
+                    config_detail::quoted_excerpt(score));
+    router.score = score == "sigmoid" ? RouterScore::kSigmoid : RouterScore::kSoftmax;
+  }
   if (const Json* v = o.find("renormalize")) router.renormalize = config_detail::boolean(*v, o.path("renormalize"));
   // JSON cannot write NaN or infinity (1e400 is a syntax error), so only the sign can be wrong in a
   // document; isfinite states the whole rule anyway, so a future reader cannot slip past it.
@@ -92,9 +98,12 @@ RouterConfig read_router(const Json& value) {
 PrecisionConfig read_precision(const Json& value) {
   const JsonObject o(value, "precision", {"recipe", "dtype"});
   PrecisionConfig precision;
-  if (const Json* v = o.find("recipe")) precision.recipe = config_detail::string(*v, o.path("recipe"));
-  MG_CONFIG_CHECK(precision.recipe == "bf16" || precision.recipe == "mxfp8",
-                  "precision.recipe must be \"bf16\" or \"mxfp8\", got ", config_detail::quoted_excerpt(precision.recipe));
+  if (const Json* v = o.find("recipe")) {
+    const std::string recipe = config_detail::string(*v, o.path("recipe"));
+    MG_CONFIG_CHECK(recipe == "bf16" || recipe == "mxfp8", "precision.recipe must be \"bf16\" or \"mxfp8\", got ",
+                    config_detail::quoted_excerpt(recipe));
+    precision.recipe = recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
+  }
   if (const Json* v = o.find("dtype")) {
     const std::string dtype = config_detail::string(*v, o.path("dtype"));
     MG_CONFIG_CHECK(dtype == "bf16" || dtype == "fp16", "precision.dtype must be \"bf16\" or \"fp16\", got ",
@@ -218,14 +227,13 @@ Config read_config(const Json& document) {
                   "expert MLP alone)");
   if (const Json* v = o.find("bench")) config.bench = read_bench(*v);
   // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
-  if (config.precision.recipe == "mxfp8") {
-    // Column-wise MXFP8 blocks are 32 rows inside one expert; the MXFP8 GEMMs stage 128 K elements.
-    MG_CONFIG_CHECK(config.row_align == 32 || config.row_align == 128,
-                    "precision.recipe \"mxfp8\" needs row_align 32 or 128 (a column-wise block of 32 rows must not "
-                    "straddle two experts), got ", config.row_align);
-    MG_CONFIG_CHECK(config.layer.hidden % 128 == 0 && config.layer.ffn % 128 == 0,
-                    "precision.recipe \"mxfp8\" needs layer.hidden and layer.ffn multiples of 128, got hidden ",
-                    config.layer.hidden, " and ffn ", config.layer.ffn);
+  // The recipe's own shape rules (one can_implement per recipe), on the experts' two grouped linears.
+  const MoeLayerOptions largest = moe_layer_options(config, config.buckets.back());
+  for (int fc : {1, 2}) {
+    const std::string reason = recipe_can_implement(layer::expert_linear_options(largest, fc, moe_layer_rows(largest)));
+    MG_CONFIG_CHECK(reason.empty(), "precision.recipe \"", recipe_name(config.precision.recipe), "\" cannot run fc", fc,
+                    " (layer.hidden ", config.layer.hidden, ", layer.ffn ", config.layer.ffn, ", row_align ",
+                    config.row_align, "): ", reason);
   }
   MG_CONFIG_CHECK(config.routing.kind != RoutingKind::kFixed || config.bench.fill == 1.0,
                   "bench.fill must be 1 with routing.kind \"fixed\" (the fixed splits fill every bucket), got ",
@@ -240,14 +248,6 @@ std::string_view routing_kind_name(RoutingKind kind) {
     case RoutingKind::kUniform: return "uniform";
     case RoutingKind::kZipf: return "zipf";
     case RoutingKind::kFixed: return "fixed";
-  }
-  return "?";
-}
-
-std::string_view step_kind_name(StepKind kind) {
-  switch (kind) {
-    case StepKind::kMoeLayer: return "moe_layer";
-    case StepKind::kExperts: return "experts";
   }
   return "?";
 }
@@ -277,8 +277,6 @@ Config load_config(const std::string& path) {
   return parse_config(text.str(), path);
 }
 
-Recipe recipe_of(const Config& c) { return c.precision.recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16; }
-
 Config default_config() { return parse_config(kDefaultConfigJson, "<built-in>"); }
 
 std::string to_json(const Config& c) {
@@ -295,12 +293,12 @@ std::string to_json(const Config& c) {
         {"bias", c.layer.bias},
         {"activation", c.layer.activation}}},
       {"router",
-       {{"score", c.router.score},
+       {{"score", std::string(router_score_name(c.router.score))},
         {"renormalize", c.router.renormalize},
         {"aux_loss_coef", c.router.aux_loss_coef},
         {"capacity_factor", c.router.capacity_factor},
         {"fuse_weights", c.router.fuse_weights}}},
-      {"precision", {{"recipe", c.precision.recipe}, {"dtype", std::string(dtype_name(c.precision.dtype))}}},
+      {"precision", {{"recipe", std::string(recipe_name(c.precision.recipe))}, {"dtype", std::string(dtype_name(c.precision.dtype))}}},
       {"training",
        {{"enabled", c.training.enabled},
         {"delay_wgrad", c.training.delay_wgrad},

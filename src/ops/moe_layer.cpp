@@ -5,6 +5,7 @@
 #include "moegraph/config.hpp"
 #include "moegraph/error.hpp"
 #include "src/ops/moe/layer_program.hpp"
+#include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph {
 
@@ -15,7 +16,7 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.ffn = c.layer.ffn;
   o.top_k = c.layer.top_k;
   o.bias = c.layer.bias;
-  o.score = c.router.score == "sigmoid" ? RouterScore::kSigmoid : RouterScore::kSoftmax;
+  o.score = c.router.score;
   o.renormalize = c.router.renormalize;
   o.aux_loss_coef = c.router.aux_loss_coef;
   o.capacity_factor = c.router.capacity_factor;
@@ -23,7 +24,7 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.max_tokens = max_tokens;
   o.row_align = c.row_align;
   o.dtype = c.precision.dtype;
-  o.recipe = recipe_of(c);
+  o.recipe = c.precision.recipe;
   o.training = c.training.enabled;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
@@ -48,12 +49,13 @@ void validate(const MoeLayerOptions& o) {
   MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ", dtype_name(o.dtype));
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(!o.delay_wgrad || o.training, "delay_wgrad needs training");
-  MG_CHECK(o.recipe != Recipe::kMXFP8 || o.row_align == 32 || o.row_align == 128,
-           "the mxfp8 recipe needs row_align 32 or 128, got ", o.row_align);
-  MG_CHECK(o.recipe != Recipe::kMXFP8 || (o.hidden % 128 == 0 && o.ffn % 128 == 0),
-           "the mxfp8 recipe needs hidden and ffn multiples of 128, got ", o.hidden, " and ", o.ffn);
   MG_CHECK(moe_layer_rows(o) <= (int64_t{1} << 31) - 1, "max_tokens * top_k (plus alignment padding) = ",
            moe_layer_rows(o), " rows must stay below 2^31");
+  // The recipe's shape rules, on the two grouped linears it will build.
+  for (int layer : {1, 2}) {
+    const std::string reason = recipe_can_implement(layer::expert_linear_options(o, layer, moe_layer_rows(o)));
+    MG_CHECK(reason.empty(), "fc", layer, " (hidden ", o.hidden, ", ffn ", o.ffn, "): ", reason);
+  }
 }
 
 int64_t moe_layer_rows(const MoeLayerOptions& o) {

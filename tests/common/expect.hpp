@@ -1,4 +1,4 @@
-// The GoogleTest adapter of the verification library (src/verify): its names in moegraph::test,
+// The GoogleTest adapter of the verification library (testing/): its names in moegraph::test,
 // its comparison results as assertions, and the small host helpers the GPU suites share.
 #pragma once
 
@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "src/verify/data.hpp"
-#include "src/verify/problem.hpp"
+#include "testing/data.hpp"
+#include "testing/problem.hpp"
 
 namespace moegraph::test {
 
-using namespace ::moegraph::verify;
+using namespace ::moegraph::testing;
 
 inline ::testing::AssertionResult passed(const CompareResult& result) {
   if (result.ok) return ::testing::AssertionSuccess();

@@ -25,7 +25,7 @@ void expect_pipelined_wgrads_bit_identical(CaseSpec spec) {
     xs[mb] = p.d_x.download();
     dys[mb] = p.d_dy.download();
     p.op->forward_train(p.forward_args(), stream);
-    p.op->backward(p.backward_args(), spec.recipe, WgradMode::kImmediate, stream);
+    p.op->backward(p.backward_args(), WgradMode::kImmediate, stream);
     p.op->check_device_errors(stream);
     immediate[mb] = p.d_dw.download();
     expect_matches_reference(p, OutputSet::kWgrad, "immediate mb" + std::to_string(mb));
@@ -45,7 +45,7 @@ void expect_pipelined_wgrads_bit_identical(CaseSpec spec) {
     p.d_dy.upload(dys[mb]);
     BackwardArgs args = p.backward_args();
     args.dweight = (mb == 0 ? dw0 : dw1).get();
-    p.op->backward(args, spec.recipe, WgradMode::kDelayed, stream);
+    p.op->backward(args, WgradMode::kDelayed, stream);
   }
   EXPECT_EQ(p.op->queued_wgrads(), 2);
   p.d_x.poison();  // saved contexts must not depend on the caller's buffers any more
@@ -77,7 +77,7 @@ TEST(DelayedWgrad, RefusedWithoutDelayOption) {
   CaseSpec spec{"delay_refused", 4, 128, 128, DType::kBF16, 1, {}, 100};
   Problem p(spec, test_seed(spec.name));
   p.op->forward_train(p.forward_args(), nullptr);
-  EXPECT_THROW(p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kDelayed, nullptr), Error);
+  EXPECT_THROW(p.op->backward(p.backward_args(), WgradMode::kDelayed, nullptr), Error);
   EXPECT_EQ(p.op->pending_backwards(), 1) << "a refused backward must leave the context queued";
 }
 

@@ -3,7 +3,7 @@
 // multiple of a plain cuBLASLt bf16 GEMM's error.
 #include <gtest/gtest.h>
 
-#include "src/ops/legacy_loop.hpp"
+#include "testing/legacy_loop.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -28,7 +28,7 @@ TEST_P(Differential, GroupedMatchesCublasLtLoop) {
   // Ours.
   p.poison_outputs();
   p.op->forward_train(p.forward_args(), stream);
-  p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kImmediate, stream);
+  p.op->backward(p.backward_args(), WgradMode::kImmediate, stream);
   p.op->check_device_errors(stream);
   const auto y = p.download(p.d_y), dx = p.download(p.d_dx);
   const auto dw = spec.main_grad ? to_doubles(p.d_main_grad.download()) : p.download(p.d_dw);

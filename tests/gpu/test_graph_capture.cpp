@@ -3,7 +3,7 @@
 // process), then replayed with new device splits and data, matching the reference every time.
 #include <gtest/gtest.h>
 
-#include "src/verify/graph.hpp"
+#include "testing/graph.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -15,13 +15,13 @@ void run_training_graph_test(CaseSpec spec, int replays) {
   Stream stream;
   // Warm-up outside capture (lazy module loading, like the runtime's warm-up step).
   p.op->forward_train(p.forward_args(), stream.get());
-  p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kDelayed, stream.get());
+  p.op->backward(p.backward_args(), WgradMode::kDelayed, stream.get());
   p.op->backward_dw(stream.get());
   p.op->check_device_errors(stream.get());
 
   Graph graph(stream.get(), [&] {
     p.op->forward_train(p.forward_args(), stream.get());
-    p.op->backward(p.backward_args(), Recipe::kBF16, WgradMode::kDelayed, stream.get());
+    p.op->backward(p.backward_args(), WgradMode::kDelayed, stream.get());
     p.op->backward_dw(stream.get());
   });
   for (int i = 0; i < replays; ++i) {

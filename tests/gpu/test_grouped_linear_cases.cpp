@@ -52,7 +52,7 @@ TEST_P(GroupedLinearCase, AllPhasesMatchFp64Reference) {
   // Training forward and backward with every gradient.
   p.poison_outputs();
   p.op->forward_train(p.forward_args(), stream);
-  p.op->backward(p.backward_args(), p.spec.recipe, WgradMode::kImmediate, stream);
+  p.op->backward(p.backward_args(), WgradMode::kImmediate, stream);
   p.op->check_device_errors(stream);
   expect_matches_reference(p, OutputSet::kForward, "forward_train");
   expect_matches_reference(p, OutputSet::kDgrad, "backward");
@@ -75,11 +75,11 @@ INSTANTIATE_TEST_SUITE_P(ReferenceKernels, GroupedLinearCase, ::testing::ValuesI
 
 // And on every wgmma kernel by name, whatever the heuristics would pick for these shapes: both
 // load pipelines (warp-specialized TMA, cp.async) at both tile widths.
-std::vector<CaseSpec> pipeline_cases(GroupedLinearOptions::Loads loads, const std::string& suffix) {
+std::vector<CaseSpec> pipeline_cases(GemmPipeline pipeline, const std::string& suffix) {
   std::vector<CaseSpec> out;
   for (int tile_n : {128, 256})
     for (CaseSpec c : cases()) {
-      c.tile_n = tile_n, c.loads = loads;
+      c.tile_n = tile_n, c.pipeline = pipeline;
       c.name += suffix + std::to_string(tile_n);
       out.push_back(c);
     }
@@ -87,10 +87,10 @@ std::vector<CaseSpec> pipeline_cases(GroupedLinearOptions::Loads loads, const st
 }
 
 INSTANTIATE_TEST_SUITE_P(Tma, GroupedLinearCase,
-                         ::testing::ValuesIn(pipeline_cases(GroupedLinearOptions::Loads::kTma, "_tma")),
+                         ::testing::ValuesIn(pipeline_cases(GemmPipeline::kTma, "_tma")),
                          [](const auto& info) { return info.param.name; });
 INSTANTIATE_TEST_SUITE_P(CpAsync, GroupedLinearCase,
-                         ::testing::ValuesIn(pipeline_cases(GroupedLinearOptions::Loads::kCpAsync, "_cp_async")),
+                         ::testing::ValuesIn(pipeline_cases(GemmPipeline::kCpAsync, "_cp_async")),
                          [](const auto& info) { return info.param.name; });
 
 CaseSpec mxfp8(CaseSpec c) {

@@ -1,5 +1,5 @@
 // The MoE routing kernels (kernels/routing/moe_routing.hpp) against fp64 host references
-// (src/verify/moe_layer_reference.hpp where they fit, small loops here otherwise). Every output is
+// (testing/moe_layer_reference.hpp where they fit, small loops here otherwise). Every output is
 // poisoned before the launch; integer outputs must match exactly; what a launcher must not write
 // (tokens past the step's count, rows past the used rows, guard rows past capacity) must still hold
 // the poison afterwards. Also: invalid token counts, capacity overflow, and a captured
@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "kernels/routing/moe_routing.hpp"
-#include "src/ops/shape_rules.hpp"
-#include "src/verify/device_array.hpp"
-#include "src/verify/graph.hpp"
-#include "src/verify/moe_layer_reference.hpp"
+#include "src/ops/group_layout.hpp"
+#include "testing/device_array.hpp"
+#include "testing/graph.hpp"
+#include "testing/moe_layer_reference.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -209,7 +209,7 @@ RouterOutputs run_router_topk(const Mat& logits, int32_t num_tokens, int64_t max
   p.max_tokens = max_tokens;
   p.experts = experts;
   p.top_k = top_k;
-  p.score = sigmoid ? kernels::ScoreFunction::kSigmoid : kernels::ScoreFunction::kSoftmax;
+  p.score = sigmoid ? RouterScore::kSigmoid : RouterScore::kSoftmax;
   p.renormalize = renormalize;
   p.scores = d_scores.get();
   p.topk_ids = d_ids.get();
@@ -323,14 +323,14 @@ TEST(MoeRouterTopkTokenCount, InvalidCountIsRecordedAndClamped) {
   {  // negative: recorded, nothing routed
     auto error = cleared_error_record();
     const RouterOutputs got = run_router_topk(logits, -3, kMax, E, K, false, false, error);
-    expect_error(error.download()[0], {kernels::kErrorTokenCount, -1, -3, kMax});
+    expect_error(error.download()[0], {kDeviceErrorTokenCount, -1, -3, kMax});
     EXPECT_TRUE(all_bits("scores", got.scores, 0, kMax * E, kNaN));
     EXPECT_TRUE(all_bits("topk_ids", got.ids, 0, kMax * K, kIntPoison));
   }
   {  // past the bucket: recorded, clamped to max_tokens
     auto error = cleared_error_record();
     const RouterOutputs got = run_router_topk(logits, kMax + 5, kMax, E, K, false, false, error);
-    expect_error(error.download()[0], {kernels::kErrorTokenCount, -1, kMax + 5, kMax});
+    expect_error(error.download()[0], {kDeviceErrorTokenCount, -1, kMax + 5, kMax});
     const RouterRef ref = ref_router_forward(logits, kMax, router_spec(E, K, false, false));
     EXPECT_TRUE(passed(check_topk_selection(ref, got.ids, K, 1e-6)));
   }
@@ -451,7 +451,7 @@ TEST_P(MoeRouterBackward, MatchesReference) {
   p.max_tokens = max;
   p.experts = E;
   p.top_k = K;
-  p.score = c.sigmoid ? kernels::ScoreFunction::kSigmoid : kernels::ScoreFunction::kSoftmax;
+  p.score = c.sigmoid ? RouterScore::kSigmoid : RouterScore::kSoftmax;
   p.renormalize = c.renormalize;
   p.aux_coef = static_cast<float>(aux_coef);
   p.dtype = c.dtype;
@@ -706,7 +706,7 @@ TEST(MoeDispatchErrors, InvalidTokenCountIsRecordedAndClamped) {
     kernels::launch_dispatch(b.params(kAlign, 0.0), nullptr);
     MG_CUDA_CHECK(cudaDeviceSynchronize());
     DispatchResult got(b);
-    expect_error(got.error, {kernels::kErrorTokenCount, -1, bad, kMax});
+    expect_error(got.error, {kDeviceErrorTokenCount, -1, bad, kMax});
     got.error.code = 0;
     const int64_t n = bad < 0 ? 0 : kMax;  // clamped
     const RouterRef r = routed(ids, weights, n, E, K);

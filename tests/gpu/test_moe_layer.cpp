@@ -9,10 +9,11 @@
 
 #include "moegraph/moe_layer.hpp"
 #include "moegraph/step_graphs.hpp"
-#include "src/verify/data.hpp"
-#include "src/verify/device_array.hpp"
-#include "src/verify/graph.hpp"
-#include "src/verify/moe_layer_reference.hpp"
+#include "testing/data.hpp"
+#include "testing/device_array.hpp"
+#include "testing/graph.hpp"
+#include "testing/moe_layer_reference.hpp"
+#include "testing/step_weights.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -257,7 +258,7 @@ TEST_P(MoeLayerCase, GraphReplaysMatchEagerAndReference) {
   LayerHarness h(options_of(c), test_seed(c.name) + 1);
   h.set_inputs(c.max_tokens);
   h.train_step();  // warm-up outside capture
-  verify::Graph graph(h.stream(), [&] { h.train_step(); });
+  testing::Graph graph(h.stream(), [&] { h.train_step(); });
   for (int64_t n : {c.max_tokens, int64_t{0}, c.max_tokens / 3 + 1, int64_t{1}}) {
     h.set_inputs(n);
     h.poison();
@@ -366,31 +367,33 @@ TEST(MoeLayer, PhaseOrderIsChecked) {
   MG_CUDA_CHECK(cudaStreamSynchronize(h.stream()));
 }
 
-// The step runtime with "step": "moe_layer": graph replays equal eager steps bit for bit, for the
-// bf16 and the mxfp8 recipe.
-class MoeLayerStep : public ::testing::TestWithParam<const char*> {};
+// The step runtime on the whole layer, built from typed options on the caller's weights: graph
+// replays equal eager steps bit for bit, for the bf16 and the mxfp8 recipe.
+class MoeLayerStep : public ::testing::TestWithParam<Recipe> {};
 TEST_P(MoeLayerStep, StepGraphsReplayTheWholeLayer) {
-  Config c;
-  c.precision.recipe = GetParam();
-  c.name = "moe_layer_step";
-  c.step = StepKind::kMoeLayer;
-  c.layer.experts = 16, c.layer.hidden = 128, c.layer.ffn = 128, c.layer.top_k = 4, c.layer.bias = true;
-  c.router.score = "softmax", c.router.renormalize = true, c.router.aux_loss_coef = 0.01;
-  c.training.enabled = true, c.training.delay_wgrad = true, c.training.wgrad_slots = 2;
-  c.buckets = {16, 64};
-  c.row_align = 32;
-  StepGraphs step(c);
+  StepGraphsOptions o;
+  o.step = StepKind::kMoeLayer;
+  MoeLayerOptions& l = o.layer;
+  l.recipe = GetParam();
+  l.experts = 16, l.hidden = 128, l.ffn = 128, l.top_k = 4, l.bias = true;
+  l.score = RouterScore::kSoftmax, l.renormalize = true, l.aux_loss_coef = 0.01;
+  l.training = true, l.delay_wgrad = true, l.wgrad_slots = 2;
+  l.row_align = 32;
+  o.buckets = {16, 64};
+  const testing::OwnedStepWeights weights = testing::make_step_weights(o, nullptr);
+  StepGraphs step(o, weights.weights);
+  step.weights_changed(nullptr);  // MXFP8: quantize the weights just written
   Stream stream;
   cudaStream_t s = stream.get();
   const int b = step.bucket_for(40);
   const BucketIO io = step.io(b);
-  const std::size_t n = io.tokens * c.layer.hidden;
-  std::mt19937_64 rng(test_seed(c.name));
+  const std::size_t n = io.tokens * l.hidden;
+  std::mt19937_64 rng(test_seed("moe_layer_step"));
   DeviceArray<uint16_t> x(n), dy(n);
   auto run = [&](bool graph) {
     MG_CUDA_CHECK(cudaMemcpy(io.x, x.get(), n * 2, cudaMemcpyDeviceToDevice));
     MG_CUDA_CHECK(cudaMemcpy(io.dy, dy.get(), n * 2, cudaMemcpyDeviceToDevice));
-    MG_CUDA_CHECK(cudaMemset(step.weights().main_grad1, 0, c.layer.experts * 2 * c.layer.ffn * c.layer.hidden * 4));
+    MG_CUDA_CHECK(cudaMemset(step.weights().main_grad1, 0, l.experts * 2 * l.ffn * l.hidden * 4));
     MG_CUDA_CHECK(cudaMemset(io.y, 0xff, n * 2));
     MG_CUDA_CHECK(cudaMemset(io.dx, 0xff, n * 2));
     graph ? step.forward_train(b, s) : step.run_eager(b, StepPhase::kForwardTrain, s);
@@ -398,7 +401,7 @@ TEST_P(MoeLayerStep, StepGraphsReplayTheWholeLayer) {
     graph ? step.wgrad(b, s) : step.run_eager(b, StepPhase::kWgrad, s);
     step.check_device_errors(s);
     std::vector<uint16_t> y(n), dx(n);
-    std::vector<float> g(c.layer.experts * 2 * c.layer.ffn * c.layer.hidden);
+    std::vector<float> g(l.experts * 2 * l.ffn * l.hidden);
     MG_CUDA_CHECK(cudaMemcpy(y.data(), io.y, n * 2, cudaMemcpyDeviceToHost));
     MG_CUDA_CHECK(cudaMemcpy(dx.data(), io.dx, n * 2, cudaMemcpyDeviceToHost));
     MG_CUDA_CHECK(cudaMemcpy(g.data(), step.weights().main_grad1, g.size() * 4, cudaMemcpyDeviceToHost));
@@ -413,13 +416,13 @@ TEST_P(MoeLayerStep, StepGraphsReplayTheWholeLayer) {
     EXPECT_TRUE(std::get<1>(eager) == std::get<1>(replay)) << "dx, " << tokens << " tokens";
     EXPECT_TRUE(std::get<2>(eager) == std::get<2>(replay)) << "main_grad1, " << tokens << " tokens";
     std::size_t nan = 0;
-    for (std::size_t i = 0; i < std::size_t(tokens) * c.layer.hidden; ++i)
+    for (std::size_t i = 0; i < std::size_t(tokens) * l.hidden; ++i)
       nan += std::isnan(from_bits(std::get<0>(replay)[i], DType::kBF16));
     EXPECT_EQ(nan, 0u) << "every routed token's output is written";
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Recipes, MoeLayerStep, ::testing::Values("bf16", "mxfp8"));
+INSTANTIATE_TEST_SUITE_P(Recipes, MoeLayerStep, ::testing::Values(Recipe::kBF16, Recipe::kMXFP8));
 
 }  // namespace
 }  // namespace moegraph::test

@@ -6,11 +6,12 @@
 
 #include <cmath>
 
+#include "kernels/common/device_query.hpp"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
 #include "kernels/routing/offsets.hpp"
-#include "src/verify/device_array.hpp"
-#include "src/verify/graph.hpp"
-#include "src/verify/mxfp8_reference.hpp"
+#include "testing/device_array.hpp"
+#include "testing/graph.hpp"
+#include "testing/mxfp8_reference.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {
@@ -50,16 +51,22 @@ struct GemmCase {
 
 class Mxfp8Gemm : public ::testing::TestWithParam<GemmCase> {};
 
+// The MXFP8 kernel the heuristic picks for a phase (bf16 outputs), prepared on this device.
+kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase) {
+  kernels::GemmProblem problem;
+  problem.phase = phase;
+  problem.recipe = Recipe::kMXFP8;
+  return kernels::prepare_gemm(kernels::choose_gemm_config(problem, kernels::with_environment({})),
+                               kernels::current_sm_count());
+}
+
 TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   const GemmCase c = GetParam();
   std::mt19937_64 rng(test_seed(c.name));
   const int64_t data_rows = 37 * c.groups + 5;
   const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
-  verify::Stream stream;
-  kernels::prepare_mxfp8_gemm();
-  int device = 0, sms = 0;
-  MG_CUDA_CHECK(cudaGetDevice(&device));
-  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  testing::Stream stream;
+  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop);
 
   const Mx a = random_mx(rng, capacity, c.k, c.spread);
   const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread);
@@ -82,7 +89,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
   auto enqueue = [&] {
     kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
-    kernels::launch_mxfp8_ragged_gemm(DType::kBF16, p, sms, stream.get());
+    kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, stream.get());
   };
   auto check = [&](const std::vector<int32_t>& splits, const std::string& where) {
     const GroupLayout layout = make_layout(splits, c.row_align, capacity);
@@ -107,7 +114,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
   check(splits, detail::concat(c.name, " eager"));
 
-  verify::Graph graph(stream.get(), enqueue);
+  testing::Graph graph(stream.get(), enqueue);
   for (int replay = 0; replay < 2; ++replay) {
     splits = random_splits(rng, c.groups, data_rows - replay * 11, Routing::kUniform);
     dsplits.upload(splits);
@@ -167,10 +174,7 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   const GroupLayout layout = make_layout(splits, 32, capacity);
   const ColumnWise dy = random_column_wise(rng, layout, n, 6), x = random_column_wise(rng, layout, k, 6);
   const Mat ref = ref_wgrad(layout, dy.values, x.values, n, k);
-  kernels::prepare_mxfp8_gemm();
-  int device = 0, sms = 0;
-  MG_CUDA_CHECK(cudaGetDevice(&device));
-  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const kernels::GemmPlan wgrad_plan = mxfp8_plan(kernels::GemmPhase::kWgrad);
   DeviceArray<uint8_t> ddy(dy.data.size()), ddys(dy.scales.size()), dx(x.data.size()), dxs(x.scales.size());
   ddy.upload(dy.data), ddys.upload(dy.scales), dx.upload(x.data), dxs.upload(x.scales);
   DeviceArray<int32_t> dsplits(groups);
@@ -185,7 +189,7 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
 
   dw.poison();
   p.dweight = dw.get();
-  kernels::launch_mxfp8_wgrad(DType::kBF16, p, sms, nullptr);
+  kernels::launch_mxfp8_wgrad(wgrad_plan, p, nullptr);
   const auto bits = dw.download();
   Mat got(bits.size());
   for (std::size_t i = 0; i < got.size(); ++i) got[i] = from_bits(bits[i], DType::kBF16);
@@ -194,8 +198,8 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   const Mat init = random_values(rng, groups * n * k, 1.0, DType::kFP32);
   mg.upload(std::vector<float>(init.begin(), init.end()));
   p.dweight = nullptr, p.main_grad = mg.get();
-  verify::Stream stream;
-  verify::Graph graph(stream.get(), [&] { kernels::launch_mxfp8_wgrad(DType::kBF16, p, sms, stream.get()); });
+  testing::Stream stream;
+  testing::Graph graph(stream.get(), [&] { kernels::launch_mxfp8_wgrad(wgrad_plan, p, stream.get()); });
   graph.launch(stream.get());
   MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
   const auto acc = mg.download();
@@ -211,10 +215,7 @@ TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   std::mt19937_64 rng(5);
   const int groups = 2;
   const int64_t k = 256, n = 128, rows = 64;
-  kernels::prepare_mxfp8_gemm();
-  int device = 0, sms = 0;
-  MG_CUDA_CHECK(cudaGetDevice(&device));
-  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop);
   Mx a = random_mx(rng, rows, k, 2);
   const Mx b = random_mx(rng, groups * n, k, 2);
   a.scales[10 * (k / 32) + 3] = 0xff;  // row 10, K block 3
@@ -230,7 +231,7 @@ TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   kernels::Mxfp8RaggedGemmParams p;
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = groups, p.c = dc.get();
-  kernels::launch_mxfp8_ragged_gemm(DType::kBF16, p, sms, nullptr);
+  kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, nullptr);
   const auto got = dc.download();
   int nan_rows = 0;
   for (int64_t r = 0; r < rows; ++r) {

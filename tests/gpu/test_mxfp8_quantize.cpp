@@ -1,5 +1,5 @@
 // The MXFP8 kernels (kernels/quantize/mxfp8.hpp) bit for bit against the host reference
-// (src/verify/mxfp8_reference.hpp): random bf16/fp16 data with several magnitudes in every block
+// (testing/mxfp8_reference.hpp): random bf16/fp16 data with several magnitudes in every block
 // (block scales from 2^-60 to 2^60, subnormals), edge-case blocks (zero, one huge among tiny,
 // subnormals, ±448, just above 448, NaN, ±Inf), row-wise / column-wise / both from one read,
 // grouped layouts with empty groups and padding rows whose poisoned bytes must stay, grouped
@@ -19,9 +19,9 @@
 
 #include "kernels/quantize/mxfp8.hpp"
 #include "kernels/routing/offsets.hpp"
-#include "src/verify/device_array.hpp"
-#include "src/verify/graph.hpp"
-#include "src/verify/mxfp8_reference.hpp"
+#include "testing/device_array.hpp"
+#include "testing/graph.hpp"
+#include "testing/mxfp8_reference.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {

@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "kernels/routing/offsets.hpp"
-#include "src/ops/shape_rules.hpp"
-#include "src/verify/device_array.hpp"
+#include "src/ops/group_layout.hpp"
+#include "testing/device_array.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {

@@ -2,12 +2,13 @@
 // the fp64 reference of the expert MLP, pipelined micro-batches, bucket rules, invalid splits.
 #include <gtest/gtest.h>
 
+#include "moegraph/config.hpp"
 #include "moegraph/step_graphs.hpp"
-#include "src/verify/data.hpp"
-#include "src/verify/expert_mlp_reference.hpp"
-#include "src/verify/graph.hpp"
+#include "testing/data.hpp"
+#include "testing/expert_mlp_reference.hpp"
+#include "testing/graph.hpp"
+#include "testing/step_weights.hpp"
 #include "tests/common/expect.hpp"
-
 
 namespace moegraph::test {
 namespace {
@@ -56,7 +57,11 @@ struct StepOutputs {
 
 class StepHarness {
  public:
-  explicit StepHarness(const Config& c) : c_(c), step_(c), rng_(test_seed(c.name)) {
+  explicit StepHarness(const Config& c)
+      : c_(c),
+        weights_(testing::make_step_weights(step_graphs_options(c), nullptr)),
+        step_(step_graphs_options(c), weights_.weights),
+        rng_(test_seed(c.name)) {
     const auto& l = c.layer;
     const StepWeights& w = step_.weights();
     w1_ = download(w.w1, l.experts * 2 * l.ffn * l.hidden, dt());
@@ -144,6 +149,7 @@ class StepHarness {
 
  private:
   Config c_;
+  testing::OwnedStepWeights weights_;  // the caller's parameters
   StepGraphs step_;
   Stream stream_;
   std::mt19937_64 rng_;

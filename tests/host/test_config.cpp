@@ -125,9 +125,9 @@ std::vector<BadDoc> bad_docs() {
       {"RecipeFp8", with({{"/precision/recipe", R"("fp8")"}}),
        R"(precision.recipe must be "bf16" or "mxfp8", got "fp8")"},
       {"Mxfp8RowAlign1", with({{"/precision/recipe", R"("mxfp8")"}}),
-       R"(precision.recipe "mxfp8" needs row_align 32 or 128 (a column-wise block of 32 rows must not straddle two experts), got 1)"},
+       R"(precision.recipe "mxfp8" cannot run fc1 (layer.hidden 256, layer.ffn 512, row_align 1): the mxfp8 recipe needs row_align 32 or 128 (a column-wise block of 32 rows must not straddle two groups), got 1)"},
       {"Mxfp8Ffn", with({{"/precision/recipe", R"("mxfp8")"}, {"/row_align", "32"}, {"/layer/ffn", "784"}}),
-       R"(precision.recipe "mxfp8" needs layer.hidden and layer.ffn multiples of 128, got hidden 256 and ffn 784)"},
+       R"(precision.recipe "mxfp8" cannot run fc1 (layer.hidden 256, layer.ffn 784, row_align 32): the mxfp8 recipe needs in_features (K) and out_features (N) multiples of 128, got K 256 and N 1568)"},
       {"DtypeFp32", with({{"/precision/dtype", R"("fp32")"}}),
        R"(precision.dtype must be "bf16" or "fp16", got "fp32")"},
       {"WgradSlotsZero", with({{"/training/wgrad_slots", "0"}}), "training.wgrad_slots must be in [1, 64], got 0"},
@@ -363,12 +363,13 @@ TEST(ConfigPresets, ParseWithExpectedValues) {
   // sigmoid (DeepSeek-V3), plain softmax weights without a balancing loss for decode.
   struct Router {
     const Config& config;
-    const char* score;
+    RouterScore score;
     bool renormalize;
     double aux_loss_coef;
   };
-  for (const Router& r : {Router{mixtral, "softmax", true, 0.01}, Router{deepseek, "sigmoid", true, 0.0001},
-                          Router{qwen, "softmax", true, 0.001}, Router{decode, "softmax", false, 0.0}}) {
+  constexpr RouterScore kSoftmax = RouterScore::kSoftmax, kSigmoid = RouterScore::kSigmoid;
+  for (const Router& r : {Router{mixtral, kSoftmax, true, 0.01}, Router{deepseek, kSigmoid, true, 0.0001},
+                          Router{qwen, kSoftmax, true, 0.001}, Router{decode, kSoftmax, false, 0.0}}) {
     EXPECT_EQ(r.config.step, StepKind::kMoeLayer) << r.config.name;
     EXPECT_EQ(r.config.router.score, r.score) << r.config.name;
     EXPECT_EQ(r.config.router.renormalize, r.renormalize) << r.config.name;
@@ -401,7 +402,7 @@ TEST(ConfigDefaults, MissingKeysTakeTheStructDefaults) {
   EXPECT_EQ(c.step, d.step);
   EXPECT_EQ(c.step, StepKind::kMoeLayer);
   EXPECT_EQ(c.router.score, d.router.score);
-  EXPECT_EQ(c.router.score, "softmax");
+  EXPECT_EQ(c.router.score, RouterScore::kSoftmax);
   EXPECT_EQ(c.router.renormalize, d.router.renormalize);
   EXPECT_EQ(c.router.aux_loss_coef, d.router.aux_loss_coef);
   EXPECT_EQ(c.router.capacity_factor, d.router.capacity_factor);
@@ -484,7 +485,7 @@ TEST(ConfigRoundTrip, ToJsonParsesBackToTheSameJson) {
   EXPECT_EQ(fixed.step, StepKind::kExperts);
   EXPECT_EQ(Json::parse(to_json(fixed))["step"], "experts");
   const Config& router = configs.back();
-  EXPECT_EQ(router.router.score, "sigmoid");
+  EXPECT_EQ(router.router.score, RouterScore::kSigmoid);
   EXPECT_FALSE(router.router.renormalize);
   EXPECT_EQ(router.router.aux_loss_coef, 0.02);
   EXPECT_EQ(router.router.capacity_factor, 1.25);
@@ -529,7 +530,7 @@ TEST(ConfigRecipe, Mxfp8WithAlignedRowsParses) {
   ASSERT_NE(text.find(align), std::string::npos) << text;
   text.replace(text.find(align), align.size(), R"("row_align": 32)");
   const Config m = parse_config(text, "mxfp8");
-  EXPECT_EQ(m.precision.recipe, "mxfp8");
+  EXPECT_EQ(m.precision.recipe, Recipe::kMXFP8);
   EXPECT_EQ(m.row_align, 32);
 }
 

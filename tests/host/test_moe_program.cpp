@@ -89,7 +89,7 @@ TEST(MoeProgram, OptionsAreValidatedWithTheRule) {
 
 TEST(MoeProgram, OptionsFollowTheConfig) {
   Config c = default_config();
-  c.router.score = "sigmoid", c.router.fuse_weights = true, c.router.capacity_factor = 1.5;
+  c.router.score = RouterScore::kSigmoid, c.router.fuse_weights = true, c.router.capacity_factor = 1.5;
   const MoeLayerOptions o = moe_layer_options(c, 512);
   EXPECT_EQ(o.score, RouterScore::kSigmoid);
   EXPECT_TRUE(o.fuse_weights);

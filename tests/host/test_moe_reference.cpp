@@ -1,4 +1,4 @@
-// The fp64 MoE-layer reference (src/verify/moe_layer_reference.hpp): the router, dispatch, permute
+// The fp64 MoE-layer reference (testing/moe_layer_reference.hpp): the router, dispatch, permute
 // and combine on hand-computed examples; the whole layer's gradients against central finite
 // differences of its own exact forward (round_intermediates = false); and differential checks
 // (fused vs unfused routing weights, the expert-MLP reference on the dispatched rows).
@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "src/verify/expert_mlp_reference.hpp"
-#include "src/verify/moe_layer_reference.hpp"
+#include "testing/expert_mlp_reference.hpp"
+#include "testing/moe_layer_reference.hpp"
 #include "tests/common/expect.hpp"
 
 namespace moegraph::test {

@@ -1,4 +1,4 @@
-// The MXFP8 host reference (src/verify/mxfp8_reference.hpp) against hand-computed values and
+// The MXFP8 host reference (testing/mxfp8_reference.hpp) against hand-computed values and
 // exhaustive properties of the E4M3 / E8M0 formats and the block rules of docs/mxfp8.md.
 #include <gtest/gtest.h>
 
@@ -7,13 +7,13 @@
 #include <limits>
 #include <vector>
 
-#include "src/verify/data.hpp"
-#include "src/verify/mxfp8_reference.hpp"
+#include "testing/data.hpp"
+#include "testing/mxfp8_reference.hpp"
 
 namespace moegraph::test {
 namespace {
 
-using namespace ::moegraph::verify;
+using namespace ::moegraph::testing;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();

@@ -2,7 +2,7 @@
 // against the same expectations in the GPU suite).
 #include <gtest/gtest.h>
 
-#include "src/ops/shape_rules.hpp"
+#include "src/ops/group_layout.hpp"
 
 namespace moegraph {
 namespace {

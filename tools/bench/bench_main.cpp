@@ -72,13 +72,13 @@ int main(int argc, char** argv) {
   try {
     if (kernels) return moegraph::bench::run_kernel_bench(quick);
     moegraph::Config config = config_path.empty() ? moegraph::default_config() : moegraph::load_config(config_path);
-    if (!recipe.empty() && recipe != config.precision.recipe) {
-      config.precision.recipe = recipe;
+    if (!recipe.empty() && recipe != moegraph::recipe_name(config.precision.recipe)) {
+      config.precision.recipe = recipe == "mxfp8" ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
       if (recipe == "mxfp8" && config.row_align == 1) config.row_align = 32;
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
     }
     if (plan) {
-      std::printf("config: %s\n%s", config.name.c_str(), moegraph::plan_step(config).to_string().c_str());
+      std::printf("config: %s\n%s", config.name.c_str(), moegraph::plan_step(moegraph::step_graphs_options(config)).to_string().c_str());
       return 0;
     }
     return moegraph::bench::run_step_bench(config, options);

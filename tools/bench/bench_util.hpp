@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "moegraph/error.hpp"
-#include "src/verify/data.hpp"
+#include "testing/data.hpp"
 
 namespace moegraph::bench {
 
@@ -46,8 +46,8 @@ inline double median(std::vector<float> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-// Routings come from the verification library (src/verify): the same draws as the tests.
-using verify::Routing;
+// Routings come from the verification library (testing/): the same draws as the tests.
+using testing::Routing;
 inline const char* routing_name(Routing r) { return r == Routing::kUniform ? "uniform" : "zipf1.2"; }
 
 inline std::string fmt(double v, int digits) {

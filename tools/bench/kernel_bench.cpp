@@ -18,9 +18,9 @@
 #include "kernels/quantize/mxfp8.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "moegraph/error.hpp"
-#include "src/common/device_buffer.hpp"
-#include "src/cublaslt/lt_gemm.hpp"
-#include "src/ops/legacy_loop.hpp"
+#include "src/core/device_buffer.hpp"
+#include "src/core/lt_gemm.hpp"
+#include "testing/legacy_loop.hpp"
 #include "graphs/graph_exec.hpp"
 #include "tools/bench/bench_util.hpp"
 
@@ -53,6 +53,30 @@ kernels::GemmPhase gemm_phase(Phase p) {
          : p == Phase::kDgrad ? kernels::GemmPhase::kDgrad
                               : kernels::GemmPhase::kWgrad;
 }
+// The kernel the library's heuristic picks for this shape and phase (optionally forcing the
+// 16-bit load pipeline), prepared on this device.
+kernels::GemmPlan plan_for(const Shape& s, Phase phase, Recipe recipe, int64_t capacity_rows, int sm_count,
+                           GemmPipeline forced = GemmPipeline::kAuto) {
+  kernels::GemmProblem problem;
+  problem.phase = gemm_phase(phase);
+  problem.recipe = recipe;
+  problem.groups = s.groups;
+  problem.capacity_rows = capacity_rows;
+  problem.expected_rows_per_group = capacity_rows / s.groups;
+  problem.n = s.n;
+  problem.k = s.k;
+  kernels::GemmOverrides overrides;
+  overrides.pipeline = forced;
+  kernels::GemmConfig config = kernels::choose_gemm_config(problem, kernels::with_environment(overrides));
+  if (forced != GemmPipeline::kAuto && recipe == Recipe::kBF16)  // the same tile on the forced pipeline
+    config = kernels::choose_gemm_config(problem, [&] {
+      kernels::GemmOverrides o = kernels::with_environment({});
+      o.tile_n = config.block_n, o.pipeline = forced;
+      return o;
+    }());
+  return kernels::prepare_gemm(config, sm_count);
+}
+
 const char* phase_name(Phase p) {
   return p == Phase::kFprop ? "fprop" : p == Phase::kDgrad ? "dgrad" : p == Phase::kWgrad ? "wgrad" : "wgrad+mg";
 }
@@ -115,7 +139,9 @@ MxBuffers make_mx_buffers(const Shape& s, std::mt19937_64& rng) {
 
 // One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels.
 double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
-                 const MxBuffers& mx, int grid, int replays, cudaStream_t stream) {
+                 const MxBuffers& mx, int sm_count, int replays, cudaStream_t stream) {
+  const kernels::GemmPlan plan =
+      plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, sm_count);  // set-up
   auto splits = b.splits.as<int32_t>();
   auto offsets = b.offsets.as<int64_t>();
   auto err = b.error.as<DeviceErrorRecord>();
@@ -128,7 +154,7 @@ double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int3
       p.x_t = mx.x_t.as<uint8_t>(), p.x_t_scales = mx.x_ts.as<uint8_t>();
       p.n = s.n, p.k = s.k, p.capacity_rows = mx.cap32, p.splits = splits, p.offsets = off32;
       p.num_groups = s.groups, p.dweight = b.dw.get();
-      kernels::launch_mxfp8_wgrad(DType::kBF16, p, grid, stream);
+      kernels::launch_mxfp8_wgrad(plan, p, stream);
       return;
     }
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
@@ -138,7 +164,7 @@ double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int3
     p.b = (fprop ? mx.w : mx.wt).as<uint8_t>(), p.b_scales = (fprop ? mx.ws : mx.wts).as<uint8_t>();
     p.n = fprop ? s.n : s.k, p.k = fprop ? s.k : s.n;
     p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();
-    kernels::launch_mxfp8_ragged_gemm(DType::kBF16, p, grid, stream);
+    kernels::launch_mxfp8_ragged_gemm(plan, p, stream);
   };
   auto set_routing = [&](int i) {
     MG_CUDA_CHECK(cudaMemcpyAsync(splits, b.routings.as<int32_t>() + (i % routings.size()) * s.groups,
@@ -158,7 +184,7 @@ double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int3
 }
 
 Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
-                 int grid, int sets, int replays, cudaStream_t stream) {
+                 int sm_count, int sets, int replays, cudaStream_t stream) {
   LtGemm lt;
   LegacyExpertLoop legacy(s.groups, s.n, s.k, s.rows, 1, DType::kBF16);
   const int64_t g = s.groups;
@@ -166,10 +192,9 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
   auto offsets = b.offsets.as<int64_t>();
   auto err = b.error.as<DeviceErrorRecord>();
 
-  const kernels::GemmPhase gp = gemm_phase(phase);
-  const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
-  const kernels::GemmPipeline chosen = kernels::choose_pipeline(gp, tile_n);
-  auto grouped_on = [&](int set, kernels::GemmPipeline pipeline) {
+  const kernels::GemmPlan chosen = plan_for(s, phase, Recipe::kBF16, s.rows, sm_count);
+  const kernels::GemmPlan cp_async_plan = plan_for(s, phase, Recipe::kBF16, s.rows, sm_count, GemmPipeline::kCpAsync);
+  auto grouped_on = [&](int set, const kernels::GemmPlan& plan) {
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
     if (phase == Phase::kWgrad || phase == Phase::kWgradMainGrad) {
       kernels::WgradParams p;
@@ -177,8 +202,7 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
       p.splits = splits, p.offsets = offsets, p.num_groups = s.groups;
       if (phase == Phase::kWgrad) p.dweight = b.dw.get();
       else p.main_grad = b.main_grad.as<float>();
-      p.tile_n = tile_n, p.pipeline = pipeline;
-      kernels::launch_grouped_wgrad(DType::kBF16, p, grid, stream);
+      kernels::launch_grouped_wgrad(plan, p, stream);
       return;
     }
     kernels::RaggedGemmParams p;
@@ -186,12 +210,10 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
     p.a = fprop ? b.x[set].get() : b.dy[set].get();
     p.w = b.w.get(), p.n = s.n, p.k = s.k, p.splits = splits, p.offsets = offsets, p.num_groups = s.groups;
     p.c = b.out_rows[set].get(), p.capacity_rows = s.rows;
-    p.tile_n = tile_n, p.pipeline = pipeline;
-    kernels::launch_ragged_gemm(DType::kBF16, fprop ? kernels::RaggedGemmKind::kFprop : kernels::RaggedGemmKind::kDgrad,
-                                p, grid, stream);
+    kernels::launch_ragged_gemm(plan, p, stream);
   };
   auto grouped = [&](int set) { grouped_on(set, chosen); };
-  auto cp_async = [&](int set) { grouped_on(set, kernels::GemmPipeline::kCpAsync); };
+  auto cp_async = [&](int set) { grouped_on(set, cp_async_plan); };
   auto dense = [&](int set) {
     RowMajorGemm d;
     if (phase == Phase::kFprop) {
@@ -287,9 +309,7 @@ int run_kernel_bench(bool quick) {
   cudaDeviceProp prop{};
   MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
-  kernels::prepare_grouped_gemm(DType::kBF16);
-  kernels::prepare_mxfp8_gemm();
-  const int grid = prop.multiProcessorCount;  // the launchers scale it by each kernel's occupancy
+  const int grid = prop.multiProcessorCount;  // plans scale it by each kernel's occupancy
   std::printf("grouped kernels: wgmma 128 x tile_n x 64 (tile_n and the load pipeline per shape and phase), "
               "persistent; cp_async column: the v4 cp.async kernels on the same tile\n");
   cudaStream_t stream;
@@ -329,7 +349,7 @@ int run_kernel_bench(bool quick) {
     const MxBuffers mx = mx_shape ? make_mx_buffers(s, rng) : MxBuffers{};
     for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
       std::vector<std::vector<int32_t>> routings;
-      for (int i = 0; i < 16; ++i) routings.push_back(verify::random_splits(rng, s.groups, s.rows, routing));
+      for (int i = 0; i < 16; ++i) routings.push_back(testing::random_splits(rng, s.groups, s.rows, routing));
       std::vector<int32_t> flat;
       for (auto& r : routings) flat.insert(flat.end(), r.begin(), r.end());
       b.routings = DeviceBuffer(flat.size() * 4);
@@ -353,10 +373,10 @@ int run_kernel_bench(bool quick) {
                         fmt(r.grouped_ms / mx_ms, 2)});
         }
         const double weight_gb = active * s.n * s.k * 2 / 1e9;
-        const kernels::GemmPhase gp = gemm_phase(phase);
-        const int tile_n = kernels::choose_tile_n(gp, s.groups, s.rows, s.n, s.k);
+        const kernels::GemmConfig chosen = plan_for(s, phase, Recipe::kBF16, s.rows, grid).config;
         table.add({s.name, routing_name(routing), phase_name(phase),
-                   std::to_string(tile_n) + " " + kernels::pipeline_name(kernels::choose_pipeline(gp, tile_n)),
+                   std::to_string(chosen.block_n) + " " +
+                       (chosen.family == kernels::GemmFamily::kTma16 ? "tma" : "cp_async"),
                    fmt(r.grouped_ms, 3), fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0),
                    fmt(flops / r.cp_async_ms / 1e9, 1), fmt(r.dense_ms, 3), fmt(flops / r.dense_ms / 1e9, 1),
                    fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2), fmt(r.legacy_ms / r.grouped_ms, 2)});

@@ -10,13 +10,14 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "graphs/expert_mlp_bucket.hpp"
 #include "graphs/graph_exec.hpp"
 #include "kernels/elementwise/elementwise.hpp"
+#include "moegraph/config.hpp"
 #include "moegraph/step_graphs.hpp"
-#include "src/cublaslt/lt_gemm.hpp"
-#include "src/ops/legacy_loop.hpp"
+#include "src/core/lt_gemm.hpp"
 #include "src/ops/moe/op_spec.hpp"
+#include "testing/legacy_loop.hpp"
+#include "testing/step_weights.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace moegraph::bench {
@@ -27,7 +28,7 @@ std::vector<int32_t> draw_routing(std::mt19937_64& rng, const Config& c, int64_t
     std::vector<int32_t> s(c.routing.fixed_splits.begin(), c.routing.fixed_splits.end());
     return s;
   }
-  return verify::random_splits(rng, c.layer.experts, rows, c.routing.kind == RoutingKind::kUniform ? 0.0 : c.routing.skew);
+  return testing::random_splits(rng, c.layer.experts, rows, c.routing.kind == RoutingKind::kUniform ? 0.0 : c.routing.skew);
 }
 
 // The routings replayed for one bucket at one fill, on the device, one row of `experts` each.
@@ -205,7 +206,9 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   std::fprintf(stderr, "capturing %zu buckets...\n", c.buckets.size());
   cudaStream_t s;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  StepGraphs step(c);
+  const StepGraphsOptions step_options = step_graphs_options(c);
+  const testing::OwnedStepWeights weights = testing::make_step_weights(step_options, s);  // the caller's parameters
+  StepGraphs step(step_options, weights.weights);
   DeviceBuffer l2_flush(2 * static_cast<std::size_t>(prop.l2CacheSize));
   std::vector<Row> rows(step.num_buckets());
   for (int b = 0; b < step.num_buckets(); ++b) {
@@ -220,26 +223,27 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   if (c.step == StepKind::kMoeLayer) {
     std::vector<layer::OpSpec> ops = layer::moe_layer_ops(moe_layer_options(c, c.buckets.front()));
     if (c.router.fuse_weights) layer::fuse_routing_weights(ops);
-    std::printf("step: whole MoE layer (%s router%s%s): %s\n", c.router.score.c_str(),
+    std::printf("step: whole MoE layer (%s router%s%s): %s\n", std::string(router_score_name(c.router.score)).c_str(),
                 c.router.renormalize ? ", renormalized" : "", c.router.aux_loss_coef > 0 ? ", aux loss" : "",
                 layer::describe(ops).c_str());
   } else {
     std::printf("step: experts only (FC1 -> SwiGLU -> FC2 on grouped rows, %s routing)\n",
                 std::string(routing_kind_name(c.routing.kind)).c_str());
   }
-  if (c.precision.recipe == "mxfp8") {
+  if (c.precision.recipe == Recipe::kMXFP8) {
     // The experts' saved activations (every slot's x copy and, with delayed wgrad, dy copy of FC1
     // and FC2) against the same layer in bf16, and the whole bucket.
     Config bf16 = c;
-    bf16.precision.recipe = "bf16";
+    bf16.precision.recipe = Recipe::kBF16;
     auto saved = [](const Config& cfg, int64_t rows) {
       std::size_t bytes = 0;
-      for (const GroupedLinearOptions& o : {fc1_options(cfg, rows), fc2_options(cfg, rows)})
-        for (const auto& buf : GroupedLinear::workspace_buffers(o))
+      const MoeLayerOptions o = moe_layer_options(cfg, 1);
+      for (int fc : {1, 2})
+        for (const auto& buf : GroupedLinear::workspace_buffers(layer::expert_linear_options(o, fc, rows)))
           if (buf.name.find("slot") != std::string::npos) bytes += buf.bytes;
       return bytes;
     };
-    const StepPlan mx_plan = plan_step(c), bf_plan = plan_step(bf16);
+    const StepPlan mx_plan = plan_step(step_graphs_options(c)), bf_plan = plan_step(step_graphs_options(bf16));
     std::printf("recipe mxfp8 (row_align %d), per bucket: experts' saved tensors mxfp8 / bf16 MiB, bucket arena mxfp8 / "
                 "bf16 MiB:\n", c.row_align);
     for (std::size_t b = 0; b < mx_plan.buckets.size(); ++b)
@@ -277,7 +281,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                                 {"tflops", r.flops / r.replay_ms / 1e9}, {"dense_ms", r.dense_ms},
                                 {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped}});
     out["step"] = std::string(step_kind_name(c.step));
-    out["recipe"] = c.precision.recipe;
+    out["recipe"] = std::string(recipe_name(c.precision.recipe));
     std::ofstream f(options.json_path);
     MG_CHECK(f.good(), "cannot write ", options.json_path);
     f << out.dump(2) << "\n";

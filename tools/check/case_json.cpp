@@ -62,7 +62,7 @@ int read_replays(const JsonObject& c) {
   }));
 }
 
-verify::Tolerance read_tolerance(const Json& value, verify::Tolerance tol) {
+testing::Tolerance read_tolerance(const Json& value, testing::Tolerance tol) {
   const JsonObject o(value, "tolerance", {"rtol", "atol", "rel_fro"});
   auto bound = [](const Json& v, const std::string& path) { return number_in(v, path, 0.0, 1.0); };
   tol.rtol = optional_value(o, "rtol", tol.rtol, bound);

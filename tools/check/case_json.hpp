@@ -12,7 +12,7 @@
 
 #include "moegraph/types.hpp"
 #include "src/config/json_reader.hpp"
-#include "src/verify/data.hpp"
+#include "testing/data.hpp"
 
 namespace moegraph::check {
 
@@ -53,7 +53,7 @@ bool read_main_grad(const JsonObject& c, DType dtype, std::string_view gradients
 int read_replays(const JsonObject& c);
 
 // A "tolerance" object: each of rtol, atol and rel_fro in [0, 1], else the one in `tol`.
-verify::Tolerance read_tolerance(const Json& value, verify::Tolerance tol);
+testing::Tolerance read_tolerance(const Json& value, testing::Tolerance tol);
 
 // The phases a case runs. backward and wgrad_delayed run a forward_train first (it saves their
 // context), and forward_train alone is followed by a backward (which frees the context), unchecked.

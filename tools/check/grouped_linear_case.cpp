@@ -12,7 +12,7 @@ namespace {
 
 using config_detail::integer_in;
 
-void read_shape(const Json& value, verify::CaseSpec& spec) {
+void read_shape(const Json& value, testing::CaseSpec& spec) {
   const JsonObject shape(value, "shape", {"groups", "k", "n", "row_align", "bias", "bias_scale", "capacity_extra"});
   spec.groups = static_cast<int>(integer_in(shape.required("groups"), shape.path("groups"), 1, 1024));
   spec.k = feature_dim(shape, "k");
@@ -28,12 +28,12 @@ void read_shape(const Json& value, verify::CaseSpec& spec) {
 
 // The operator's own set-up rules, so a case it would refuse fails here and not on the GPU.
 void check_operator_accepts(const GroupedLinearCase& gl, int64_t rows) {
-  const verify::CaseSpec& s = gl.spec;
+  const testing::CaseSpec& s = gl.spec;
   GroupedLinearOptions o;
   o.num_groups = s.groups;
   o.in_features = s.k;
   o.out_features = s.n;
-  o.capacity_rows = verify::capacity_rows_for(rows, s.groups, s.row_align, s.capacity_extra);
+  o.capacity_rows = testing::capacity_rows_for(rows, s.groups, s.row_align, s.capacity_extra);
   o.row_align = s.row_align;
   o.dtype = s.dtype;
   o.bias = s.bias;
@@ -52,7 +52,7 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   const JsonObject c(value, "", {"name", "op", "seed", "shape", "dtype", "recipe", "routing", "phases", "wgrad",
                                  "replays", "tolerance"});
   GroupedLinearCase gl;
-  verify::CaseSpec& spec = gl.spec;
+  testing::CaseSpec& spec = gl.spec;
   spec.name = name;
   gl.json = value.dump(2);
   gl.data_seed = optional_value(c, "seed", seed_from_name(name), config_detail::non_negative_integer);
@@ -73,8 +73,8 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   spec.main_grad = read_main_grad(c, spec.dtype, "dweight");
   gl.replays = read_replays(c);
   if (const Json* tol = c.find("tolerance"))
-    spec.tolerance = read_tolerance(*tol, spec.recipe == Recipe::kMXFP8 ? verify::mxfp8_gemm_tolerance()
-                                                                        : verify::tolerance_for(spec.dtype));
+    spec.tolerance = read_tolerance(*tol, spec.recipe == Recipe::kMXFP8 ? testing::mxfp8_gemm_tolerance()
+                                                                        : testing::tolerance_for(spec.dtype));
 
   const int64_t rows = gl.routing.kind == RoutingKind::kExplicit
                            ? std::accumulate(gl.routing.splits.begin(), gl.routing.splits.end(), int64_t{0})

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "src/verify/problem.hpp"
+#include "testing/problem.hpp"
 #include "tools/check/case_json.hpp"
 #include "tools/check/case_runner.hpp"
 #include "tools/check/routing.hpp"
@@ -15,7 +15,7 @@
 namespace moegraph::check {
 
 struct GroupedLinearCase {
-  verify::CaseSpec spec;  // shape, dtype, wgrad output and tolerance; the splits come from `routing`
+  testing::CaseSpec spec;  // shape, dtype, wgrad output and tolerance; the splits come from `routing`
   RoutingSpec routing;
   uint64_t data_seed = 0;
   PhaseSet phases;
@@ -36,7 +36,7 @@ class GroupedLinearRunner final : public CaseRunner {
 };
 
 // Writes the problem's inputs, the outputs of `last_step` and their references under `dir`.
-void dump_grouped_linear(const verify::Problem& p, CaseStep last_step, const std::string& run_label,
+void dump_grouped_linear(const testing::Problem& p, CaseStep last_step, const std::string& run_label,
                          const std::string& case_json, const std::filesystem::path& dir);
 
 }  // namespace moegraph::check

@@ -11,7 +11,7 @@
 namespace moegraph::check {
 namespace {
 
-using verify::OutputSet;
+using testing::OutputSet;
 
 std::vector<float> as_float32(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 
@@ -36,7 +36,7 @@ Checked: y, dx and dbias_scale on rows < offsets[G] (padding rows past the last 
 
 }  // namespace
 
-void dump_grouped_linear(const verify::Problem& p, CaseStep last_step, const std::string& run_label,
+void dump_grouped_linear(const testing::Problem& p, CaseStep last_step, const std::string& run_label,
                          const std::string& case_json, const std::filesystem::path& dir) {
   std::filesystem::create_directories(dir);
   const int64_t rows = p.layout.capacity_rows, g = p.spec.groups, n = p.spec.n, k = p.spec.k;
@@ -54,7 +54,7 @@ void dump_grouped_linear(const verify::Problem& p, CaseStep last_step, const std
     written.insert(written.end(), {OutputSet::kDgrad, OutputSet::kBiasGrads, OutputSet::kWgrad});
   std::string tolerances;
   for (OutputSet set : written)
-    for (const verify::Output& output : p.outputs(set)) {
+    for (const testing::Output& output : p.outputs(set)) {
       write_npy(dir / (output.name + ".npy"), as_float32(output.got), output.shape);
       write_npy(dir / (output.name + "_ref.npy"), *output.ref, output.shape);
       tolerances += detail::concat("  ", output.name, ": rtol ", output.tol.rtol, ", atol ", output.tol.atol,

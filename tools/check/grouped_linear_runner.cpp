@@ -11,14 +11,14 @@
 #include <vector>
 
 #include "moegraph/error.hpp"
-#include "src/verify/graph.hpp"
+#include "testing/graph.hpp"
 #include "tools/check/grouped_linear_case.hpp"
 
 namespace moegraph::check {
 namespace {
 
-using verify::OutputSet;
-using verify::Problem;
+using testing::OutputSet;
+using testing::Problem;
 using Step = CaseStep;
 
 void enqueue(Problem& p, Step step, cudaStream_t stream) {
@@ -28,7 +28,7 @@ void enqueue(Problem& p, Step step, cudaStream_t stream) {
   }
   p.op->forward_train(p.forward_args(), stream);
   const bool delayed = step == Step::kTrainingDelayedWgrad;
-  p.op->backward(p.backward_args(), p.spec.recipe, delayed ? WgradMode::kDelayed : WgradMode::kImmediate, stream);
+  p.op->backward(p.backward_args(), delayed ? WgradMode::kDelayed : WgradMode::kImmediate, stream);
   if (delayed) p.op->backward_dw(stream);
 }
 
@@ -58,10 +58,10 @@ class CaseRun {
 
   // Graph: every step captured once, then replayed with new routings and data.
   bool run_graphs(SplitGenerator& routing, int replays) {
-    std::vector<std::unique_ptr<verify::Graph>> graphs;
+    std::vector<std::unique_ptr<testing::Graph>> graphs;
     for (const StepPlan& plan : plans_) {
       where_ = detail::concat("graph capture of ", plan.label);
-      graphs.push_back(std::make_unique<verify::Graph>(stream_.get(), [&] { enqueue(p_, plan.step, stream_.get()); }));
+      graphs.push_back(std::make_unique<testing::Graph>(stream_.get(), [&] { enqueue(p_, plan.step, stream_.get()); }));
     }
     for (int replay = 0; replay < replays; ++replay) {
       p_.reroute(routing.next());
@@ -93,7 +93,7 @@ class CaseRun {
     if (plan.check_forward) sets.push_back(OutputSet::kForward);
     if (plan.check_grads) sets.insert(sets.end(), {OutputSet::kDgrad, OutputSet::kBiasGrads, OutputSet::kWgrad});
     for (OutputSet set : sets)
-      for (const verify::CompareResult& r : p_.check(set, where)) {
+      for (const testing::CompareResult& r : p_.check(set, where)) {
         max_rel_err_ = std::max(max_rel_err_, r.rel_fro);
         if (!r.ok) return fail(r.message);
       }
@@ -110,7 +110,7 @@ class CaseRun {
 
   Problem& p_;
   std::vector<StepPlan> plans_;
-  verify::Stream stream_;
+  testing::Stream stream_;
   std::vector<unsigned char> immediate_wgrad_;  // of the current routing
   double max_rel_err_ = 0.0;
   std::string failure_;
@@ -122,7 +122,7 @@ class CaseRun {
 
 CaseOutcome GroupedLinearRunner::run(const RunSettings& settings) {
   SplitGenerator routing(case_.routing, case_.spec.groups);
-  verify::CaseSpec spec = case_.spec;
+  testing::CaseSpec spec = case_.spec;
   spec.splits = routing.next();
   Problem p(spec, case_.data_seed);
   CaseRun run(p, plan_steps(case_.phases));

@@ -106,7 +106,7 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
 
   c.main_grad = read_main_grad(o, c.dtype, "the weight gradients");
   c.replays = read_replays(o);
-  if (const Json* tol = o.find("tolerance")) c.tolerance = read_tolerance(*tol, verify::chain_tolerance_for(c.dtype));
+  if (const Json* tol = o.find("tolerance")) c.tolerance = read_tolerance(*tol, testing::chain_tolerance_for(c.dtype));
 
   check_layer_accepts(c);
   return std::make_unique<MoeLayerRunner>(std::move(c));

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "moegraph/moe_layer.hpp"
-#include "src/verify/data.hpp"
+#include "testing/data.hpp"
 #include "tools/check/case_json.hpp"
 #include "tools/check/case_runner.hpp"
 
@@ -36,7 +36,7 @@ struct MoeLayerCase {
   bool main_grad = false;  // weight gradients accumulate into fp32 main_grad (else written in dtype)
   PhaseSet phases;
   int replays = 3;                             // graph replays of every token count
-  std::optional<verify::Tolerance> tolerance;  // default: chain_tolerance_for(dtype)
+  std::optional<testing::Tolerance> tolerance;  // default: chain_tolerance_for(dtype)
   uint64_t data_seed = 0;
   std::string json;  // the case as written, for dumps
 
@@ -63,11 +63,11 @@ class MoeLayerRunner final : public CaseRunner {
 
 // Host copies of the parameters, rounded to the dtype (exact in float32).
 struct MoeLayerParams {
-  verify::Mat router;  // [E, hidden]
-  verify::Mat w1;      // [E, 2 * ffn, hidden]
-  verify::Mat b1;      // [E, 2 * ffn] (with bias)
-  verify::Mat w2;      // [E, hidden, ffn]
-  verify::Mat b2;      // [E, hidden] (with bias)
+  testing::Mat router;  // [E, hidden]
+  testing::Mat w1;      // [E, 2 * ffn, hidden]
+  testing::Mat b1;      // [E, 2 * ffn] (with bias)
+  testing::Mat w2;      // [E, hidden, ffn]
+  testing::Mat b2;      // [E, hidden] (with bias)
 };
 
 // One output of a step next to its fp64 reference. With main_grad the weight gradients are the
@@ -75,8 +75,8 @@ struct MoeLayerParams {
 struct MoeLayerOutput {
   std::string name;  // y, aux_loss, dx, d_router_weight, dw1, dw2, db1, db2
   std::vector<int64_t> shape;
-  verify::Mat got, ref;
-  verify::Tolerance tol;
+  testing::Mat got, ref;
+  testing::Tolerance tol;
   bool checked = false;  // the case's phases asked for it (else written by the step, not compared)
 };
 
@@ -85,7 +85,7 @@ struct MoeLayerRun {
   std::string label;  // e.g. "graph replay 2 of forward_train+backward, 96 tokens"
   int64_t tokens = 0;
   bool backward = false;  // the step ran a backward (dy is an input)
-  verify::Mat x, dy;      // [n, hidden]
+  testing::Mat x, dy;      // [n, hidden]
   std::vector<MoeLayerOutput> outputs;
   uint64_t dropped = 0, ref_dropped = 0;  // capacity-factor drops of the step: device, reference
   bool dropped_read = false;              // the step finished and read_dropped() was called

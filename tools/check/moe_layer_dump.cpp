@@ -12,7 +12,7 @@
 namespace moegraph::check {
 namespace {
 
-std::vector<float> as_float32(const verify::Mat& v) { return {v.begin(), v.end()}; }
+std::vector<float> as_float32(const testing::Mat& v) { return {v.begin(), v.end()}; }
 
 bool is_weight_gradient(const std::string& name) {
   return name == "d_router_weight" || name == "dw1" || name == "dw2";

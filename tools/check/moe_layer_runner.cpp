@@ -15,21 +15,21 @@
 #include <vector>
 
 #include "moegraph/error.hpp"
-#include "src/verify/device_array.hpp"
-#include "src/verify/graph.hpp"
-#include "src/verify/moe_layer_reference.hpp"
+#include "testing/device_array.hpp"
+#include "testing/graph.hpp"
+#include "testing/moe_layer_reference.hpp"
 #include "tools/check/moe_layer_case.hpp"
 
 namespace moegraph::check {
 namespace {
 
-using verify::DeviceArray;
-using verify::Mat;
+using testing::DeviceArray;
+using testing::Mat;
 
 // All-ones 16 bits: NaN in bf16 and fp16 (what DeviceArray::poison writes).
 constexpr uint16_t kNaNBits = 0xffff;
 // The aux loss is an fp32 sum over up to max_tokens scores, not a chained 16-bit output.
-constexpr verify::Tolerance kAuxLossTolerance{1e-4, 0.0, 1e-4};
+constexpr testing::Tolerance kAuxLossTolerance{1e-4, 0.0, 1e-4};
 // A token whose k-th and (k+1)-th largest router logits are closer than this is redrawn: the
 // device's fp32 logits then pick the same experts as the fp64 reference (its fp32 rounding error
 // is below 1e-4 at the case sizes), so the device's top-k ids need not be read back.
@@ -50,7 +50,7 @@ void enqueue(MoeLayer& layer, Step step, const MoeLayerIO& io, cudaStream_t stre
 
 Mat values_of(const std::vector<uint16_t>& bits, std::size_t count, DType t) {
   Mat out(count);
-  for (std::size_t i = 0; i < count; ++i) out[i] = verify::from_bits(bits[i], t);
+  for (std::size_t i = 0; i < count; ++i) out[i] = testing::from_bits(bits[i], t);
   return out;
 }
 
@@ -75,7 +75,7 @@ class MoeProblem {
       : c_(c),
         options_(moe_layer_options(c, false)),
         rng_(c.data_seed),
-        tol_(c.tolerance.value_or(verify::chain_tolerance_for(c.dtype))) {
+        tol_(c.tolerance.value_or(testing::chain_tolerance_for(c.dtype))) {
     const int64_t e = c.experts, h = c.hidden, f = c.ffn;
     const double sh = 1.0 / std::sqrt(static_cast<double>(h)), sf = 1.0 / std::sqrt(static_cast<double>(f));
     // Logits x · W_r^T with x ~ U(-1, 1): standard deviation s * sqrt(hidden) / 3, so s = 3 / sqrt(hidden)
@@ -131,16 +131,16 @@ class MoeProblem {
   void draw(int64_t n) {
     const int64_t h = c_.hidden;
     n_ = n;
-    x_host_ = verify::random_values(rng_, n * h, 1.0, c_.dtype);
+    x_host_ = testing::random_values(rng_, n * h, 1.0, c_.dtype);
     avoid_router_ties();
     upload_rows(x_, x_host_);
     if (c_.training()) {
-      dy_host_ = verify::random_values(rng_, n * h, 1.0, c_.dtype);
+      dy_host_ = testing::random_values(rng_, n * h, 1.0, c_.dtype);
       upload_rows(dy_, dy_host_);
     }
     num_tokens_.upload({static_cast<int32_t>(n)});
 
-    verify::MoeLayerInputs in;
+    testing::MoeLayerInputs in;
     in.x = &x_host_;
     in.wr = &params_.router;
     in.w1 = &params_.w1;
@@ -161,7 +161,7 @@ class MoeProblem {
     in.router.row_align = c_.row_align;
     in.fuse_weights = c_.fuse_weights;
     in.dtype = c_.dtype;
-    ref_ = verify::ref_moe_layer(in);
+    ref_ = testing::ref_moe_layer(in);
   }
 
   // Before every run: outputs NaN, main_grad back to its initial value (the step accumulates into it).
@@ -200,7 +200,7 @@ class MoeProblem {
   std::vector<MoeLayerOutput> outputs(const StepPlan& plan) const {
     const int64_t e = c_.experts, h = c_.hidden, f = c_.ffn, rows = n_ * h;
     std::vector<MoeLayerOutput> out;
-    auto add = [&](std::string name, std::vector<int64_t> shape, Mat got, const Mat& ref, verify::Tolerance tol,
+    auto add = [&](std::string name, std::vector<int64_t> shape, Mat got, const Mat& ref, testing::Tolerance tol,
                    bool checked) {
       out.push_back({std::move(name), std::move(shape), std::move(got), ref, tol, checked});
     };
@@ -230,9 +230,9 @@ class MoeProblem {
     if (!training_step) return {};
     const std::vector<uint16_t> dx = dx_.download();
     for (std::size_t i = first; i < dx.size(); ++i)
-      if (verify::from_bits(dx[i], c_.dtype) != 0.0)
+      if (testing::from_bits(dx[i], c_.dtype) != 0.0)
         return detail::concat("dx row ", i / c_.hidden, " col ", i % c_.hidden, " (past the ", n_, " tokens) is ",
-                              verify::from_bits(dx[i], c_.dtype), ", not zero");
+                              testing::from_bits(dx[i], c_.dtype), ", not zero");
     return {};
   }
 
@@ -258,9 +258,9 @@ class MoeProblem {
 
  private:
   DeviceArray<uint16_t> upload(Mat& host, int64_t count, double scale) {
-    host = verify::random_values(rng_, static_cast<std::size_t>(count), scale, c_.dtype);
+    host = testing::random_values(rng_, static_cast<std::size_t>(count), scale, c_.dtype);
     DeviceArray<uint16_t> d(static_cast<std::size_t>(count));
-    d.upload(verify::to_device_bits(host, c_.dtype));
+    d.upload(testing::to_device_bits(host, c_.dtype));
     return d;
   }
 
@@ -269,7 +269,7 @@ class MoeProblem {
     const auto size = static_cast<std::size_t>(count);
     if (c_.main_grad) {
       // A nonzero start, so a gradient written instead of accumulated fails the check.
-      const Mat init = verify::random_values(rng_, size, 1.0, DType::kFP32);
+      const Mat init = testing::random_values(rng_, size, 1.0, DType::kFP32);
       g.main_grad_init.assign(init.begin(), init.end());
       g.main_grad = DeviceArray<float>(size);
     } else {
@@ -291,7 +291,7 @@ class MoeProblem {
   // Rows [0, n) from `host`, NaN in the rest: the layer must never read them.
   void upload_rows(DeviceArray<uint16_t>& d, const Mat& host) const {
     std::vector<uint16_t> bits(d.size(), kNaNBits);
-    const std::vector<uint16_t> data = verify::to_device_bits(host, c_.dtype);
+    const std::vector<uint16_t> data = testing::to_device_bits(host, c_.dtype);
     std::copy(data.begin(), data.end(), bits.begin());
     d.upload(bits);
   }
@@ -317,7 +317,7 @@ class MoeProblem {
         const double kth = *std::min_element(logits.begin(), logits.begin() + k);
         if (kth - logits[k] >= kMinLogitGap) break;
         MG_CHECK(attempt < kMaxRedraws, "no token without a router tie in ", kMaxRedraws, " draws");
-        for (int64_t i = 0; i < h; ++i) row[i] = verify::round_to(dist(rng_), c_.dtype);
+        for (int64_t i = 0; i < h; ++i) row[i] = testing::round_to(dist(rng_), c_.dtype);
       }
     }
   }
@@ -325,7 +325,7 @@ class MoeProblem {
   const MoeLayerCase& c_;
   MoeLayerOptions options_;
   std::mt19937_64 rng_;
-  verify::Tolerance tol_;
+  testing::Tolerance tol_;
   MoeLayerParams params_;
   DeviceArray<uint16_t> router_, w1_, b1_, w2_, b2_;
   DeviceArray<uint16_t> x_, y_, dy_, dx_, db1_, db2_;
@@ -337,7 +337,7 @@ class MoeProblem {
 
   int64_t n_ = 0;
   Mat x_host_, dy_host_;
-  verify::MoeLayerRef ref_;
+  testing::MoeLayerRef ref_;
 };
 
 // The state of one case run: the steps, the last run (for --dump), the worst error so far.
@@ -361,10 +361,10 @@ class CaseRun {
 
   // Graph: every step captured once, then replayed over every token count with fresh data.
   bool run_graphs() {
-    std::vector<std::unique_ptr<verify::Graph>> graphs;
+    std::vector<std::unique_ptr<testing::Graph>> graphs;
     for (const StepPlan& plan : plans_) {
       where_ = detail::concat("graph capture of ", plan.label);
-      graphs.push_back(std::make_unique<verify::Graph>(
+      graphs.push_back(std::make_unique<testing::Graph>(
           stream_.get(), [&] { enqueue(p_.layer(plan.step), plan.step, p_.io(), stream_.get()); }));
     }
     for (int replay = 0; replay < c_.replays; ++replay)
@@ -410,7 +410,7 @@ class CaseRun {
       if (!o.checked) continue;
       const bool from_main_grad = c_.main_grad && (o.name == "d_router_weight" || o.name == "dw1" || o.name == "dw2");
       const int64_t cols = o.shape.size() > 1 ? o.shape.back() : 1;
-      const verify::CompareResult r = verify::all_close(
+      const testing::CompareResult r = testing::all_close(
           detail::concat(where, ": ", o.name, from_main_grad ? " (main_grad increment)" : ""), o.got, o.ref, cols, {},
           o.tol);
       max_rel_err_ = std::max(max_rel_err_, r.rel_fro);
@@ -441,7 +441,7 @@ class CaseRun {
   const MoeLayerCase& c_;
   MoeProblem& p_;
   std::vector<StepPlan> plans_;
-  verify::Stream stream_;
+  testing::Stream stream_;
   std::vector<std::pair<std::string, std::vector<unsigned char>>> immediate_bits_;  // of the current data
   MoeLayerRun last_;
   double max_rel_err_ = 0.0;

@@ -4,7 +4,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "src/verify/data.hpp"
+#include "testing/data.hpp"
 
 namespace moegraph::check {
 namespace {
@@ -92,7 +92,7 @@ std::vector<int32_t> SplitGenerator::next() {
     case RoutingKind::kExplicit:
       return spec_.splits;
     case RoutingKind::kRandom:
-      return verify::random_splits(rng_, groups_, spec_.rows, spec_.skew);
+      return testing::random_splits(rng_, groups_, spec_.rows, spec_.skew);
     case RoutingKind::kEmptyExperts: {
       // Random splits over the experts that may get rows, scattered back into place.
       std::vector<int> used;
@@ -100,7 +100,7 @@ std::vector<int32_t> SplitGenerator::next() {
         if (!std::binary_search(spec_.empty_experts.begin(), spec_.empty_experts.end(), e)) used.push_back(e);
       std::vector<int32_t> splits(groups_, 0);
       if (used.empty()) return splits;
-      const auto packed = verify::random_splits(rng_, static_cast<int>(used.size()), spec_.rows, 0.0);
+      const auto packed = testing::random_splits(rng_, static_cast<int>(used.size()), spec_.rows, 0.0);
       for (std::size_t i = 0; i < used.size(); ++i) splits[used[i]] = packed[i];
       return splits;
     }

@@ -4,8 +4,8 @@
 
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
-#include "src/common/device_buffer.hpp"
-#include "src/ops/moe/device_record.hpp"
+#include "src/core/device_buffer.hpp"
+#include "src/ops/group_layout.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {
@@ -79,7 +79,7 @@ class DispatchOp final : public LayerOp {
                               o_.top_k, o_.hidden, p.io->dx, stream);
   }
 
-  std::string take_device_error() override { return take_error_record(error_, o_.row_align, "dispatch"); }
+  DeviceErrorRecord take_device_error() override { return take_device_error_record(error_); }
 
   uint64_t take_dropped() override {
     unsigned long long dropped = 0;

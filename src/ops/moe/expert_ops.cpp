@@ -2,6 +2,7 @@
 // them, optionally with each row's routing weight multiplied in (the fused variant).
 #include <memory>
 
+#include "kernels/common/device_query.hpp"
 #include "kernels/elementwise/elementwise.hpp"
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
@@ -14,25 +15,10 @@ namespace {
 // The gradient FC2 gives its per-row bias scale when the routing weights are fused in.
 constexpr const char* kDBiasScale = "d.bias_scale";
 
-GroupedLinearOptions linear_options(const OpSpec& spec, const MoeLayerOptions& o) {
-  GroupedLinearOptions g;
-  g.num_groups = o.experts;
-  g.in_features = spec.layer == 1 ? o.hidden : o.ffn;
-  g.out_features = spec.layer == 1 ? 2 * o.ffn : o.hidden;
-  g.capacity_rows = moe_layer_rows(o);
-  g.row_align = o.row_align;
-  g.dtype = o.dtype;
-  g.bias = o.bias;
-  g.wgrad_slots = o.training ? o.wgrad_slots : 1;
-  g.delay_wgrad = o.training && o.delay_wgrad;
-  g.recipe = o.recipe;
-  return g;
-}
-
 class LinearOp final : public LayerOp {
  public:
   LinearOp(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w)
-      : spec_(spec), o_(o), g_(linear_options(spec, o)) {
+      : spec_(spec), o_(o), g_(expert_linear_options(o, spec.layer, moe_layer_rows(o))) {
     MG_CHECK(spec.layer == 1 || spec.layer == 2, "linear operator \"", spec.name, "\" must be FC1 or FC2");
     const bool fc1 = spec.layer == 1;
     weight_ = fc1 ? w.w1 : w.w2;
@@ -61,8 +47,10 @@ class LinearOp final : public LayerOp {
   void forward(const Phase& p, cudaStream_t stream) override {
     const TensorTable& t = *p.tensors;
     const int s = p.slot;
+    // The dispatch's group layout: planned once per micro-batch, checked there.
     ForwardArgs a{t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
-                  scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s)};
+                  scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s),
+                  t.get<int64_t>(tensor::kOffsets, s)};
     if (p.train) op_->forward_train(a, stream);
     else op_->forward(a, stream);
   }
@@ -81,23 +69,11 @@ class LinearOp final : public LayerOp {
                    scaled_bias_ ? t.get<float>(kDBiasScale) : nullptr,
                    fp32 ? nullptr : dweight_,
                    fp32 ? main_grad_ : nullptr};
-    op_->backward(b, o_.recipe, p.wgrad, stream);
+    op_->backward(b, p.wgrad, stream);
   }
 
   void wgrad(cudaStream_t stream) override { op_->backward_dw(stream); }
-  void weights_changed(cudaStream_t stream) override {
-    if (o_.recipe == Recipe::kMXFP8) op_->quantize_weights(weight_, stream);
-  }
-
-  std::string take_device_error() override {
-    try {
-      op_->check_device_errors(nullptr);
-    } catch (const Error& e) {
-      if (e.kind() != ErrorKind::kDeviceSplits) throw;
-      return spec_.name + ": " + e.message();
-    }
-    return {};
-  }
+  void weights_changed(cudaStream_t stream) override { op_->weights_changed(weight_, stream); }
 
  private:
   OpSpec spec_;
@@ -130,12 +106,7 @@ class SwigluOp final : public LayerOp {
     if (weighted_) t.declare(tensor::kDRowWeight, rows_ * sizeof(float), Lifetime::kStep);
   }
 
-  void bind(TensorTable&) override {
-    int device = 0, sms = 0;
-    MG_CUDA_CHECK(cudaGetDevice(&device));
-    MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    grid_ = 4 * sms;
-  }
+  void bind(TensorTable&) override { grid_ = 4 * kernels::current_sm_count(); }
 
   void forward(const Phase& p, cudaStream_t stream) override {
     const TensorTable& t = *p.tensors;
@@ -172,6 +143,22 @@ class SwigluOp final : public LayerOp {
 };
 
 }  // namespace
+
+GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, int64_t capacity_rows) {
+  MG_CHECK(layer == 1 || layer == 2, "an expert linear is FC1 or FC2, got ", layer);
+  GroupedLinearOptions g;
+  g.num_groups = o.experts;
+  g.in_features = layer == 1 ? o.hidden : o.ffn;
+  g.out_features = layer == 1 ? 2 * o.ffn : o.hidden;
+  g.capacity_rows = capacity_rows;
+  g.row_align = o.row_align;
+  g.dtype = o.dtype;
+  g.bias = o.bias;
+  g.wgrad_slots = o.training ? o.wgrad_slots : 1;
+  g.delay_wgrad = o.training && o.delay_wgrad;
+  g.recipe = o.recipe;
+  return g;
+}
 
 std::unique_ptr<LayerOp> make_linear_op(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w) {
   return std::make_unique<LinearOp>(spec, o, w);

@@ -38,9 +38,9 @@ class LayerOp {
   virtual void wgrad(cudaStream_t /*stream*/) {}
   // The weights were updated (MXFP8: re-quantize the copies the GEMMs read).
   virtual void weights_changed(cudaStream_t /*stream*/) {}
-  // Synchronized by the caller already: read and clear device error records; return the first
-  // problem ("" when none).
-  virtual std::string take_device_error() { return {}; }
+  // Synchronized by the caller already: read and clear the op's device error record (code
+  // kDeviceErrorNone when nothing was raised).
+  virtual DeviceErrorRecord take_device_error() { return {}; }
   // Synchronized by the caller already: (token, expert) assignments dropped since the last call.
   virtual uint64_t take_dropped() { return 0; }
 };

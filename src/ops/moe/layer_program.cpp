@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "moegraph/error.hpp"
+#include "src/ops/group_layout.hpp"
 
 namespace moegraph::layer {
 namespace {
@@ -103,8 +104,9 @@ void LayerProgram::check_device_errors(cudaStream_t stream) {
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::string first;  // every record is read and cleared; the first problem is reported
   for (auto& op : ops_) {
-    std::string problem = op->take_device_error();
-    if (first.empty()) first = std::move(problem);
+    const DeviceErrorRecord record = op->take_device_error();
+    if (first.empty() && record.code != kDeviceErrorNone)
+      first = op->name() + ": " + describe_device_error(record, options_.row_align);
   }
   if (!first.empty())
     detail::throw_error(__FILE__, __LINE__, "invalid device input: " + first, ErrorKind::kDeviceSplits);

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "moegraph/moe_layer.hpp"
-#include "src/common/device_buffer.hpp"
-#include "src/common/layout.hpp"
+#include "src/core/device_buffer.hpp"
+#include "src/core/layout.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {

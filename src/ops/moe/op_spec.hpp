@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "src/ops/moe/layer_op.hpp"
 
@@ -39,6 +40,11 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& options);
 // the same function. Returns the number of rewrites (0 when the pattern is absent).
 int fuse_routing_weights(std::vector<OpSpec>& ops);
 std::string describe(const std::vector<OpSpec>& ops);
+
+// FC1 (layer 1: hidden -> 2 * ffn) or FC2 (layer 2: ffn -> hidden) of the experts, on
+// `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions
+// (the layer's operators and the expert-MLP step both use it).
+GroupedLinearOptions expert_linear_options(const MoeLayerOptions& options, int layer, int64_t capacity_rows);
 
 // The operator of a declaration (set-up only: may allocate).
 std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& options, const MoeLayerWeights& weights);

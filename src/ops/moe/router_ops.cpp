@@ -6,17 +6,13 @@
 
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
-#include "src/common/device_buffer.hpp"
-#include "src/ops/moe/device_record.hpp"
-#include "src/cublaslt/lt_gemm.hpp"
+#include "src/core/device_buffer.hpp"
+#include "src/ops/group_layout.hpp"
+#include "src/core/lt_gemm.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {
 namespace {
-
-kernels::ScoreFunction score_function(RouterScore s) {
-  return s == RouterScore::kSigmoid ? kernels::ScoreFunction::kSigmoid : kernels::ScoreFunction::kSoftmax;
-}
 
 class RouterOp final : public LayerOp {
  public:
@@ -66,7 +62,7 @@ class RouterOp final : public LayerOp {
     r.max_tokens = o_.max_tokens;
     r.experts = o_.experts;
     r.top_k = o_.top_k;
-    r.score = score_function(o_.score);
+    r.score = o_.score;
     r.renormalize = o_.renormalize;
     r.scores = t.get<float>(tensor::kScores, p.slot);
     r.topk_ids = t.get<int32_t>(tensor::kTopkIds, p.slot);
@@ -90,7 +86,7 @@ class RouterOp final : public LayerOp {
     b.max_tokens = o_.max_tokens;
     b.experts = o_.experts;
     b.top_k = o_.top_k;
-    b.score = score_function(o_.score);
+    b.score = o_.score;
     b.renormalize = o_.renormalize;
     b.aux_coef = static_cast<float>(o_.aux_loss_coef);
     b.dtype = o_.dtype;
@@ -109,7 +105,7 @@ class RouterOp final : public LayerOp {
     run_wgrad(*t, slot, stream);
   }
 
-  std::string take_device_error() override { return take_error_record(error_, o_.row_align, "router"); }
+  DeviceErrorRecord take_device_error() override { return take_device_error_record(error_); }
 
  private:
   // logits [T, E] (fp32) = x [T, H] · W_r^T

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "moegraph/error.hpp"
-#include "src/common/layout.hpp"
+#include "src/core/layout.hpp"
 
 namespace moegraph::layer {
 

@@ -1,0 +1,34 @@
+// The per-family entry points behind grouped_gemm.hpp (internal to kernels/grouped_gemm): each
+// family's translation unit knows its tile shapes (config), its set-up on the current device
+// (prepare: raise the shared-memory limit, return the resident CTAs per SM) and its launches.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+
+namespace moegraph::kernels {
+
+// sm80_grouped_gemm_16bit_wmma.cu
+GemmConfig reference_gemm_config(GemmPhase phase, DType dtype);
+int prepare_reference_gemm(const GemmConfig& config);
+void launch_reference_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
+void launch_reference_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
+
+// sm90_grouped_gemm_16bit_cp_async.cu
+GemmConfig cp_async_gemm_config(GemmPhase phase, DType dtype, int tile_n);
+int prepare_cp_async_gemm(const GemmConfig& config);
+void launch_cp_async_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
+void launch_cp_async_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
+
+// sm90_grouped_gemm_16bit_tma.cu
+GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n);
+int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map);
+void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
+void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
+
+// sm90_grouped_gemm_mxfp8_cp_async.cu
+GemmConfig mxfp8_gemm_config(GemmPhase phase, DType out, bool ping_pong);
+int prepare_mxfp8_gemm(const GemmConfig& config);
+
+}  // namespace moegraph::kernels

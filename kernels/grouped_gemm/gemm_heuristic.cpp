@@ -1,0 +1,101 @@
+// The grouped GEMM heuristic: a GemmProblem and the overrides in, a printable GemmConfig out. The
+// rules come from measurements (docs/PERF.md); every choice can be forced for tuning.
+#include <cstdlib>
+#include <sstream>
+#include <string>
+
+#include "kernels/grouped_gemm/gemm_families.hpp"
+#include "moegraph/error.hpp"
+
+namespace moegraph::kernels {
+
+std::string_view gemm_phase_name(GemmPhase phase) {
+  switch (phase) {
+    case GemmPhase::kFprop: return "fprop";
+    case GemmPhase::kDgrad: return "dgrad";
+    case GemmPhase::kWgrad: return "wgrad";
+  }
+  return "?";
+}
+
+std::string_view gemm_family_name(GemmFamily family) {
+  switch (family) {
+    case GemmFamily::kReference: return "wmma_cp_async";
+    case GemmFamily::kCpAsync16: return "wgmma_cp_async_sw128";
+    case GemmFamily::kTma16: return "wgmma_tma_ws_sw128";
+    case GemmFamily::kMxfp8CpAsync: return "wgmma_e4m3_cp_async_sw128";
+  }
+  return "?";
+}
+
+std::string GemmConfig::to_string() const {
+  std::ostringstream os;
+  os << gemm_family_name(family) << " " << block_m << "x" << block_n << "x" << block_k << " stages=" << stages
+     << " threads=" << threads;
+  if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
+  return os.str();
+}
+
+GemmOverrides with_environment(GemmOverrides o) {
+  if (const char* env = std::getenv("MOEGRAPH_TILE_N"); env != nullptr && o.tile_n == 0) {
+    const std::string v = env;
+    MG_CHECK(v == "128" || v == "256", "MOEGRAPH_TILE_N must be 128 or 256, got '", v, "'");
+    o.tile_n = std::stoi(v);
+  }
+  if (const char* env = std::getenv("MOEGRAPH_GEMM_PIPELINE"); env != nullptr && o.pipeline == GemmPipeline::kAuto) {
+    const std::string v = env;
+    MG_CHECK(v == "tma" || v == "cp_async", "MOEGRAPH_GEMM_PIPELINE must be tma or cp_async, got '", v, "'");
+    o.pipeline = v == "tma" ? GemmPipeline::kTma : GemmPipeline::kCpAsync;
+  }
+  if (const char* env = std::getenv("MOEGRAPH_MXFP8_PINGPONG"); env != nullptr && o.mxfp8_ping_pong < 0) {
+    const std::string v = env;
+    MG_CHECK(v == "0" || v == "1", "MOEGRAPH_MXFP8_PINGPONG must be 0 or 1, got '", v, "'");
+    o.mxfp8_ping_pong = v == "1";
+  }
+  return o;
+}
+
+namespace {
+
+// The wide tile pays off when every group holds many rows (full tiles along M, long wgrad
+// reductions) and the output is wide; small or memory-bound problems want two CTAs per SM.
+// (v5, docs/PERF.md: the FC1 kernel bench alone preferred wide TMA tiles for Qwen3's 256 rows per
+// expert too, but the whole Qwen3 step got slower with them, 4.52 -> 5.22 ms: kept as is.)
+int heuristic_tile_n(const GemmProblem& p) {
+  const int64_t out_cols = p.phase == GemmPhase::kFprop ? p.n : p.k;
+  return p.expected_rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
+}
+
+// Measured (docs/PERF.md, v5): TMA wins or ties everywhere except wgrad on the narrow tiles (small
+// experts, e.g. decode: 1.49 against 0.93 ms), whose many short tiles are epilogue-bound; the
+// cp.async kernel runs two CTAs per SM there, so one CTA's epilogue hides under the other's loads.
+GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
+  return phase == GemmPhase::kWgrad && tile_n == 128 ? GemmPipeline::kCpAsync : GemmPipeline::kTma;
+}
+
+}  // namespace
+
+GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
+  MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
+           o.tile_n);
+  switch (p.recipe) {
+    case Recipe::kMXFP8:
+      MG_CHECK(!o.reference, "the mxfp8 recipe has no reference (WMMA) kernels");
+      // One kernel shape; two fp32 partials per block measured faster (docs/PERF.md).
+      return mxfp8_gemm_config(p.phase, p.dtype, o.mxfp8_ping_pong != 0);
+    case Recipe::kBF16: {
+      if (o.reference) return reference_gemm_config(p.phase, p.dtype);
+      const int tile_n = o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);
+      const GemmPipeline pipeline = o.pipeline != GemmPipeline::kAuto ? o.pipeline : heuristic_pipeline(p.phase, tile_n);
+      switch (pipeline) {
+        case GemmPipeline::kTma: return tma_gemm_config(p.phase, p.dtype, tile_n);
+        case GemmPipeline::kCpAsync: return cp_async_gemm_config(p.phase, p.dtype, tile_n);
+        case GemmPipeline::kAuto: break;
+      }
+      break;
+    }
+  }
+  MG_FAIL("no grouped GEMM kernel for recipe ", recipe_name(p.recipe), " and ", gemm_phase_name(p.phase));
+}
+
+}  // namespace moegraph::kernels

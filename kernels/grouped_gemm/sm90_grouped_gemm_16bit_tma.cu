@@ -1,0 +1,123 @@
+// The warp-specialized TMA kernels (sm_90a; bf16 and fp16; fprop, dgrad, wgrad; 128- and 256-wide
+// tiles), and their tensor maps. Encoding is host-only arithmetic on pointers and sizes (no device
+// access, no synchronization), so the launchers stay capturable; the driver entry point is looked
+// up at set-up and kept in the plan.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "kernels/common/dtype_dispatch.cuh"
+#include "kernels/common/kernel_setup.cuh"
+#include "kernels/grouped_gemm/gemm_families.hpp"
+#include "kernels/grouped_gemm/sm90_grouped_gemm_16bit_tma.cuh"
+#include "moegraph/error.hpp"
+
+namespace moegraph::kernels {
+
+namespace {
+
+namespace t = tma_gemm;
+using Encode = PFN_cuTensorMapEncodeTiled_v12000;
+
+// A row-major tensor of 16-bit elements with dims[0] contiguous; strides in elements for dims 1...
+template <int kRank>
+CUtensorMap encode(const GemmPlan& plan, const void* base, const uint64_t (&dims)[kRank],
+                   const uint64_t (&strides)[kRank - 1], const uint32_t (&box)[kRank]) {
+  MG_CHECK(plan.encode_tensor_map != nullptr, "the TMA plan was not prepared (prepare_gemm at set-up)");
+  MG_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "the TMA grouped GEMM needs 16-byte aligned operands");
+  cuuint64_t gdims[kRank], gstrides[kRank > 1 ? kRank - 1 : 1];
+  cuuint32_t gbox[kRank], estrides[kRank];
+  for (int i = 0; i < kRank; ++i) gdims[i] = dims[i] > 0 ? dims[i] : 1, gbox[i] = box[i], estrides[i] = 1;
+  for (int i = 0; i + 1 < kRank; ++i) gstrides[i] = strides[i] * 2;
+  CUtensorMap map;
+  const auto data_type =
+      plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = reinterpret_cast<Encode>(plan.encode_tensor_map)(
+      &map, data_type, kRank, const_cast<void*>(base), gdims, gstrides, gbox, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  MG_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", static_cast<int>(r));
+  return map;
+}
+
+// Rows [capacity, cols] with a box of box_rows x 64 columns.
+CUtensorMap rows_map(const GemmPlan& plan, const void* base, int64_t capacity, int64_t cols, uint32_t box_rows) {
+  return encode<2>(plan, base, {static_cast<uint64_t>(cols), static_cast<uint64_t>(capacity)},
+                   {static_cast<uint64_t>(cols)}, {64u, box_rows});
+}
+// W [G][N][K] with a box of 64 K x box_n N x 1.
+CUtensorMap weight_map(const GemmPlan& plan, const void* w, int64_t groups, int64_t n, int64_t k, uint32_t box_n) {
+  return encode<3>(plan, w, {static_cast<uint64_t>(k), static_cast<uint64_t>(n), static_cast<uint64_t>(groups)},
+                   {static_cast<uint64_t>(k), static_cast<uint64_t>(n * k)}, {64u, box_n, 1u});
+}
+
+// Calls f(T{}, Tile{}) for the plan's 16-bit type and tile width.
+template <class F>
+void with_kernel_types(const GemmConfig& config, F&& f) {
+  with_16bit_type(config.dtype, "TMA grouped GEMM", [&](auto t) {
+    if (config.block_n == 256) f(t, t::Tile256{});
+    else f(t, t::Tile128{});
+  });
+}
+
+
+template <class Tile>
+GemmConfig config_of(GemmPhase phase, DType dtype) {
+  return {phase, GemmFamily::kTma16, dtype, t::BM, Tile::BN, t::BK, Tile::STAGES, t::THREADS};
+}
+
+}  // namespace
+
+GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n) {
+  return tile_n == 256 ? config_of<t::Tile256>(phase, dtype) : config_of<t::Tile128>(phase, dtype);
+}
+
+int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  MG_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
+  MG_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "the driver has no cuTensorMapEncodeTiled");
+  *encode_tensor_map = fn;
+  int blocks = 0;
+  with_kernel_types(config, [&](auto e, auto tile) {
+    using T = decltype(e);
+    using Tile = decltype(tile);
+    auto measure = [&](auto kernel) { blocks = allow_smem_and_measure(kernel, t::THREADS, Tile::kSmemBytes); };
+    switch (config.phase) {
+      case GemmPhase::kFprop: measure(t::ragged_gemm_ws_kernel<T, Tile, false>); break;
+      case GemmPhase::kDgrad: measure(t::ragged_gemm_ws_kernel<T, Tile, true>); break;
+      case GemmPhase::kWgrad: measure(t::grouped_wgrad_ws_kernel<T, Tile>); break;
+    }
+  });
+  return blocks;
+}
+
+void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream) {
+  MG_CHECK(p.capacity_rows > 0, "the TMA grouped GEMM needs capacity_rows");
+  const bool dgrad = plan.config.phase == GemmPhase::kDgrad;
+  with_kernel_types(plan.config, [&](auto e, auto tile) {
+    using T = decltype(e);
+    using Tile = decltype(tile);
+    t::RaggedTmaParams tp;
+    tp.p = p;
+    tp.a = rows_map(plan, p.a, p.capacity_rows, dgrad ? p.n : p.k, t::BM);
+    tp.b = weight_map(plan, p.w, p.num_groups, p.n, p.k, dgrad ? 64u : static_cast<uint32_t>(Tile::BN));
+    if (dgrad) t::ragged_gemm_ws_kernel<T, Tile, true><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    else t::ragged_gemm_ws_kernel<T, Tile, false><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+  });
+  MG_LAUNCH_CHECK();
+}
+
+void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream) {
+  MG_CHECK(p.capacity_rows > 0, "the TMA grouped GEMM needs capacity_rows");
+  with_kernel_types(plan.config, [&](auto e, auto tile) {
+    using T = decltype(e);
+    using Tile = decltype(tile);
+    t::WgradTmaParams tp;
+    tp.p = p;
+    tp.dy = rows_map(plan, p.dy, p.capacity_rows, p.n, 64);
+    tp.x = rows_map(plan, p.x, p.capacity_rows, p.k, 64);
+    t::grouped_wgrad_ws_kernel<T, Tile><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+  });
+  MG_LAUNCH_CHECK();
+}
+
+}  // namespace moegraph::kernels

@@ -1,0 +1,414 @@
+// Warp-specialized grouped GEMMs on Hopper (sm_90a): one producer warp drives the copy engine (TMA)
+// into a ring of shared-memory stages guarded by mbarriers, and two consumer warpgroups, each owning
+// 64 rows of a 128 x BN tile, issue wgmma from those stages and never wait on each other. The ring
+// runs across tiles (persistent grid, tiles scheduled from the device offsets), so the producer
+// fetches the next tile's operands while the consumers run the epilogue. 16-bit results go through
+// a padded shared-memory staging area to the copy engine (one bulk copy per row, so rows of other
+// groups are never touched) and drain while the next tile computes; main_grad takes the fp32 tile
+// the same way, in two halves of columns, as bulk reduce-adds performed at L2. Tiles land in the
+// same 128-byte-swizzled layouts as the cp.async kernels (sm90_grouped_gemm_wgmma.cuh), so the
+// wgmma descriptors are shared.
+//   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
+//   dgrad: dx = dy · W_e      A = dy (K-major box)       B = W_e (MN-major boxes [64 N][64 K])
+//   wgrad: dW_e = dy_e^T x_e  A = dy (MN-major boxes)    B = x   (MN-major boxes), over the group's rows
+// Ragged rows need no masks in the loads: a row tile that runs into the next group multiplies rows
+// whose outputs are never stored, and past capacity the copy engine reads zeros. Only wgrad, whose
+// reduction runs over the group's rows, zeroes the rows past the group in its last stage.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/common/ragged_tiles.cuh"
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/grouped_gemm/sm90_tma.cuh"
+#include "kernels/grouped_gemm/sm90_wgmma_ops.cuh"
+
+namespace moegraph::kernels::tma_gemm {
+
+constexpr int BM = 128, BK = 64;                      // BK * 2 bytes = one 128-byte swizzle row
+constexpr int kConsumerThreads = 256, THREADS = 384;  // warpgroup 0: producer; 1, 2: consumers
+constexpr int kTileBytesA = BM * BK * 2;
+constexpr int kAtomBytes = 64 * BK * 2;  // 64 MN x 64 K: one MN-major box, or a warpgroup's K-major rows
+constexpr int kRasterM = 8;              // row tiles walked together (L2 reuse of both operands)
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+
+// (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus the (128, kBN) 16-bit output
+// staging, whose rows are padded by 16 bytes so a warp's 8 rows x 4 words hit 32 distinct banks.
+template <int kBN, int kStages>
+struct TileShape {
+  static constexpr int BN = kBN, STAGES = kStages;
+  static constexpr int kTileBytesB = BN * BK * 2;
+  static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
+  static constexpr int kStagingLd = BN * 2 + 16;  // bytes per staged row
+  static constexpr int kStagingBytes = BM * kStagingLd;
+  static constexpr int kSmemBytes = STAGES * kStageBytes + kStagingBytes + 1024;  // + slack to align to 1024
+  static_assert(kSmemBytes + 5 * 1024 <= 227 * 1024, "with the static tile prefix and barriers");
+};
+using Tile128 = TileShape<128, 5>;
+using Tile256 = TileShape<256, 3>;
+
+// Kernel parameters: the tensor maps live in parameter space (__grid_constant__) for the copy engine.
+struct RaggedTmaParams {
+  CUtensorMap a;  // [capacity_rows, red] 2-D, box {64, 128}
+  CUtensorMap b;  // W as [G][N][K] 3-D; fprop box {64, BN, 1}, dgrad box {64, 64, 1}
+  RaggedGemmParams p;
+};
+struct WgradTmaParams {
+  CUtensorMap dy;  // [capacity_rows, N] 2-D, box {64, 64}
+  CUtensorMap x;   // [capacity_rows, K] 2-D, box {64, 64}
+  WgradParams p;
+};
+
+// Position in the ring, advanced identically by the producer and the consumers.
+struct RingPos {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int kStages>
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
+template <class Tile>
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < Tile::STAGES; ++s) {
+      sm90::mbar_init(&full[s], 1);                  // the producer's arrive.expect_tx
+      sm90::mbar_init(&empty[s], kConsumerThreads);  // every consumer thread, once its MMAs are done
+    }
+    sm90::fence_mbarrier_init();
+  }
+}
+
+// Row tile mt and column tile nt of virtual tile t: tiles go kRasterM row tiles at a time, column
+// tile by column tile, so the CTAs running together share both their A rows and their B columns.
+__device__ __forceinline__ void raster(int64_t t, int total_mt, int tiles_n, int& mt, int& nt) {
+  const int64_t per_band = static_cast<int64_t>(kRasterM) * tiles_n;
+  const int band = static_cast<int>(t / per_band);
+  const int rem = static_cast<int>(t % per_band);
+  const int band_rows = min(kRasterM, total_mt - band * kRasterM);
+  mt = band * kRasterM + rem % band_rows;
+  nt = rem / band_rows;
+}
+
+template <bool kMnMajor>
+__device__ __forceinline__ uint64_t tile_desc(uint32_t addr) {
+  return kMnMajor ? sm90::mnmajor_sw128_desc(addr, kAtomBytes) : sm90::kmajor_sw128_desc(addr);
+}
+template <bool kMnMajor>
+__device__ __forceinline__ constexpr uint32_t kstep_bytes() { return kMnMajor ? 2048 : 32; }  // 16 K-elements
+
+// The consumers' K loop over `ktiles` stages of the ring: acc = A(this warpgroup's 64 rows) · B.
+// `zero_tail(stage)` may rewrite the last stage before its MMAs (wgrad's rows past the group).
+template <class T, class Tile, bool kAMn, bool kBMn, class ZeroTail>
+__device__ __forceinline__ void consume(uint8_t* smem, uint64_t* full, uint64_t* empty, RingPos& pos, int ktiles,
+                                        float (&acc)[Tile::BN / 2], ZeroTail zero_tail) {
+  const int wg = threadIdx.x / 128 - 1;
+  int prev = -1;
+  // The first MMA ignores acc (scale-d = 0), but the compiler sees the asm read it: zeroing ends the
+  // previous tile's accumulators' lives here, so they are not kept (spilled) across its epilogue.
+#pragma unroll
+  for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
+  for (int kt = 0; kt < ktiles; ++kt) {
+    sm90::mbar_wait(&full[pos.stage], pos.phase);
+    uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
+    if (kt == ktiles - 1) zero_tail(stage);
+    const uint32_t a_addr = sm90::smem_addr(stage + wg * kAtomBytes);
+    const uint32_t b_addr = sm90::smem_addr(stage + kTileBytesA);
+    sm90::fence_registers(acc);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      sm90::Wgmma<T, Tile::BN>::template mma<kAMn, kBMn>(acc, tile_desc<kAMn>(a_addr + kk * kstep_bytes<kAMn>()),
+                                                          tile_desc<kBMn>(b_addr + kk * kstep_bytes<kBMn>()),
+                                                          kt > 0 || kk > 0);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<1>();  // the MMAs of the previous stage are done: release it to the producer
+    sm90::fence_registers(acc);
+    if (prev >= 0) sm90::mbar_arrive(&empty[prev]);
+    prev = pos.stage;
+    pos.template advance<Tile::STAGES>();
+  }
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(acc);
+  if (prev >= 0) sm90::mbar_arrive(&empty[prev]);
+}
+
+// Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane/4 (+8); registers
+// 4j + {0,1} are columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} of the second.
+__device__ __forceinline__ int acc_row(int half) {
+  const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  return wg * 64 + warp * 16 + lane / 4 + half * 8;
+}
+__device__ __forceinline__ int acc_col(int j) { return j * 8 + (threadIdx.x % 4) * 2; }
+
+template <class T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+};
+template <>
+struct Pair<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ type make(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+};
+
+// The staging protocol of one consumer warpgroup (its 64 rows of the staging area): wait until the
+// copy engine has read what this warpgroup's threads handed it last time, write the rows with
+// write(), publish them to the async proxy, and let thread r < 64 of the warpgroup issue copy(row)
+// for tile row 64 * wg + r. Returns without waiting for the copies, which drain under the next tile.
+template <class Write, class Copy>
+__device__ __forceinline__ void through_staging(Write write, Copy copy) {
+  const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
+  sm90::bulk_wait_read();
+  sm90::named_barrier(2 + wg, 128);
+  write();
+  sm90::fence_proxy_async_smem();
+  sm90::named_barrier(2 + wg, 128);
+  if (wtid < 64) {
+    copy(wg * 64 + wtid);
+    sm90::bulk_commit();
+  }
+}
+
+// f(half, row, col, v0, v1) for this thread's accumulator pairs in columns [kJ0 * 8, kJ1 * 8) of
+// the tile: v0, v1 are the pair at (row, col) and (row, col + 1). Compile-time bounds keep acc in
+// registers.
+template <int kJ0, int kJ1, int kN, class F>
+__device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kN], F f) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int j = kJ0; j < kJ1; ++j) f(half, acc_row(half), acc_col(j), acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+  }
+}
+
+// Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators, stored in T:
+// col_bytes of each row to dst0 + row * ld.
+template <class T, class Tile, class F>
+__device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[Tile::BN / 2], T* dst0, int64_t ld,
+                                           int row_lim, uint32_t col_bytes, F f) {
+  through_staging(
+      [&] {
+        for_each_acc_pair<0, Tile::BN / 8>(acc, [&](int half, int row, int col, float v0, float v1) {
+          f(half, row, col, v0, v1);
+          *reinterpret_cast<typename Pair<T>::type*>(staging + row * Tile::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
+        });
+      },
+      [&](int row) {
+        if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Tile::kStagingLd, col_bytes);
+      });
+}
+
+// main_grad rows below row_lim += the fp32 tile's columns below col_lim, by bulk reduce-adds (one add
+// per element, so the result is the read-modify-write's). The tile goes through the staging area in
+// two halves of BN / 2 columns: a half row of floats is as long as a 16-bit staged row.
+template <class Tile>
+__device__ __forceinline__ void add_rows_f32(uint8_t* staging, const float (&acc)[Tile::BN / 2], float* dst0, int64_t ld,
+                                             int row_lim, int col_lim) {
+  constexpr int kHalfCols = Tile::BN / 2, kHalfJ = Tile::BN / 16;  // accumulator pairs per half row
+  auto add_half = [&](auto part) {
+    through_staging(
+        [&] {
+          for_each_acc_pair<part * kHalfJ, (part + 1) * kHalfJ>(acc, [&](int, int row, int col, float v0, float v1) {
+            *reinterpret_cast<float2*>(staging + row * Tile::kStagingLd + (col - part * kHalfCols) * 4) =
+                make_float2(v0, v1);
+          });
+        },
+        [&](int row) {
+          const int cols = min(kHalfCols, col_lim - part * kHalfCols);
+          if (row < row_lim && cols > 0)
+            sm90::bulk_reduce_add_f32(dst0 + row * ld + part * kHalfCols, staging + row * Tile::kStagingLd, cols * 4);
+        });
+  };
+  add_half(std::integral_constant<int, 0>{});  // compile-time halves: acc is only indexed by constants
+  add_half(std::integral_constant<int, 1>{});
+}
+
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+}
+
+// fprop (kDgrad = false) and dgrad (true): rows ragged by group; gap rows written as zero.
+template <class T, class Tile, bool kDgrad>
+__global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid_constant__ RaggedTmaParams tp) {
+  constexpr int BN = Tile::BN, STAGES = Tile::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int tile_prefix[kMaxGroups + 1];
+  __shared__ int warp_sums[THREADS / 32];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* smem = aligned_smem(smem_raw);
+  const RaggedGemmParams& p = tp.p;
+  const int64_t red = kDgrad ? p.n : p.k, cols = kDgrad ? p.k : p.n;
+
+  init_ring<Tile>(full, empty);
+  build_tile_prefix<THREADS, BM, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);  // ends in a barrier
+  const int total_mt = tile_prefix[p.num_groups];
+  const int tiles_n = static_cast<int>((cols + BN - 1) / BN);
+  const int64_t total = static_cast<int64_t>(total_mt) * tiles_n;
+  const int ktiles = static_cast<int>((red + BK - 1) / BK);
+
+  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every copy
+    sm90::release_registers<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    sm90::prefetch_tensor_map(&tp.a);
+    sm90::prefetch_tensor_map(&tp.b);
+    RingPos pos;
+    for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+      int mt, nt;
+      raster(t, total_mt, tiles_n, mt, nt);
+      const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
+      const int n0 = nt * BN, row0 = static_cast<int>(tile.row0);
+      for (int kt = 0; kt < ktiles; ++kt) {
+        sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
+        uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
+        uint64_t* bar = &full[pos.stage];
+        sm90::mbar_arrive_expect_tx(bar, Tile::kStageBytes);
+        sm90::tma_load_2d(stage, &tp.a, bar, kt * BK, row0);
+        if constexpr (!kDgrad) {
+          sm90::tma_load_3d(stage + kTileBytesA, &tp.b, bar, kt * BK, n0, tile.group);
+        } else {
+#pragma unroll
+          for (int b = 0; b < BN / 64; ++b)
+            sm90::tma_load_3d(stage + kTileBytesA + b * kAtomBytes, &tp.b, bar, n0 + 64 * b, kt * BK, tile.group);
+        }
+        pos.advance<STAGES>();
+      }
+    }
+    return;
+  }
+
+  sm90::claim_registers<kConsumerRegs>();
+  uint8_t* staging = smem + STAGES * Tile::kStageBytes;
+  const T* bias = static_cast<const T*>(p.bias);
+  T* c_all = static_cast<T*>(p.c);
+  using P = Pair<T>;
+  RingPos pos;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    int mt, nt;
+    raster(t, total_mt, tiles_n, mt, nt);
+    const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
+    const int64_t n0 = static_cast<int64_t>(nt) * BN;
+    float acc[BN / 2];
+    consume<T, Tile, false, kDgrad>(smem, full, empty, pos, ktiles, acc, [](uint8_t*) {});
+    const T* b = bias != nullptr ? bias + static_cast<int64_t>(tile.group) * cols + n0 : nullptr;
+    float s[2];  // this thread's rows' bias scales
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = acc_row(half);
+      s[half] = b != nullptr && p.bias_scale != nullptr && row < tile.data_rows ? p.bias_scale[tile.row0 + row] : 1.0f;
+    }
+    store_rows<T, Tile>(staging, acc, c_all + tile.row0 * cols + n0, cols, static_cast<int>(tile.span_rows),
+                         static_cast<uint32_t>(min(static_cast<int64_t>(BN), cols - n0) * 2),
+                         [&](int half, int row, int col, float& v0, float& v1) {
+                           if (row >= tile.data_rows) {
+                             v0 = v1 = 0.0f;  // alignment gap rows read as zero downstream
+                           } else if (b != nullptr && n0 + col < cols) {
+                             const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
+                             v0 += s[half] * bb.x, v1 += s[half] * bb.y;
+                           }
+                         });
+  }
+  sm90::bulk_wait();
+}
+
+// Zeroes reduction rows [valid, 64) of every operand box of a wgrad stage: those rows lie past the
+// group (another group's rows, or padding that may hold anything). Both consumer warpgroups share
+// the work and meet at a named barrier before their MMAs read the stage.
+template <class Tile>
+__device__ __forceinline__ void zero_rows_past(uint8_t* stage, int valid) {
+  constexpr int kAtoms = (BM + Tile::BN) / 64;
+  const int bad = BK - valid, per_atom = bad * 8;  // 16-byte chunks per atom
+  for (int c = threadIdx.x - 128; c < kAtoms * per_atom; c += kConsumerThreads) {
+    const int atom = c / per_atom, r = c % per_atom;
+    *reinterpret_cast<uint4*>(stage + atom * kAtomBytes + (valid + r / 8) * 128 + (r % 8) * 16) = make_uint4(0, 0, 0, 0);
+  }
+  sm90::fence_proxy_async_smem();
+  sm90::named_barrier(1, kConsumerThreads);
+}
+
+// dW_e[n][k] = sum over group e's rows r of dy[r][n] x[r][k]: tiles (group, 128 n, BN k), reduced
+// over the group's rows; written (empty group: zeros) or added into fp32 main_grad.
+template <class T, class Tile>
+__global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __grid_constant__ WgradTmaParams tp) {
+  constexpr int BN = Tile::BN, STAGES = Tile::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* smem = aligned_smem(smem_raw);
+  const WgradParams& p = tp.p;
+  init_ring<Tile>(full, empty);
+  __syncthreads();
+  const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
+  const int tiles_k = static_cast<int>((p.k + BN - 1) / BN);
+  const int64_t per_group = static_cast<int64_t>(tiles_n) * tiles_k;
+  const int64_t total = per_group * p.num_groups;
+
+  if (threadIdx.x < 128) {
+    sm90::release_registers<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    sm90::prefetch_tensor_map(&tp.dy);
+    sm90::prefetch_tensor_map(&tp.x);
+    RingPos pos;
+    for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+      const int e = static_cast<int>(t / per_group);
+      const int64_t local = t % per_group;
+      const int n0 = static_cast<int>(local / tiles_k) * BM, k0 = static_cast<int>(local % tiles_k) * BN;
+      const int rows = static_cast<int>(group_rows(p.splits, p.offsets, e));
+      const int r0 = static_cast<int>(p.offsets[e]);
+      for (int kt = 0; kt < (rows + BK - 1) / BK; ++kt) {
+        sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
+        uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
+        uint64_t* bar = &full[pos.stage];
+        sm90::mbar_arrive_expect_tx(bar, Tile::kStageBytes);
+#pragma unroll
+        for (int a = 0; a < BM / 64; ++a) sm90::tma_load_2d(stage + a * kAtomBytes, &tp.dy, bar, n0 + 64 * a, r0 + kt * BK);
+#pragma unroll
+        for (int b = 0; b < BN / 64; ++b)
+          sm90::tma_load_2d(stage + kTileBytesA + b * kAtomBytes, &tp.x, bar, k0 + 64 * b, r0 + kt * BK);
+        pos.advance<STAGES>();
+      }
+    }
+    return;
+  }
+
+  sm90::claim_registers<kConsumerRegs>();
+  uint8_t* staging = smem + STAGES * Tile::kStageBytes;
+  T* dweight = static_cast<T*>(p.dweight);
+  RingPos pos;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const int e = static_cast<int>(t / per_group);
+    const int64_t local = t % per_group;
+    const int64_t n0 = (local / tiles_k) * BM, k0 = (local % tiles_k) * BN;
+    const int rows = static_cast<int>(group_rows(p.splits, p.offsets, e));
+    if (rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
+    const int64_t out0 = static_cast<int64_t>(e) * p.n * p.k + n0 * p.k + k0;
+    float acc[BN / 2];
+    if (rows > 0) {
+      const int tail = rows % BK;
+      consume<T, Tile, true, true>(smem, full, empty, pos, (rows + BK - 1) / BK, acc, [&](uint8_t* stage) {
+        if (tail != 0) zero_rows_past<Tile>(stage, tail);
+      });
+    } else {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;  // an empty group's gradient is zero
+    }
+    const int row_lim = static_cast<int>(min(int64_t{BM}, p.n - n0));
+    const int col_lim = static_cast<int>(min(static_cast<int64_t>(BN), p.k - k0));
+    if (p.main_grad != nullptr)
+      add_rows_f32<Tile>(staging, acc, p.main_grad + out0, p.k, row_lim, col_lim);
+    else
+      store_rows<T, Tile>(staging, acc, dweight + out0, p.k, row_lim, static_cast<uint32_t>(col_lim * 2),
+                           [](int, int, int, float&, float&) {});
+  }
+  sm90::bulk_wait();
+}
+
+}  // namespace moegraph::kernels::tma_gemm

@@ -1,0 +1,260 @@
+#include "moegraph/moegraph.h"
+
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "moegraph/moe_layer.hpp"
+
+struct mg_grouped_linear {
+  std::unique_ptr<moegraph::GroupedLinear> op;
+};
+
+struct mg_moe_layer {
+  std::unique_ptr<moegraph::MoeLayer> layer;
+};
+
+namespace {
+
+thread_local std::string g_last_error;
+
+mg_status status_of(moegraph::ErrorKind kind) {
+  switch (kind) {
+    case moegraph::ErrorKind::kInvalidArgument: return MG_ERR_INVALID_ARGUMENT;
+    case moegraph::ErrorKind::kCuda: return MG_ERR_CUDA;
+    case moegraph::ErrorKind::kLibrary: return MG_ERR_LIBRARY;
+    case moegraph::ErrorKind::kDeviceSplits: return MG_ERR_DEVICE_SPLITS;
+    case moegraph::ErrorKind::kNoDevice: return MG_ERR_NO_DEVICE;
+    case moegraph::ErrorKind::kUnsupportedDevice: return MG_ERR_UNSUPPORTED_DEVICE;
+  }
+  return MG_ERR_INTERNAL;
+}
+
+template <class F>
+mg_status guarded(F&& f) noexcept {
+  try {
+    f();
+    g_last_error.clear();
+    return MG_OK;
+  } catch (const moegraph::Error& e) {
+    g_last_error = e.what();
+    return status_of(e.kind());
+  } catch (const std::exception& e) {
+    g_last_error = e.what();
+    return MG_ERR_INTERNAL;
+  } catch (...) {
+    g_last_error = "unknown exception";
+    return MG_ERR_INTERNAL;
+  }
+}
+
+moegraph::GroupedLinear& unwrap(mg_grouped_linear* op) {
+  MG_CHECK(op != nullptr && op->op != nullptr, "null mg_grouped_linear handle");
+  return *op->op;
+}
+
+moegraph::MoeLayer& unwrap(mg_moe_layer* layer) {
+  MG_CHECK(layer != nullptr && layer->layer != nullptr, "null mg_moe_layer handle");
+  return *layer->layer;
+}
+
+moegraph::Recipe recipe_of(mg_recipe recipe) {
+  MG_CHECK(recipe == MG_RECIPE_BF16 || recipe == MG_RECIPE_MXFP8, "recipe must be MG_RECIPE_BF16 or MG_RECIPE_MXFP8, got ",
+           static_cast<int>(recipe));
+  return recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
+}
+
+moegraph::DType dtype_of(mg_dtype dtype) {
+  MG_CHECK(dtype == MG_DTYPE_BF16 || dtype == MG_DTYPE_FP16, "dtype must be MG_DTYPE_BF16 or MG_DTYPE_FP16, got ",
+           static_cast<int>(dtype));
+  return dtype == MG_DTYPE_FP16 ? moegraph::DType::kFP16 : moegraph::DType::kBF16;
+}
+
+// Converts and validates (before any CUDA call, so bad options fail the same with or without a GPU).
+moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options& o) {
+  moegraph::MoeLayerOptions opts;
+  opts.experts = o.experts;
+  opts.hidden = o.hidden;
+  opts.ffn = o.ffn;
+  opts.top_k = o.top_k;
+  opts.bias = o.bias != 0;
+  MG_CHECK(o.score == MG_ROUTER_SOFTMAX || o.score == MG_ROUTER_SIGMOID,
+           "score must be MG_ROUTER_SOFTMAX or MG_ROUTER_SIGMOID, got ", static_cast<int>(o.score));
+  opts.score = o.score == MG_ROUTER_SIGMOID ? moegraph::RouterScore::kSigmoid : moegraph::RouterScore::kSoftmax;
+  opts.renormalize = o.renormalize != 0;
+  opts.aux_loss_coef = o.aux_loss_coef;
+  opts.capacity_factor = o.capacity_factor;
+  opts.fuse_weights = o.fuse_weights != 0;
+  opts.max_tokens = o.max_tokens;
+  opts.row_align = o.row_align;
+  opts.dtype = dtype_of(o.dtype);
+  opts.training = o.training != 0;
+  opts.wgrad_slots = o.wgrad_slots;
+  opts.delay_wgrad = o.delay_wgrad != 0;
+  opts.main_grad_fp32 = o.main_grad_fp32 != 0;
+  opts.recipe = recipe_of(o.recipe);
+  moegraph::validate(opts);
+  return opts;
+}
+
+moegraph::MoeLayerIO io_of(const mg_moe_layer_io* io) {
+  MG_CHECK(io != nullptr, "null mg_moe_layer_io");
+  return moegraph::MoeLayerIO{io->x, io->num_tokens, io->y, io->aux_loss, io->dy, io->dx};
+}
+
+}  // namespace
+
+extern "C" {
+
+void mg_grouped_linear_options_init(mg_grouped_linear_options* o) {
+  if (o == nullptr) return;
+  *o = mg_grouped_linear_options{};
+  o->row_align = 1;
+  o->dtype = MG_DTYPE_BF16;
+  o->wgrad_slots = 1;
+}
+
+mg_status mg_grouped_linear_create(const mg_grouped_linear_options* o, mg_grouped_linear** out) {
+  return guarded([&] {
+    MG_CHECK(o != nullptr && out != nullptr, "mg_grouped_linear_create needs options and an output handle");
+    *out = nullptr;
+    moegraph::GroupedLinearOptions opts;
+    opts.num_groups = o->num_groups;
+    opts.in_features = o->in_features;
+    opts.out_features = o->out_features;
+    opts.capacity_rows = o->capacity_rows;
+    opts.row_align = o->row_align;
+    opts.dtype = dtype_of(o->dtype);
+    opts.bias = o->bias != 0;
+    opts.wgrad_slots = o->wgrad_slots;
+    opts.delay_wgrad = o->delay_wgrad != 0;
+    opts.recipe = recipe_of(o->recipe);
+    moegraph::validate(opts);  // before any CUDA call, so bad options fail the same with or without a GPU
+    auto handle = std::make_unique<mg_grouped_linear>();
+    handle->op = std::make_unique<moegraph::GroupedLinear>(opts);
+    *out = handle.release();
+  });
+}
+
+void mg_grouped_linear_destroy(mg_grouped_linear* op) { delete op; }
+
+mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args* a, int train, cudaStream_t stream) {
+  return guarded([&] {
+    MG_CHECK(a != nullptr, "null forward args");
+    moegraph::ForwardArgs args{a->x, a->splits, a->weight, a->bias, a->bias_scale, a->y};
+    if (train) unwrap(op).forward_train(args, stream);
+    else unwrap(op).forward(args, stream);
+  });
+}
+
+mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* a, int delay_wgrad,
+                                     cudaStream_t stream) {
+  return guarded([&] {
+    MG_CHECK(a != nullptr, "null backward args");
+    moegraph::BackwardArgs args{a->dy, a->weight, a->bias, a->dx, a->dbias, a->dbias_scale, a->dweight, a->main_grad};
+    unwrap(op).backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
+  });
+}
+
+mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream) {
+  return guarded([&] { unwrap(op).backward_dw(stream); });
+}
+
+mg_status mg_grouped_linear_weights_changed(mg_grouped_linear* op, const void* weight, cudaStream_t stream) {
+  return guarded([&] { unwrap(op).weights_changed(weight, stream); });
+}
+
+mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream) {
+  return guarded([&] { unwrap(op).check_device_errors(stream); });
+}
+
+void mg_moe_layer_options_init(mg_moe_layer_options* o) {
+  if (o == nullptr) return;
+  *o = mg_moe_layer_options{};
+  o->top_k = 1;
+  o->score = MG_ROUTER_SOFTMAX;
+  o->row_align = 1;
+  o->dtype = MG_DTYPE_BF16;
+  o->training = 1;
+  o->wgrad_slots = 1;
+  o->main_grad_fp32 = 1;
+}
+
+mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_weights* w, void* workspace,
+                              mg_moe_layer** out) {
+  return guarded([&] {
+    MG_CHECK(o != nullptr && w != nullptr && out != nullptr,
+             "mg_moe_layer_create needs options, weights and an output handle");
+    *out = nullptr;
+    const moegraph::MoeLayerOptions opts = moe_options_of(*o);
+    moegraph::MoeLayerWeights weights;
+    weights.router = w->router;
+    weights.w1 = w->w1;
+    weights.b1 = w->b1;
+    weights.w2 = w->w2;
+    weights.b2 = w->b2;
+    weights.main_grad_router = w->main_grad_router;
+    weights.main_grad1 = w->main_grad1;
+    weights.main_grad2 = w->main_grad2;
+    weights.d_router = w->d_router;
+    weights.dw1 = w->dw1;
+    weights.dw2 = w->dw2;
+    weights.db1 = w->db1;
+    weights.db2 = w->db2;
+    auto handle = std::make_unique<mg_moe_layer>();
+    handle->layer = std::make_unique<moegraph::MoeLayer>(opts, weights, workspace);
+    *out = handle.release();
+  });
+}
+
+mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* o, size_t* out) {
+  return guarded([&] {
+    MG_CHECK(o != nullptr && out != nullptr, "mg_moe_layer_workspace_bytes needs options and an output");
+    *out = 0;
+    *out = moegraph::MoeLayer::workspace_bytes(moe_options_of(*o));
+  });
+}
+
+void mg_moe_layer_destroy(mg_moe_layer* layer) { delete layer; }
+
+mg_status mg_moe_layer_forward(mg_moe_layer* layer, const mg_moe_layer_io* io, int train, cudaStream_t stream) {
+  return guarded([&] {
+    moegraph::MoeLayer& l = unwrap(layer);
+    const moegraph::MoeLayerIO args = io_of(io);
+    if (train) l.forward_train(args, stream);
+    else l.forward(args, stream);
+  });
+}
+
+mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_layer_io* io, cudaStream_t stream) {
+  return guarded([&] {
+    moegraph::MoeLayer& l = unwrap(layer);
+    l.backward(io_of(io), stream);
+  });
+}
+
+mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream) {
+  return guarded([&] { unwrap(layer).weights_changed(stream); });
+}
+
+mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream) {
+  return guarded([&] { unwrap(layer).backward_dw(stream); });
+}
+
+mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, uint64_t* out) {
+  return guarded([&] {
+    MG_CHECK(out != nullptr, "mg_moe_layer_read_dropped needs an output");
+    *out = 0;
+    *out = unwrap(layer).read_dropped(stream);
+  });
+}
+
+mg_status mg_moe_layer_check_device_errors(mg_moe_layer* layer, cudaStream_t stream) {
+  return guarded([&] { unwrap(layer).check_device_errors(stream); });
+}
+
+const char* mg_last_error(void) { return g_last_error.c_str(); }
+
+}  // extern "C"

@@ -1,0 +1,41 @@
+#include "src/core/device_info.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/common/device_query.hpp"
+#include "moegraph/error.hpp"
+
+namespace moegraph {
+
+DeviceInfo current_device_info() {
+  int count = 0;
+  const cudaError_t st = cudaGetDeviceCount(&count);
+  if (st != cudaSuccess || count == 0) {
+    cudaGetLastError();  // the failed query must not poison a later check
+    detail::throw_error(__FILE__, __LINE__,
+                        detail::concat("no CUDA device is available (", st == cudaSuccess ? "0 devices" :
+                                       cudaGetErrorString(st), ")"),
+                        ErrorKind::kNoDevice);
+  }
+  DeviceInfo info;
+  MG_CUDA_CHECK(cudaGetDevice(&info.device));
+  info.sm_count = kernels::current_sm_count();
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, info.device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, info.device));
+  cudaDeviceProp prop{};
+  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, info.device));
+  info.name = prop.name;
+  return info;
+}
+
+DeviceInfo require_supported_device() {
+  DeviceInfo info = current_device_info();
+  if (info.major != 9 || info.minor != 0)
+    detail::throw_error(__FILE__, __LINE__,
+                        detail::concat("device ", info.device, " (", info.name, ") has compute capability ", info.major,
+                                       ".", info.minor, "; moegraph's kernels need 9.0 (Hopper, sm_90a)"),
+                        ErrorKind::kUnsupportedDevice);
+  return info;
+}
+
+}  // namespace moegraph

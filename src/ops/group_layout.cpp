@@ -1,0 +1,51 @@
+#include "src/ops/group_layout.hpp"
+
+#include <algorithm>
+
+#include "moegraph/error.hpp"
+#include "src/core/device_buffer.hpp"
+
+namespace moegraph {
+
+HostOffsets host_group_offsets(std::span<const int32_t> splits, int row_align, int64_t capacity) {
+  HostOffsets out;
+  out.offsets.assign(splits.size() + 1, 0);
+  int64_t total = 0;
+  int first_past = static_cast<int>(splits.size());
+  for (std::size_t e = 0; e < splits.size(); ++e) {
+    int64_t span = 0;
+    if (splits[e] < 0) {
+      if (out.error.code == 0) out.error = {kDeviceErrorNegativeSplit, static_cast<int32_t>(e), splits[e], 0};
+    } else {
+      span = (static_cast<int64_t>(splits[e]) + row_align - 1) / row_align * row_align;
+    }
+    total += span;
+    if (total > capacity) first_past = std::min(first_past, static_cast<int>(e));
+    out.offsets[e + 1] = std::min(total, capacity);
+  }
+  if (total > capacity && out.error.code == 0) out.error = {kDeviceErrorPastCapacity, first_past, total, capacity};
+  return out;
+}
+
+std::string describe_device_error(const DeviceErrorRecord& e, int row_align) {
+  switch (e.code) {
+    case kDeviceErrorNone: return {};
+    case kDeviceErrorNegativeSplit: return detail::concat("splits[", e.group, "] = ", e.value, " is negative");
+    case kDeviceErrorPastCapacity:
+      return detail::concat("splits need ", e.value, " rows (row_align ", row_align, ") but capacity_rows is ",
+                            e.limit, "; the total passes capacity at group ", e.group);
+    case kDeviceErrorTokenCount:
+      return detail::concat("num_tokens = ", e.value, " is outside [0, ", e.limit,
+                            "] (the bucket's capacity in tokens); the step ran on the clamped count");
+    default: return detail::concat("unknown device error code ", e.code);
+  }
+}
+
+DeviceErrorRecord take_device_error_record(DeviceBuffer& record) {
+  DeviceErrorRecord r{};
+  MG_CUDA_CHECK(cudaMemcpy(&r, record.get(), sizeof(r), cudaMemcpyDeviceToHost));
+  if (r.code != kDeviceErrorNone) MG_CUDA_CHECK(cudaMemset(record.get(), 0, sizeof(r)));
+  return r;
+}
+
+}  // namespace moegraph

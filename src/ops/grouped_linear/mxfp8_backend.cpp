@@ -1,0 +1,142 @@
+// The mxfp8 recipe (docs/mxfp8.md): x and dy are quantized on the fly into MXFP8 copies (row-wise
+// for fprop and dgrad, column-wise for wgrad); a slot keeps the column-wise copies instead of a
+// 16-bit x; the weights are quantized once per update into copies outside the workspace.
+#include <algorithm>
+#include <vector>
+
+#include "kernels/quantize/mxfp8.hpp"
+#include "moegraph/error.hpp"
+#include "src/core/device_buffer.hpp"
+#include "src/ops/grouped_linear/linear_backend.hpp"
+
+namespace moegraph::linear {
+namespace {
+
+class Mxfp8Backend final : public LinearBackend {
+ public:
+  explicit Mxfp8Backend(const GroupedLinearOptions& o) : o_(o) {}
+
+  void lay_out_scratch(LayoutWalker& walk) override {
+    const int64_t widest = std::max(o_.in_features, o_.out_features);
+    operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows * widest),
+                walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows * widest / kernels::kMxBlock)};
+    // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
+    if (!o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
+  }
+  void lay_out_slot(LayoutWalker& walk, int slot, const std::string& prefix) override {
+    if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
+    slots_[slot].x_t = colwise(walk, prefix + "x_t", o_.in_features);
+    if (o_.delay_wgrad) slots_[slot].dy_t = colwise(walk, prefix + "dy_t", o_.out_features);
+  }
+
+  void prepare(int sm_count) override {
+    fprop_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kFprop), sm_count);
+    dgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kDgrad), sm_count);
+    wgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kWgrad), sm_count);
+    const std::size_t weight = static_cast<std::size_t>(o_.num_groups) * o_.out_features * o_.in_features;
+    w_data_ = DeviceBuffer(weight), w_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
+    wt_data_ = DeviceBuffer(weight), wt_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
+  }
+  std::string describe() const override {
+    return "fprop: " + fprop_.config.to_string() + " | dgrad: " + dgrad_.config.to_string() +
+           " | wgrad: " + wgrad_.config.to_string() + " | quantize: row-wise + column-wise from one read";
+  }
+
+  void weights_changed(const void* weight, cudaStream_t stream) override {
+    MG_CHECK(weight != nullptr, "weights_changed needs the weight");
+    const kernels::Mxfp8Rowwise row{w_data_.as<uint8_t>(), w_scales_.as<uint8_t>()};
+    const kernels::Mxfp8Colwise col{wt_data_.as<uint8_t>(), wt_scales_.as<uint8_t>()};
+    kernels::launch_quantize_mxfp8_weights(o_.dtype, weight, o_.num_groups, o_.out_features, o_.in_features, &row,
+                                           &col, stream);
+    weights_quantized_ = true;
+  }
+
+  void fprop(const ForwardArgs& a, Groups g, int save_slot, cudaStream_t stream) override {
+    MG_CHECK(weights_quantized_, "the mxfp8 recipe needs weights_changed() before the first forward");
+    // The saved activation is the column-wise copy, quantized in the same read as fprop's operand.
+    kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
+                                   o_.num_groups, &operand_, save_slot >= 0 ? &slots_[save_slot].x_t : nullptr,
+                                   stream);
+    kernels::Mxfp8RaggedGemmParams p;
+    p.a = operand_.data, p.a_scales = operand_.scales;
+    p.b = w_data_.as<uint8_t>(), p.b_scales = w_scales_.as<uint8_t>();
+    p.n = o_.out_features, p.k = o_.in_features;
+    p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
+    p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y;
+    kernels::launch_mxfp8_ragged_gemm(fprop_, p, stream);
+  }
+
+  void backward(const BackwardArgs& a, Groups g, int slot, WgradMode mode, cudaStream_t stream) override {
+    MG_CHECK(a.dx == nullptr || weights_quantized_, "the mxfp8 recipe needs weights_changed() before dgrad");
+    // dy quantized once: row-wise along N for dgrad, column-wise for wgrad (kept in the slot when
+    // the wgrad is delayed; with delay_wgrad the slot holds it either way).
+    kernels::Mxfp8Colwise* dy_t = o_.delay_wgrad ? &slots_[slot].dy_t : &dy_t_;
+    kernels::launch_quantize_mxfp8(o_.dtype, a.dy, o_.capacity_rows, o_.out_features, g.offsets, g.splits,
+                                   o_.num_groups, a.dx != nullptr ? &operand_ : nullptr, dy_t, stream);
+    if (a.dx != nullptr) {
+      kernels::Mxfp8RaggedGemmParams p;
+      p.a = operand_.data, p.a_scales = operand_.scales;
+      p.b = wt_data_.as<uint8_t>(), p.b_scales = wt_scales_.as<uint8_t>();
+      p.n = o_.in_features, p.k = o_.out_features;
+      p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
+      kernels::launch_mxfp8_ragged_gemm(dgrad_, p, stream);
+    }
+    switch (mode) {
+      case WgradMode::kImmediate: return wgrad(*dy_t, slots_[slot].x_t, g, a.dweight, a.main_grad, stream);
+      case WgradMode::kDelayed: return;  // the slot holds dy_t
+    }
+  }
+
+  void delayed_wgrad(int slot, Groups g, void* dweight, float* main_grad, cudaStream_t stream) override {
+    wgrad(slots_[slot].dy_t, slots_[slot].x_t, g, dweight, main_grad, stream);
+  }
+
+ private:
+  kernels::Mxfp8Colwise colwise(LayoutWalker& walk, const std::string& name, int64_t cols) {
+    return {walk.take<uint8_t>(name, o_.capacity_rows * cols),
+            walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock * cols)};
+  }
+  void wgrad(const kernels::Mxfp8Colwise& dy_t, const kernels::Mxfp8Colwise& x_t, Groups g, void* dweight,
+             float* main_grad, cudaStream_t stream) {
+    kernels::Mxfp8WgradParams p;
+    p.dy_t = dy_t.data, p.dy_t_scales = dy_t.scales, p.x_t = x_t.data, p.x_t_scales = x_t.scales;
+    p.n = o_.out_features, p.k = o_.in_features, p.capacity_rows = o_.capacity_rows;
+    p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
+    p.dweight = dweight, p.main_grad = main_grad;
+    kernels::launch_mxfp8_wgrad(wgrad_, p, stream);
+  }
+
+  struct Slot {
+    kernels::Mxfp8Colwise x_t;   // [K, capacity_rows], scales [capacity_rows / 32, K]
+    kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad)
+  };
+  GroupedLinearOptions o_;
+  std::vector<Slot> slots_;
+  kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]
+  kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy
+  // The quantized weights live outside the workspace: they persist across steps until the weights change.
+  DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N
+  bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
+  kernels::GemmPlan fprop_, dgrad_, wgrad_;
+};
+
+}  // namespace
+
+// The MXFP8 GEMMs stage 128 K elements at a time (fprop reduces K, dgrad N), and the column-wise
+// copies for wgrad need every group to start on a multiple of 32 rows.
+std::string mxfp8_can_implement(const GroupedLinearOptions& o) {
+  if (o.in_features % 128 != 0 || o.out_features % 128 != 0)
+    return detail::concat("the mxfp8 recipe needs in_features (K) and out_features (N) multiples of 128, got K ",
+                          o.in_features, " and N ", o.out_features);
+  if (o.row_align != 32 && o.row_align != 128)
+    return detail::concat("the mxfp8 recipe needs row_align 32 or 128 (a column-wise block of 32 rows must not "
+                          "straddle two groups), got ", o.row_align);
+  if (o.reference_kernels) return "the mxfp8 recipe has no reference (WMMA) kernels";
+  return {};
+}
+
+std::unique_ptr<LinearBackend> make_mxfp8_backend(const GroupedLinearOptions& options) {
+  return std::make_unique<Mxfp8Backend>(options);
+}
+
+}  // namespace moegraph::linear

@@ -1,0 +1,35 @@
+#include "testing/step_weights.hpp"
+
+#include <cmath>
+
+#include "graphs/step_weights.hpp"
+#include "kernels/elementwise/elementwise.hpp"
+#include "moegraph/error.hpp"
+
+namespace moegraph::testing {
+
+OwnedStepWeights make_step_weights(const StepGraphsOptions& options, cudaStream_t stream) {
+  cudaStream_t s = stream;
+  OwnedStepWeights out;
+  LayoutWalker sizing;
+  lay_out_weights(options, sizing);
+  out.block = DeviceBuffer(sizing.bytes());
+  MG_CUDA_CHECK(cudaMemsetAsync(out.block.get(), 0, sizing.bytes(), s));
+  LayoutWalker walk(static_cast<std::byte*>(out.block.get()));
+  out.weights = lay_out_weights(options, walk);
+  const MoeLayerOptions& l = options.layer;
+  const StepWeights& w = out.weights;
+  const DType dt = l.dtype;
+  kernels::launch_fill_uniform(dt, w.w1, l.experts * 2 * l.ffn * l.hidden, 1.0f / std::sqrt(float(l.hidden)), 1, s);
+  kernels::launch_fill_uniform(dt, w.w2, l.experts * l.hidden * l.ffn, 1.0f / std::sqrt(float(l.ffn)), 2, s);
+  if (w.router != nullptr)
+    kernels::launch_fill_uniform(dt, w.router, l.experts * l.hidden, std::sqrt(3.0f / float(l.hidden)), 5, s);
+  if (l.bias) {
+    kernels::launch_fill_uniform(dt, w.b1, l.experts * 2 * l.ffn, 0.1f, 3, s);
+    kernels::launch_fill_uniform(dt, w.b2, l.experts * l.hidden, 0.1f, 4, s);
+  }
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));  // set-up: ready before any other stream reads them
+  return out;
+}
+
+}  // namespace moegraph::testing

@@ -1,0 +1,143 @@
+// The grouped GEMM heuristic (problem -> printable config), its overrides, and --plan: the plan
+// prints the very configs set-up uses, for every recipe.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "moegraph/config.hpp"
+#include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "moegraph/step_graphs.hpp"
+#include "src/ops/moe/op_spec.hpp"
+
+namespace moegraph::test {
+namespace {
+
+using kernels::GemmFamily;
+using kernels::GemmPhase;
+
+kernels::GemmProblem problem(GemmPhase phase, Recipe recipe, int groups, int64_t rows, int64_t n, int64_t k) {
+  kernels::GemmProblem p;
+  p.phase = phase, p.recipe = recipe, p.groups = groups, p.capacity_rows = rows;
+  p.expected_rows_per_group = rows / groups, p.n = n, p.k = k;
+  return p;
+}
+
+// Restores an environment variable at scope exit.
+struct EnvVar {
+  EnvVar(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~EnvVar() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+
+TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
+  // Many rows per expert and a wide output: the wide TMA tile; wgrad on narrow tiles: cp.async.
+  const auto big = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 8, 16384, 28672, 4096), {});
+  EXPECT_EQ(big.family, GemmFamily::kTma16);
+  EXPECT_EQ(big.block_n, 256);
+  const auto small = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096), {});
+  EXPECT_EQ(small.family, GemmFamily::kCpAsync16);
+  EXPECT_EQ(small.block_n, 128);
+  const auto mx = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 1024, 512), {});
+  EXPECT_EQ(mx.family, GemmFamily::kMxfp8CpAsync);
+  EXPECT_TRUE(mx.ping_pong);
+  EXPECT_NE(mx.to_string().find("wgmma_e4m3"), std::string::npos) << mx.to_string();
+}
+
+TEST(GemmHeuristic, OverridesWinAndAreChecked) {
+  const auto p = problem(GemmPhase::kFprop, Recipe::kBF16, 64, 768, 5632, 4096);
+  kernels::GemmOverrides o;
+  o.tile_n = 256, o.pipeline = GemmPipeline::kCpAsync;
+  const auto forced = kernels::choose_gemm_config(p, o);
+  EXPECT_EQ(forced.family, GemmFamily::kCpAsync16);
+  EXPECT_EQ(forced.block_n, 256);
+  o = {};
+  o.reference = true;
+  EXPECT_EQ(kernels::choose_gemm_config(p, o).family, GemmFamily::kReference);
+  EXPECT_THROW(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 8, 512, 256, 256), o), Error);
+  o = {};
+  o.tile_n = 64;
+  EXPECT_THROW(kernels::choose_gemm_config(p, o), Error);
+}
+
+TEST(GemmHeuristic, EnvironmentFillsOnlyWhatTheCallerLeftOpen) {
+  EnvVar tile("MOEGRAPH_TILE_N", "256"), pipeline("MOEGRAPH_GEMM_PIPELINE", "cp_async"),
+      ping("MOEGRAPH_MXFP8_PINGPONG", "0");
+  const kernels::GemmOverrides from_env = kernels::with_environment({});
+  EXPECT_EQ(from_env.tile_n, 256);
+  EXPECT_EQ(from_env.pipeline, GemmPipeline::kCpAsync);
+  EXPECT_EQ(from_env.mxfp8_ping_pong, 0);
+  kernels::GemmOverrides mine;
+  mine.tile_n = 128, mine.pipeline = GemmPipeline::kTma;
+  const kernels::GemmOverrides kept = kernels::with_environment(mine);
+  EXPECT_EQ(kept.tile_n, 128);
+  EXPECT_EQ(kept.pipeline, GemmPipeline::kTma);
+  EnvVar bad("MOEGRAPH_TILE_N", "96");
+  EXPECT_THROW(kernels::with_environment({}), Error);
+}
+
+// --plan prints, for every bucket and both expert linears, exactly what set-up will choose; an
+// mxfp8 config lists only the MXFP8 kernels.
+TEST(StepPlan, PrintsTheKernelsThatRun) {
+  for (Recipe recipe : {Recipe::kBF16, Recipe::kMXFP8})
+  for (StepKind step : {StepKind::kMoeLayer, StepKind::kExperts}) {
+    Config c = default_config();
+    c.precision.recipe = recipe;
+    c.step = step;
+    c.row_align = 32;
+    const StepGraphsOptions options = step_graphs_options(c);
+    const StepPlan plan = plan_step(options);
+    for (const BucketPlan& b : plan.buckets) {
+      EXPECT_GT(b.bytes, 0u);
+      bool sub_buffers = false;  // the operators' workspaces are listed buffer by buffer
+      for (const PlannedBuffer& buf : b.buffers) sub_buffers = sub_buffers || buf.name.find("slot0.") != std::string::npos;
+      EXPECT_TRUE(sub_buffers) << "bucket " << b.tokens;
+    }
+    int gemm_lines = 0;
+    for (const std::string& line : plan.kernels) {
+      if (line.find("fprop: ") == std::string::npos) continue;
+      ++gemm_lines;
+      const bool tma = line.find("wgmma_tma") != std::string::npos, e4m3 = line.find("wgmma_e4m3") != std::string::npos;
+      EXPECT_EQ(e4m3, recipe == Recipe::kMXFP8) << line;
+      EXPECT_EQ(tma, recipe == Recipe::kBF16) << line;
+    }
+    EXPECT_EQ(gemm_lines, 2 * static_cast<int>(c.buckets.size()));
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+      MoeLayerOptions o = options.layer;
+      o.max_tokens = plan.buckets[b].tokens;
+      const std::string fc1 = GroupedLinear::describe_kernels(layer::expert_linear_options(o, 1, plan.buckets[b].rows));
+      bool found = false;
+      for (const std::string& line : plan.kernels) found = found || line.find(fc1) != std::string::npos;
+      EXPECT_TRUE(found) << "bucket " << plan.buckets[b].tokens << ": " << fc1;
+    }
+  }
+}
+
+// One translation of layer options into the experts' GroupedLinearOptions, training or not.
+TEST(StepPlan, ExpertLinearOptionsFollowTraining) {
+  MoeLayerOptions o;
+  o.experts = 8, o.hidden = 256, o.ffn = 128, o.top_k = 2, o.max_tokens = 64;
+  o.training = false, o.wgrad_slots = 4, o.delay_wgrad = false;
+  const GroupedLinearOptions inference = layer::expert_linear_options(o, 1, 256);
+  EXPECT_EQ(inference.wgrad_slots, 1);
+  EXPECT_FALSE(inference.delay_wgrad);
+  EXPECT_EQ(inference.out_features, 256);
+  o.training = true, o.delay_wgrad = true;
+  const GroupedLinearOptions training = layer::expert_linear_options(o, 2, 256);
+  EXPECT_EQ(training.wgrad_slots, 4);
+  EXPECT_TRUE(training.delay_wgrad);
+  EXPECT_EQ(training.in_features, 128);
+  EXPECT_THROW(layer::expert_linear_options(o, 3, 256), Error);
+}
+
+}  // namespace
+}  // namespace moegraph::test
