@@ -54,7 +54,6 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   GroupedLinearCase gl;
   testing::CaseSpec& spec = gl.spec;
   spec.name = name;
-  gl.json = value.dump(2);
   gl.data_seed = optional_value(c, "seed", seed_from_name(name), config_detail::non_negative_integer);
   read_shape(c.required("shape"), spec);
 
@@ -80,6 +79,9 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
                            ? std::accumulate(gl.routing.splits.begin(), gl.routing.splits.end(), int64_t{0})
                            : gl.routing.rows;
   check_operator_accepts(gl, rows);
+  // Printed only now that every value has passed the schema: dump() recurses once per nesting level,
+  // and an unchecked value may be nested deep enough to overflow the stack.
+  gl.json = value.dump(2);
   return std::make_unique<GroupedLinearRunner>(std::move(gl));
 }
 

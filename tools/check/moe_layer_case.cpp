@@ -95,7 +95,6 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
                                  "replays", "tolerance"});
   MoeLayerCase c;
   c.name = name;
-  c.json = value.dump(2);
   c.data_seed = optional_value(o, "seed", seed_from_name(name), config_detail::non_negative_integer);
   read_shape(o.required("shape"), c);
   read_tokens(o, c);
@@ -109,6 +108,9 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
   if (const Json* tol = o.find("tolerance")) c.tolerance = read_tolerance(*tol, testing::chain_tolerance_for(c.dtype));
 
   check_layer_accepts(c);
+  // Printed only now that every value has passed the schema: dump() recurses once per nesting level,
+  // and an unchecked value may be nested deep enough to overflow the stack.
+  c.json = value.dump(2);
   return std::make_unique<MoeLayerRunner>(std::move(c));
 }
 

@@ -1,0 +1,175 @@
+// libFuzzer target: the C ABI's option handling, on every path that never reaches a GPU.
+// Input: one selector byte, then raw bytes laid over an option struct filled with its defaults
+// (mg_*_options_init), so short inputs change only the first fields.
+//   selector bit 0 clear: mg_moe_layer_workspace_bytes. MG_OK must give the C++ API's size, and the
+//     workspace's named buffers must be 256-byte aligned, in order, disjoint and inside that size
+//     (a wrapped size computation shows up here); otherwise MG_ERR_INVALID_ARGUMENT with a message,
+//     and mg_moe_layer_create must refuse the same options with the same message.
+//   selector bit 0 set: mg_grouped_linear_create has no size query and allocates on the GPU for valid
+//     options, so the options are first converted as the ABI documents and checked with the C++ API
+//     (validate, then the workspace size, which refuses layouts too large). Refused ones go through
+//     mg_grouped_linear_create, which must refuse them with the same message before touching a GPU;
+//     accepted ones only get the no-GPU queries (workspace buffers, the kernel choice).
+//   selector bit 1: also the null-pointer calls, which must be refused, not crash.
+// The enum fields take any int32: moegraph.h's enums span every int32, so any value a C caller
+// stores is defined and must be refused by name (UBSan's enum check holds the ABI to that).
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "moegraph/moe_layer.hpp"
+#include "moegraph/moegraph.h"
+#include "tests/fuzz/fuzz_common.hpp"
+
+namespace {
+
+using moegraph::fuzz::finding;
+
+// Handles a refusing create must overwrite: never dereferenced, only compared with null.
+mg_grouped_linear* const kNotNullOp = reinterpret_cast<mg_grouped_linear*>(alignof(std::max_align_t));
+mg_moe_layer* const kNotNullLayer = reinterpret_cast<mg_moe_layer*>(alignof(std::max_align_t));
+
+template <class Options>
+Options overlay(const uint8_t* data, size_t size, void (*init)(Options*)) {
+  static_assert(std::is_trivially_copyable_v<Options>);
+  Options o;
+  init(&o);
+  std::memcpy(&o, data, size < sizeof(o) ? size : sizeof(o));
+  return o;
+}
+
+template <class Buffer>
+void check_layout(const char* what, const std::vector<Buffer>& buffers, std::size_t total) {
+  std::size_t end = 0;
+  for (const Buffer& b : buffers) {
+    const bool ok = b.offset % 256 == 0 && b.offset >= end && b.offset <= total && b.bytes <= total - b.offset;
+    if (!ok)
+      finding(std::string(what) + ": buffer \"" + b.name + "\" at " + std::to_string(b.offset) + " of " +
+              std::to_string(b.bytes) + " bytes does not fit the workspace of " + std::to_string(total) +
+              " bytes after the previous buffer's end " + std::to_string(end));
+    end = b.offset + b.bytes;
+  }
+}
+
+void expect_refused(mg_status status, const char* call) {
+  if (status != MG_ERR_INVALID_ARGUMENT)
+    finding(std::string(call) + " returned " + std::to_string(status) + " instead of MG_ERR_INVALID_ARGUMENT");
+  if (mg_last_error()[0] == '\0') finding(std::string(call) + " refused without a message");
+}
+
+moegraph::MoeLayerOptions cpp_options(const mg_moe_layer_options& o) {
+  moegraph::MoeLayerOptions c;
+  c.experts = o.experts;
+  c.hidden = o.hidden;
+  c.ffn = o.ffn;
+  c.top_k = o.top_k;
+  c.bias = o.bias != 0;
+  c.score = o.score == MG_ROUTER_SIGMOID ? moegraph::RouterScore::kSigmoid : moegraph::RouterScore::kSoftmax;
+  c.renormalize = o.renormalize != 0;
+  c.aux_loss_coef = o.aux_loss_coef;
+  c.capacity_factor = o.capacity_factor;
+  c.fuse_weights = o.fuse_weights != 0;
+  c.max_tokens = o.max_tokens;
+  c.row_align = o.row_align;
+  c.dtype = o.dtype == MG_DTYPE_FP16 ? moegraph::DType::kFP16 : moegraph::DType::kBF16;
+  c.training = o.training != 0;
+  c.wgrad_slots = o.wgrad_slots;
+  c.delay_wgrad = o.delay_wgrad != 0;
+  c.main_grad_fp32 = o.main_grad_fp32 != 0;
+  c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
+  return c;
+}
+
+void fuzz_moe_layer(const uint8_t* data, size_t size) {
+  mg_moe_layer_options o = overlay(data, size, mg_moe_layer_options_init);
+  std::size_t bytes = 1;
+  const mg_status status = mg_moe_layer_workspace_bytes(&o, &bytes);
+  if (status != MG_OK) {
+    expect_refused(status, "mg_moe_layer_workspace_bytes");
+    if (bytes != 0) finding("mg_moe_layer_workspace_bytes refused but left a size");
+    // mg_moe_layer_create validates and sizes the same way before it looks for a device.
+    const std::string expected = mg_last_error();
+    const mg_moe_layer_weights weights{};
+    mg_moe_layer* layer = kNotNullLayer;  // a refusal must overwrite it with null
+    const mg_status created = mg_moe_layer_create(&o, &weights, nullptr, &layer);
+    if (created == MG_OK) mg_moe_layer_destroy(layer);
+    expect_refused(created, "mg_moe_layer_create");
+    if (layer != nullptr) finding("mg_moe_layer_create refused but left a handle");
+    if (expected != mg_last_error())
+      finding("mg_moe_layer_create and mg_moe_layer_workspace_bytes disagree: " + expected + " vs " + mg_last_error());
+    return;
+  }
+  if (mg_last_error()[0] != '\0') finding("mg_moe_layer_workspace_bytes succeeded but left an error message");
+  const moegraph::MoeLayerOptions c = cpp_options(o);
+  if (moegraph::MoeLayer::workspace_bytes(c) != bytes) finding("C ABI and C++ workspace sizes differ");
+  check_layout("moe layer", moegraph::MoeLayer::workspace_buffers(c), bytes);
+}
+
+void fuzz_grouped_linear(const uint8_t* data, size_t size) {
+  mg_grouped_linear_options o = overlay(data, size, mg_grouped_linear_options_init);
+  moegraph::GroupedLinearOptions c;
+  c.num_groups = o.num_groups;
+  c.in_features = o.in_features;
+  c.out_features = o.out_features;
+  c.capacity_rows = o.capacity_rows;
+  c.row_align = o.row_align;
+  c.dtype = o.dtype == MG_DTYPE_FP16 ? moegraph::DType::kFP16 : moegraph::DType::kBF16;
+  c.bias = o.bias != 0;
+  c.wgrad_slots = o.wgrad_slots;
+  c.delay_wgrad = o.delay_wgrad != 0;
+  c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
+  // The C++ API refuses bad options in validate() and layouts too large to size in workspace_bytes().
+  std::size_t bytes = 0;
+  try {
+    moegraph::validate(c);
+    bytes = moegraph::GroupedLinear::workspace_bytes(c);
+  } catch (const moegraph::Error& e) {
+    if (e.kind() != moegraph::ErrorKind::kInvalidArgument) finding(std::string("refused, not as invalid: ") + e.what());
+    // The ABI sizes before it looks for a device, so these are refused without touching a GPU.
+    const std::string expected = e.what();
+    mg_grouped_linear* op = kNotNullOp;  // a refusal must overwrite it with null
+    const mg_status status = mg_grouped_linear_create(&o, &op);
+    if (status == MG_OK) mg_grouped_linear_destroy(op);
+    expect_refused(status, "mg_grouped_linear_create");
+    if (op != nullptr) finding("mg_grouped_linear_create refused but left a handle");
+    if (expected != mg_last_error())
+      finding("mg_grouped_linear_create and the C++ API disagree: " + expected + " vs " + mg_last_error());
+    return;
+  }
+  check_layout("grouped linear", moegraph::GroupedLinear::workspace_buffers(c), bytes);
+  if (moegraph::GroupedLinear::describe_kernels(c).empty()) finding("describe_kernels gave nothing");
+}
+
+void null_arguments() {
+  mg_moe_layer_options_init(nullptr);
+  mg_grouped_linear_options_init(nullptr);
+  mg_moe_layer_options mo;
+  mg_moe_layer_options_init(&mo);
+  std::size_t bytes = 0;
+  expect_refused(mg_moe_layer_workspace_bytes(nullptr, &bytes), "mg_moe_layer_workspace_bytes(null options)");
+  expect_refused(mg_moe_layer_workspace_bytes(&mo, nullptr), "mg_moe_layer_workspace_bytes(null output)");
+  mg_grouped_linear* op = nullptr;
+  expect_refused(mg_grouped_linear_create(nullptr, &op), "mg_grouped_linear_create(null options)");
+  mg_moe_layer* layer = nullptr;
+  expect_refused(mg_moe_layer_create(nullptr, nullptr, nullptr, &layer), "mg_moe_layer_create(null options)");
+  expect_refused(mg_moe_layer_forward(nullptr, nullptr, 1, nullptr), "mg_moe_layer_forward(null layer)");
+  expect_refused(mg_grouped_linear_backward_dw(nullptr, nullptr), "mg_grouped_linear_backward_dw(null op)");
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const uint8_t selector = data[0];
+  moegraph::fuzz::expect_only<moegraph::fuzz::NothingExpected>("C ABI", [&] {
+    if (selector & 2) null_arguments();
+    if (selector & 1) fuzz_grouped_linear(data + 1, size - 1);
+    else fuzz_moe_layer(data + 1, size - 1);
+  });
+  return 0;
+}
