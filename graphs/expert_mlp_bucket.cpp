@@ -17,22 +17,22 @@ ExpertMlpBucket::ExpertMlpBucket(const StepGraphsOptions& step, int64_t tokens, 
   const int64_t g = o.experts, h = o.hidden, f = o.ffn;
   io_.tokens = tokens;
   io_.rows = rows_;
-  io_.x = walk.take("x", rows_ * h * es);
-  io_.splits = walk.take<int32_t>("splits", g * sizeof(int32_t));
-  io_.y = walk.take("y", rows_ * h * es);
-  a_ = walk.take("swiglu_out", rows_ * f * es);
-  infer_ = {io_.splits, walk.take<int64_t>("offsets.forward", (g + 1) * sizeof(int64_t))};
+  io_.x = walk.take("x", rows_, h, es);
+  io_.splits = walk.take<int32_t>("splits", g, sizeof(int32_t));
+  io_.y = walk.take("y", rows_, h, es);
+  a_ = walk.take("swiglu_out", rows_, f, es);
+  infer_ = {io_.splits, walk.take<int64_t>("offsets.forward", g + 1, sizeof(int64_t))};
   const int slots = o.training ? o.wgrad_slots : 1;
   for (int s = 0; s < slots; ++s) {
-    h1_.push_back(walk.take(detail::concat("slot", s, ".fc1_out"), rows_ * 2 * f * es));
-    layouts_.push_back({walk.take<int32_t>(detail::concat("slot", s, ".splits"), g * sizeof(int32_t)),
-                        walk.take<int64_t>(detail::concat("slot", s, ".offsets"), (g + 1) * sizeof(int64_t))});
+    h1_.push_back(walk.take(detail::concat("slot", s, ".fc1_out"), rows_, 2, f, es));
+    layouts_.push_back({walk.take<int32_t>(detail::concat("slot", s, ".splits"), g, sizeof(int32_t)),
+                        walk.take<int64_t>(detail::concat("slot", s, ".offsets"), g + 1, sizeof(int64_t))});
   }
   if (o.training) {
-    io_.dy = walk.take("dy", rows_ * h * es);
-    io_.dx = walk.take("dx", rows_ * h * es);
-    da_ = walk.take("d_swiglu_out", rows_ * f * es);
-    dh1_ = walk.take("d_fc1_out", rows_ * 2 * f * es);
+    io_.dy = walk.take("dy", rows_, h, es);
+    io_.dx = walk.take("dx", rows_, h, es);
+    da_ = walk.take("d_swiglu_out", rows_, f, es);
+    dh1_ = walk.take("d_fc1_out", rows_, 2, f, es);
   }
   const GroupedLinearOptions o1 = layer::expert_linear_options(o, 1, rows_);
   const GroupedLinearOptions o2 = layer::expert_linear_options(o, 2, rows_);

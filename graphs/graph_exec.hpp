@@ -1,5 +1,7 @@
-// An instantiated CUDA graph captured from a stream under cudaStreamCaptureModeGlobal, which makes
-// the runtime reject any synchronization or allocation anywhere in the process during capture.
+// An instantiated CUDA graph captured from a stream. Under cudaStreamCaptureModeGlobal (the
+// default) the runtime rejects any synchronization or allocation anywhere in the process during
+// capture, which proves the enqueue path obeys the capture contract; cudaStreamCaptureModeThreadLocal
+// rejects them in the capturing thread only, so other threads may set up or synchronize meanwhile.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -12,8 +14,8 @@ class GraphExec {
  public:
   GraphExec() = default;
   template <class F>
-  GraphExec(cudaStream_t stream, F enqueue) {
-    MG_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  GraphExec(cudaStream_t stream, F enqueue, cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal) {
+    MG_CUDA_CHECK(cudaStreamBeginCapture(stream, mode));
     cudaGraph_t graph = nullptr;
     try {
       enqueue();

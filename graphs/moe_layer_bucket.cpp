@@ -12,13 +12,13 @@ MoeLayerBucket::MoeLayerBucket(const StepGraphsOptions& step, int64_t tokens, La
   const int64_t h = options_.hidden;
   io_.tokens = tokens;
   io_.rows = moe_layer_rows(options_);
-  io_.x = walk.take("x", tokens * h * es);
+  io_.x = walk.take("x", tokens, h, es);
   io_.num_tokens = walk.take<int32_t>("num_tokens", sizeof(int32_t));
-  io_.y = walk.take("y", tokens * h * es);
+  io_.y = walk.take("y", tokens, h, es);
   io_.aux_loss = walk.take<float>("aux_loss", sizeof(float));
   if (options_.training) {
-    io_.dy = walk.take("dy", tokens * h * es);
-    io_.dx = walk.take("dx", tokens * h * es);
+    io_.dy = walk.take("dy", tokens, h, es);
+    io_.dx = walk.take("dx", tokens, h, es);
   }
   void* workspace = walk.take("layer.workspace", MoeLayer::workspace_bytes(options_));
   if (!create) return;

@@ -5,6 +5,7 @@
 #include "graphs/bucket_step.hpp"
 #include "src/core/device_buffer.hpp"
 #include "graphs/graph_exec.hpp"
+#include "src/core/device_info.hpp"
 
 namespace moegraph {
 
@@ -46,6 +47,7 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
 StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights)
     : options_(options), plan_(plan_step(options)), weights_(weights) {
   check_weights(options_, weights_);
+  require_supported_device();
   memory_ = std::make_unique<Memory>();
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&memory_->stream, cudaStreamNonBlocking));
   cudaStream_t s = memory_->stream;
@@ -80,13 +82,14 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
     const auto t0 = std::chrono::steady_clock::now();
     BucketStep& bucket = *buckets_[b];
     auto g = std::make_unique<Graphs>();
-    g->forward = GraphExec(s, [&] { bucket.forward(s); });
+    const cudaStreamCaptureMode mode = options_.capture_mode;
+    g->forward = GraphExec(s, [&] { bucket.forward(s); }, mode);
     if (l.training) {
       for (int slot = 0; slot < slots; ++slot)
-        g->forward_train.emplace_back(s, [&] { bucket.forward_train(slot, s); });
-      for (int slot = 0; slot < slots; ++slot) g->backward.emplace_back(s, [&] { bucket.backward(slot, s); });
+        g->forward_train.emplace_back(s, [&] { bucket.forward_train(slot, s); }, mode);
+      for (int slot = 0; slot < slots; ++slot) g->backward.emplace_back(s, [&] { bucket.backward(slot, s); }, mode);
       if (l.delay_wgrad)
-        for (int slot = 0; slot < slots; ++slot) g->wgrad.emplace_back(s, [&] { bucket.wgrad(s); });
+        for (int slot = 0; slot < slots; ++slot) g->wgrad.emplace_back(s, [&] { bucket.wgrad(s); }, mode);
     }
     graphs_.push_back(std::move(g));
     capture_ms_.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());

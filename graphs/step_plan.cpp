@@ -7,6 +7,7 @@
 #include "graphs/step_weights.hpp"
 #include "moegraph/config.hpp"
 #include "moegraph/grouped_linear.hpp"
+#include "src/core/checked.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph {
@@ -55,7 +56,8 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     }
     b.bytes = walk.bytes();
     plan.arena_bytes = std::max(plan.arena_bytes, b.bytes);
-    plan.sum_of_buckets += b.bytes;
+    // Each bucket stays within one layout, but enough of them could still wrap the sum.
+    plan.sum_of_buckets = checked_add("sum_of_buckets (arena bytes of separate buckets)", plan.sum_of_buckets, b.bytes);
     plan.buckets.push_back(std::move(b));
   }
   LayoutWalker weights;

@@ -2,6 +2,7 @@
 // (splits) live on the device. Every enqueue method is graph-capturable: it never synchronizes,
 // allocates, or reads device memory on the host. Set-up (the constructor) may do all three and
 // must happen before capture.
+// Threading: one thread at a time per handle; the whole contract is in moegraph/step_graphs.hpp.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -22,11 +23,19 @@ namespace linear {
 class LinearBackend;  // src/ops/grouped_linear/linear_backend.hpp
 }
 
+// Upper bounds of the options. validate() refuses past them, naming the field, its value and the
+// limit, so every size derived from the options stays exact in 64-bit arithmetic. The products
+// capacity_rows * max(K, N) * element size (the largest row buffer) and G * N * K * 4 (an fp32
+// main_grad) must also be at most 2^48 bytes, and so must the whole workspace (the buffer that would
+// pass it is named).
+inline constexpr int64_t kMaxFeatures = int64_t{1} << 21;           // K and N: FC1 (2 * ffn) of the widest MoE layer
+inline constexpr int64_t kMaxCapacityRows = (int64_t{1} << 31) - 1;  // rows are int32 indices on the device
+
 struct GroupedLinearOptions {
   int num_groups = 0;          // G, 1..kMaxGroups (1024)
-  int64_t in_features = 0;     // K, multiple of 16
-  int64_t out_features = 0;    // N, multiple of 16
-  int64_t capacity_rows = 0;   // rows of every grouped buffer (including alignment padding)
+  int64_t in_features = 0;     // K, multiple of 16, at most kMaxFeatures (2^21)
+  int64_t out_features = 0;    // N, multiple of 16, at most kMaxFeatures (2^21)
+  int64_t capacity_rows = 0;   // rows of every grouped buffer (including alignment padding), below 2^31
   int row_align = 1;           // each group starts on a multiple of this many rows: 1, 16, 32, 128
   DType dtype = DType::kBF16;  // kBF16 or kFP16
   bool bias = false;           // bias [G, N]
@@ -88,7 +97,8 @@ class GroupedLinear {
   // (e.g. a step arena shared by shape buckets). Its contents are transient: the saved contexts live
   // there between forward_train and backward / backward_dw.
   GroupedLinear(const GroupedLinearOptions& options, void* workspace);
-  // Workspace size and its named buffers for these options. Touches no GPU.
+  // Workspace size (at most 2^48 bytes, else moegraph::Error naming the buffer that would pass it)
+  // and its named buffers for these options. Touches no GPU.
   static std::size_t workspace_bytes(const GroupedLinearOptions& options);
   struct WorkspaceBuffer {
     std::string name;

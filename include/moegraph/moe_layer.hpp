@@ -6,6 +6,7 @@
 // routing and any token count up to max_tokens.
 // Every enqueue method never synchronizes, allocates or reads device memory on the host; set-up
 // (the constructor) may do all three and must happen before capture.
+// Threading: one thread at a time per handle; the whole contract is in moegraph/step_graphs.hpp.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,9 +22,17 @@ namespace moegraph {
 
 struct Config;
 
+// Upper bounds of the options. validate() refuses past them, naming the field, its value and the
+// limit, so every size derived from the options stays exact in 64-bit arithmetic. The products
+// moe_layer_rows * 2 * ffn * element size (FC1's output) and experts * 2 * ffn * hidden * 4 (FC1's
+// fp32 main_grad) must also be at most 2^48 bytes, and so must the whole workspace (the buffer that
+// would pass it is named).
+inline constexpr int64_t kMaxLayerWidth = int64_t{1} << 20;   // hidden and ffn (as the JSON config's layer)
+inline constexpr int64_t kMaxLayerTokens = int64_t{1} << 24;  // max_tokens
+
 struct MoeLayerOptions {
-  int experts = 0;                  // E, 1..1024
-  int64_t hidden = 0, ffn = 0;      // multiples of 16
+  int experts = 0;                  // E, 1..kMaxGroups (1024)
+  int64_t hidden = 0, ffn = 0;      // multiples of 16, at most kMaxLayerWidth (2^20)
   int top_k = 1;                    // 1..8, at most experts
   bool bias = false;                // FC1 and FC2 biases
   RouterScore score = RouterScore::kSoftmax;
@@ -31,7 +40,7 @@ struct MoeLayerOptions {
   double aux_loss_coef = 0.0;       // 0: no auxiliary loss
   double capacity_factor = 0.0;     // 0: dropless; else at most ceil(cf * n * k / E) rows per expert
   bool fuse_weights = false;        // weights applied in the SwiGLU output (FC2 bias scaled) instead of at the combine
-  int64_t max_tokens = 0;           // the bucket's capacity in tokens
+  int64_t max_tokens = 0;           // the bucket's capacity in tokens, 1..kMaxLayerTokens (2^24)
   int row_align = 1;                // 1, 16, 32, 128
   DType dtype = DType::kBF16;
   Recipe recipe = Recipe::kBF16;    // kMXFP8: FC1 and FC2 on MXFP8 copies (row_align 32 or 128)
@@ -46,7 +55,7 @@ MoeLayerOptions moe_layer_options(const Config& config, int64_t max_tokens);
 // Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
 void validate(const MoeLayerOptions& options);
 // Rows of the permuted (expert-contiguous) buffers: max_tokens * top_k plus the worst-case
-// alignment padding, so dropless routing always fits.
+// alignment padding, so dropless routing always fits (validate() keeps it below 2^31).
 int64_t moe_layer_rows(const MoeLayerOptions& options);
 
 // Parameters and their gradients (device). The gradient set follows main_grad_fp32: fp32 main_grad_*
@@ -86,7 +95,8 @@ class MoeLayer {
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
 
-  // Workspace size and its named buffers, for these options. Touches no GPU.
+  // Workspace size (at most 2^48 bytes, else moegraph::Error naming the buffer that would pass it)
+  // and its named buffers, for these options. Touches no GPU.
   static std::size_t workspace_bytes(const MoeLayerOptions& options);
   struct WorkspaceBuffer {
     std::string name;

@@ -2,7 +2,9 @@
  * moegraph::MoeLayer (mg_moe_layer_*). No exception crosses it: every call returns a status, and
  * mg_last_error() gives the message of this thread's last failure. Enqueue calls (forward, backward,
  * backward_dw) are graph-capturable, as in the C++ API; create, read_dropped and
- * check_device_errors are not (they may allocate or synchronize). */
+ * check_device_errors are not (they may allocate or synchronize). Threading: a handle is used by one
+ * thread at a time and is bound to the device current at create; distinct handles may run on
+ * distinct threads (the whole contract is in moegraph/step_graphs.hpp). */
 #ifndef MOEGRAPH_MOEGRAPH_H_
 #define MOEGRAPH_MOEGRAPH_H_
 
@@ -25,23 +27,31 @@ typedef enum {
   MG_ERR_UNSUPPORTED_DEVICE = 7  /* the device is not compute capability 9.0 (Hopper) */
 } mg_status;
 
-typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1 } mg_dtype;
+/* Each enum spans every int32 (the *_FORCE_* values), so any int a caller stores in an enum field
+   is a value of the type, refused by name, never undefined behaviour. */
+typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1, MG_DTYPE_FORCE_INT32 = 0x7fffffff,
+               MG_DTYPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_dtype;
 /* MG_RECIPE_MXFP8: the GEMMs run on MXFP8 copies (K, N multiples of 128, row_align 32 or 128);
- * quantize the weights with mg_grouped_linear_quantize_weights / mg_moe_layer_weights_changed
+ * quantize the weights with mg_grouped_linear_weights_changed / mg_moe_layer_weights_changed
  * before the first forward and after every weight update. */
-typedef enum { MG_RECIPE_BF16 = 0, MG_RECIPE_MXFP8 = 1 } mg_recipe;
+typedef enum { MG_RECIPE_BF16 = 0, MG_RECIPE_MXFP8 = 1, MG_RECIPE_FORCE_INT32 = 0x7fffffff,
+               MG_RECIPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_recipe;
 
 typedef struct mg_grouped_linear mg_grouped_linear;
 
+/* Limits (moegraph::validate refuses past them with MG_ERR_INVALID_ARGUMENT, and mg_last_error names
+ * the field, its value and the limit): num_groups 1..1024; in_features and out_features multiples
+ * of 16, at most 2^21; capacity_rows 1..2^31 - 1; capacity_rows * max(K, N) * element size and
+ * num_groups * N * K * 4 at most 2^48 bytes, and so the whole workspace. */
 typedef struct {
-  int num_groups;
-  int64_t in_features;   /* K */
-  int64_t out_features;  /* N */
-  int64_t capacity_rows;
+  int num_groups;        /* G, 1..1024 */
+  int64_t in_features;   /* K, multiple of 16, at most 2^21 */
+  int64_t out_features;  /* N, multiple of 16, at most 2^21 */
+  int64_t capacity_rows; /* 1..2^31 - 1, a multiple of row_align */
   int row_align;         /* 1, 16, 32, 128 */
   mg_dtype dtype;
   int bias;              /* bool */
-  int wgrad_slots;
+  int wgrad_slots;       /* 1..64 */
   int delay_wgrad;       /* bool */
   mg_recipe recipe;
 } mg_grouped_linear_options;
@@ -68,6 +78,8 @@ typedef struct {
 
 /* Fills *options with the defaults (row_align 1, bf16, no bias, one slot, no delay). */
 void mg_grouped_linear_options_init(mg_grouped_linear_options* options);
+/* Validates the options and sizes the workspace (MG_ERR_INVALID_ARGUMENT past the limits above)
+ * before any CUDA call, then allocates it. */
 mg_status mg_grouped_linear_create(const mg_grouped_linear_options* options, mg_grouped_linear** out);
 void mg_grouped_linear_destroy(mg_grouped_linear* op);
 /* train != 0 saves the context for backward (forward_train). */
@@ -86,12 +98,17 @@ mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStrea
 
 typedef struct mg_moe_layer mg_moe_layer;
 
-typedef enum { MG_ROUTER_SOFTMAX = 0, MG_ROUTER_SIGMOID = 1 } mg_router_score;
+typedef enum { MG_ROUTER_SOFTMAX = 0, MG_ROUTER_SIGMOID = 1, MG_ROUTER_FORCE_INT32 = 0x7fffffff,
+               MG_ROUTER_FORCE_SIGNED = -0x7fffffff - 1 } mg_router_score;
 
+/* Limits (MG_ERR_INVALID_ARGUMENT past them, and mg_last_error names the field, its value and the
+ * limit): as commented per field; the permuted rows (max_tokens * top_k plus alignment padding)
+ * below 2^31; rows * 2 * ffn * element size and experts * 2 * ffn * hidden * 4 at most 2^48 bytes,
+ * and so the whole workspace. */
 typedef struct {
   int experts;             /* E, 1..1024 */
-  int64_t hidden;          /* multiple of 16 */
-  int64_t ffn;             /* multiple of 16 */
+  int64_t hidden;          /* multiple of 16, at most 2^20 */
+  int64_t ffn;             /* multiple of 16, at most 2^20 */
   int top_k;               /* 1..8, at most experts */
   int bias;                /* bool: FC1 and FC2 biases */
   mg_router_score score;
@@ -146,7 +163,8 @@ void mg_moe_layer_options_init(mg_moe_layer_options* options);
  * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture. */
 mg_status mg_moe_layer_create(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
                               void* workspace, mg_moe_layer** out);
-/* Validates the options and gives the workspace size. Touches no GPU. */
+/* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
+ * failure *out is 0 and mg_last_error names the field, its value and the limit. */
 mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* options, size_t* out);
 void mg_moe_layer_destroy(mg_moe_layer* layer);
 /* train != 0 saves the context for backward into the next free slot (forward_train). */

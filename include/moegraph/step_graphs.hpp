@@ -2,6 +2,28 @@
 // graphs per phase and replayed for any routing and any token count up to the bucket's capacity.
 // The step (config "step") is the whole MoE layer — router, dispatch, FC1 -> SwiGLU -> FC2, combine
 // (MoeLayer) — or the expert MLP alone on rows already grouped by expert.
+//
+// Threading contract (every handle of the library: GroupedLinear, MoeLayer, StepGraphs, and the C
+// ABI's mg_* handles):
+// - One thread at a time per handle: a handle keeps host-side state (free slots, the queues of
+//   pending backwards and delayed wgrads, the active bucket). Distinct handles may be used from
+//   distinct threads at once, each on its own stream(s); tests/gpu/test_threads.cpp runs eight.
+// - What handles share is read-only or guarded: per-device caches of SM counts and kernel
+//   residency (behind a mutex), and the caller's weights, which any number of handles may read.
+//   Gradients that several handles accumulate into one main_grad must be ordered by the caller
+//   (one stream, or events).
+// - A handle is bound to the device current when it was created: call it with that device current
+//   and with streams of that device.
+// - Set-up (constructors, weights_changed of StepGraphs at construction, check_device_errors,
+//   read_dropped) allocates or synchronizes. While any thread captures in
+//   cudaStreamCaptureModeGlobal (StepGraphs's constructor does by default, to prove its enqueue
+//   paths), no other thread may do either; set StepGraphsOptions::capture_mode to
+//   cudaStreamCaptureModeThreadLocal (and capture your own graphs in thread-local or relaxed
+//   mode) when threads set up or synchronize while others capture.
+// - Destroying a handle frees its device memory (cudaFree waits for the work using it). Graphs
+//   that a caller captured from a GroupedLinear or MoeLayer point into that memory and must not be
+//   launched after the handle is destroyed; StepGraphs owns its graphs and destroys them with
+//   itself.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,6 +49,11 @@ struct StepGraphsOptions {
   StepKind step = StepKind::kMoeLayer;
   MoeLayerOptions layer;           // every field but max_tokens (each bucket sets its own)
   std::vector<int64_t> buckets;    // capacities in tokens, strictly increasing, >= 1
+  // How the constructor captures: global mode (the default) proves that no enqueue path
+  // synchronizes or allocates anywhere in the process, but forbids other threads to do either
+  // while it runs; thread-local mode lets other threads set up and synchronize meanwhile (a
+  // server building steps while others serve).
+  cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeGlobal;
 };
 // The step of a config: layer, router, precision, training, row_align and buckets.
 StepGraphsOptions step_graphs_options(const Config& config);

@@ -3,6 +3,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
@@ -72,6 +73,45 @@ moegraph::DType dtype_of(mg_dtype dtype) {
   return dtype == MG_DTYPE_FP16 ? moegraph::DType::kFP16 : moegraph::DType::kBF16;
 }
 
+// The conversions copy each numeric field into a C++ field of the same type, so validate() sees the
+// caller's exact value: nothing is narrowed or wrapped before the range checks run.
+#define MG_SAME_FIELD_TYPE(c_options, cpp_options, field)                                         \
+  static_assert(std::is_same_v<decltype(c_options::field), decltype(moegraph::cpp_options::field)>, \
+                #c_options "::" #field " must have the type of its C++ field")
+MG_SAME_FIELD_TYPE(mg_grouped_linear_options, GroupedLinearOptions, num_groups);
+MG_SAME_FIELD_TYPE(mg_grouped_linear_options, GroupedLinearOptions, in_features);
+MG_SAME_FIELD_TYPE(mg_grouped_linear_options, GroupedLinearOptions, out_features);
+MG_SAME_FIELD_TYPE(mg_grouped_linear_options, GroupedLinearOptions, capacity_rows);
+MG_SAME_FIELD_TYPE(mg_grouped_linear_options, GroupedLinearOptions, row_align);
+MG_SAME_FIELD_TYPE(mg_grouped_linear_options, GroupedLinearOptions, wgrad_slots);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, experts);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, hidden);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, ffn);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, top_k);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, aux_loss_coef);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, capacity_factor);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, max_tokens);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, row_align);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, wgrad_slots);
+#undef MG_SAME_FIELD_TYPE
+
+// Converts and validates (before any CUDA call, so bad options fail the same with or without a GPU).
+moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options& o) {
+  moegraph::GroupedLinearOptions opts;
+  opts.num_groups = o.num_groups;
+  opts.in_features = o.in_features;
+  opts.out_features = o.out_features;
+  opts.capacity_rows = o.capacity_rows;
+  opts.row_align = o.row_align;
+  opts.dtype = dtype_of(o.dtype);
+  opts.bias = o.bias != 0;
+  opts.wgrad_slots = o.wgrad_slots;
+  opts.delay_wgrad = o.delay_wgrad != 0;
+  opts.recipe = recipe_of(o.recipe);
+  moegraph::validate(opts);
+  return opts;
+}
+
 // Converts and validates (before any CUDA call, so bad options fail the same with or without a GPU).
 moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options& o) {
   moegraph::MoeLayerOptions opts;
@@ -120,19 +160,9 @@ mg_status mg_grouped_linear_create(const mg_grouped_linear_options* o, mg_groupe
   return guarded([&] {
     MG_CHECK(o != nullptr && out != nullptr, "mg_grouped_linear_create needs options and an output handle");
     *out = nullptr;
-    moegraph::GroupedLinearOptions opts;
-    opts.num_groups = o->num_groups;
-    opts.in_features = o->in_features;
-    opts.out_features = o->out_features;
-    opts.capacity_rows = o->capacity_rows;
-    opts.row_align = o->row_align;
-    opts.dtype = dtype_of(o->dtype);
-    opts.bias = o->bias != 0;
-    opts.wgrad_slots = o->wgrad_slots;
-    opts.delay_wgrad = o->delay_wgrad != 0;
-    opts.recipe = recipe_of(o->recipe);
-    moegraph::validate(opts);  // before any CUDA call, so bad options fail the same with or without a GPU
+    const moegraph::GroupedLinearOptions opts = linear_options_of(*o);
     auto handle = std::make_unique<mg_grouped_linear>();
+    // Sizes its workspace (refusing one past the layout maximum) before it looks for a device.
     handle->op = std::make_unique<moegraph::GroupedLinear>(opts);
     *out = handle.release();
   });
@@ -189,6 +219,9 @@ mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_
              "mg_moe_layer_create needs options, weights and an output handle");
     *out = nullptr;
     const moegraph::MoeLayerOptions opts = moe_options_of(*o);
+    // Sized before the layer looks for a device: a workspace past the layout maximum is refused as
+    // an invalid argument with or without a GPU, and never allocated short when workspace is NULL.
+    moegraph::MoeLayer::workspace_bytes(opts);
     moegraph::MoeLayerWeights weights;
     weights.router = w->router;
     weights.w1 = w->w1;

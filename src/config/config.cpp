@@ -2,11 +2,7 @@
 // The generic strict JSON reading lives in json_reader.cpp.
 #include "moegraph/config.hpp"
 
-#include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include "moegraph/grouped_linear.hpp"
@@ -262,19 +258,7 @@ Config parse_config(const std::string& json_text, const std::string& source) {
 }
 
 Config load_config(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec))
-    config_detail::fail(__FILE__, __LINE__,
-                        detail::concat("cannot read config file \"", path, "\": it is a directory"));
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    config_detail::fail(__FILE__, __LINE__,
-                        detail::concat("cannot open config file \"", path, "\": ", std::strerror(errno)));
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) config_detail::fail(__FILE__, __LINE__, detail::concat("cannot read config file \"", path, "\""));
-  return parse_config(text.str(), path);
+  return parse_config(config_detail::read_document_file(path, "config file"), path);
 }
 
 Config default_config() { return parse_config(kDefaultConfigJson, "<built-in>"); }

@@ -1,6 +1,10 @@
 #include "src/config/json_reader.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -144,6 +148,27 @@ std::pair<std::size_t, std::size_t> line_column(const std::string& text, std::si
 constexpr double kTwoTo63 = 9223372036854775808.0;
 
 }  // namespace
+
+std::string read_document_file(const std::string& path, const char* what) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    fail(__FILE__, __LINE__, detail::concat("cannot read ", what, " \"", path, "\": it is a directory"));
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(__FILE__, __LINE__, detail::concat("cannot open ", what, " \"", path, "\": ", std::strerror(errno)));
+  // Read in chunks up to the limit, so a device or a pipe that never ends (/dev/zero) is refused
+  // instead of exhausting memory.
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof(chunk)) || in.gcount() > 0) {
+    text.append(chunk, static_cast<std::size_t>(in.gcount()));
+    if (text.size() > kMaxDocumentBytes)
+      fail(__FILE__, __LINE__, detail::concat("cannot read ", what, " \"", path, "\": it is larger than ",
+                                              kMaxDocumentBytes >> 20, " MiB"));
+  }
+  if (in.bad())
+    fail(__FILE__, __LINE__, detail::concat("cannot read ", what, " \"", path, "\": ", std::strerror(errno)));
+  return text;
+}
 
 Json parse_document(const std::string& text) {
   StrictSax sax;

@@ -33,6 +33,10 @@ namespace moegraph::config_detail {
 // Parses `text` as one JSON value. Syntax errors report "line L, column C" of the last character
 // the parser read; duplicate keys are refused because silently keeping one of them hides typos.
 Json parse_document(const std::string& text);
+// The text of a JSON document file (`what`: "config file", "case file"): a directory, an unreadable
+// file (with the OS reason) or one over kMaxDocumentBytes (e.g. /dev/zero) is a ConfigError.
+inline constexpr std::size_t kMaxDocumentBytes = std::size_t{16} << 20;
+std::string read_document_file(const std::string& path, const char* what);
 
 // For messages: a JSON-quoted string, cut short so a huge input cannot flood the message.
 std::string quoted_excerpt(std::string_view s);

@@ -12,9 +12,11 @@ DeviceInfo current_device_info() {
   const cudaError_t st = cudaGetDeviceCount(&count);
   if (st != cudaSuccess || count == 0) {
     cudaGetLastError();  // the failed query must not poison a later check
-    detail::throw_error(__FILE__, __LINE__,
-                        detail::concat("no CUDA device is available (", st == cudaSuccess ? "0 devices" :
-                                       cudaGetErrorString(st), ")"),
+    const char* why = st == cudaSuccess || st == cudaErrorNoDevice ? "the driver sees none"
+                      : st == cudaErrorInsufficientDriver
+                          ? "no NVIDIA driver is loaded, or it is older than the CUDA runtime moegraph was built with"
+                          : cudaGetErrorString(st);
+    detail::throw_error(__FILE__, __LINE__, detail::concat("no CUDA device is available (", why, ")"),
                         ErrorKind::kNoDevice);
   }
   DeviceInfo info;
@@ -30,12 +32,16 @@ DeviceInfo current_device_info() {
 
 DeviceInfo require_supported_device() {
   DeviceInfo info = current_device_info();
+  require_hopper(info);
+  return info;
+}
+
+void require_hopper(const DeviceInfo& info) {
   if (info.major != 9 || info.minor != 0)
     detail::throw_error(__FILE__, __LINE__,
                         detail::concat("device ", info.device, " (", info.name, ") has compute capability ", info.major,
                                        ".", info.minor, "; moegraph's kernels need 9.0 (Hopper, sm_90a)"),
                         ErrorKind::kUnsupportedDevice);
-  return info;
 }
 
 }  // namespace moegraph

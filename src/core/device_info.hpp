@@ -15,6 +15,9 @@ struct DeviceInfo {
 
 // The current device. Throws (ErrorKind::kNoDevice) when the process sees no usable CUDA device.
 DeviceInfo current_device_info();
+// Throws ErrorKind::kUnsupportedDevice, naming the device and its capability, unless it is compute
+// capability 9.0.
+void require_hopper(const DeviceInfo& info);
 // The current device, which must be compute capability 9.0 (Hopper: the sm_90a kernels); throws
 // ErrorKind::kUnsupportedDevice naming the device and its capability otherwise. Set-up only.
 DeviceInfo require_supported_device();

@@ -4,6 +4,9 @@
 
 #include "moegraph/config.hpp"
 #include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "src/core/checked.hpp"
+#include "src/core/layout.hpp"
 #include "src/ops/moe/layer_program.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
@@ -33,35 +36,50 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
 }
 
 void validate(const MoeLayerOptions& o) {
-  MG_CHECK(o.experts >= 1 && o.experts <= 1024, "experts must be in [1, 1024], got ", o.experts);
+  MG_CHECK(o.experts >= 1 && o.experts <= kMaxGroups, "experts must be in [1, ", kMaxGroups, "], got ", o.experts);
   MG_CHECK(o.hidden >= 16 && o.hidden % 16 == 0, "hidden must be a positive multiple of 16, got ", o.hidden);
+  MG_CHECK(o.hidden <= kMaxLayerWidth, "hidden must be at most ", kMaxLayerWidth, ", got ", o.hidden);
   MG_CHECK(o.ffn >= 16 && o.ffn % 16 == 0, "ffn must be a positive multiple of 16, got ", o.ffn);
+  MG_CHECK(o.ffn <= kMaxLayerWidth, "ffn must be at most ", kMaxLayerWidth, ", got ", o.ffn);
   MG_CHECK(o.top_k >= 1 && o.top_k <= 8 && o.top_k <= o.experts, "top_k must be in [1, min(8, experts = ", o.experts,
            ")], got ", o.top_k);
   MG_CHECK(std::isfinite(o.aux_loss_coef) && o.aux_loss_coef >= 0, "aux_loss_coef must be finite and >= 0, got ",
            o.aux_loss_coef);
   MG_CHECK(std::isfinite(o.capacity_factor) && o.capacity_factor >= 0,
            "capacity_factor must be 0 (dropless) or a finite positive factor, got ", o.capacity_factor);
-  MG_CHECK(o.max_tokens >= 1 && o.max_tokens <= (int64_t{1} << 24), "max_tokens must be in [1, 2^24], got ",
+  MG_CHECK(o.max_tokens >= 1 && o.max_tokens <= kMaxLayerTokens, "max_tokens must be in [1, 2^24], got ",
            o.max_tokens);
   MG_CHECK(o.row_align == 1 || o.row_align == 16 || o.row_align == 32 || o.row_align == 128,
            "row_align must be 1, 16, 32 or 128, got ", o.row_align);
   MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ", dtype_name(o.dtype));
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(!o.delay_wgrad || o.training, "delay_wgrad needs training");
-  MG_CHECK(moe_layer_rows(o) <= (int64_t{1} << 31) - 1, "max_tokens * top_k (plus alignment padding) = ",
-           moe_layer_rows(o), " rows must stay below 2^31");
+  const int64_t rows = moe_layer_rows(o);
+  MG_CHECK(rows <= kMaxCapacityRows, "max_tokens * top_k (plus alignment padding) = ", rows,
+           " rows must stay below 2^31");
+  // Each field is bounded above, so these products are exact; what they may not pass is one layout.
+  // FC1 has the widest rows (2 * ffn) and the largest weights; every other buffer is smaller.
+  const std::size_t es = dtype_size(o.dtype), max_bytes = LayoutWalker::kMaxBytes;
+  const std::size_t fc1_out = checked_mul("fc1 output bytes", rows, 2, o.ffn, es);
+  MG_CHECK(fc1_out <= max_bytes, "rows * 2 * ffn * ", es, " bytes (fc1's output) must be at most ", max_bytes,
+           ", got ", rows, " * 2 * ", o.ffn, " * ", es, " = ", fc1_out);
+  const std::size_t main_grad = checked_mul("fc1 main_grad bytes", o.experts, 2, o.ffn, o.hidden, 4);
+  MG_CHECK(main_grad <= max_bytes, "experts * 2 * ffn * hidden * 4 bytes (fc1's fp32 main_grad) must be at most ",
+           max_bytes, ", got ", o.experts, " * 2 * ", o.ffn, " * ", o.hidden, " * 4 = ", main_grad);
   // The recipe's shape rules, on the two grouped linears it will build.
   for (int layer : {1, 2}) {
-    const std::string reason = recipe_can_implement(layer::expert_linear_options(o, layer, moe_layer_rows(o)));
+    const std::string reason = recipe_can_implement(layer::expert_linear_options(o, layer, rows));
     MG_CHECK(reason.empty(), "fc", layer, " (hidden ", o.hidden, ", ffn ", o.ffn, "): ", reason);
   }
 }
 
 int64_t moe_layer_rows(const MoeLayerOptions& o) {
+  MG_CHECK(o.row_align >= 1, "row_align must be 1, 16, 32 or 128, got ", o.row_align);
   const int64_t align = o.row_align;
-  const int64_t worst = o.max_tokens * o.top_k + (align > 1 ? int64_t{o.experts} * (align - 1) : 0);
-  return (worst + align - 1) / align * align;
+  // Checked: callers may ask before validate() has bounded max_tokens.
+  const int64_t assigned = checked_mul("rows (max_tokens * top_k)", o.max_tokens, o.top_k);
+  const int64_t padding = checked_mul("rows (alignment padding)", o.experts, align - 1);
+  return checked_align_up("rows", checked_add("rows", assigned, padding), align);
 }
 
 MoeLayer::MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace)

@@ -49,7 +49,7 @@ TEST_P(PrecomputedOffsets, AreBitIdenticalToTheOperatorsOwn) {
   cudaStream_t stream = nullptr;
   DeviceArray<int64_t> offsets(spec.groups + 1);
   DeviceArray<DeviceErrorRecord> error(1);
-  MG_CUDA_CHECK(cudaMemset(error.get(), 0, sizeof(DeviceErrorRecord)));
+  testing::memset_and_wait(error.get(), 0, sizeof(DeviceErrorRecord));
   for (int routing = 0; routing < 3; ++routing) {
     p.reroute_random();
     const Outputs own = run_step(p, nullptr, stream);

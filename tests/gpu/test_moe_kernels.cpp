@@ -39,7 +39,7 @@ const float kNaN = [] {
 
 template <class T>
 void fill_bytes(DeviceArray<T>& a, int byte) {
-  MG_CUDA_CHECK(cudaMemset(a.get(), byte, a.size() * sizeof(T)));
+  testing::memset_and_wait(a.get(), byte, a.size() * sizeof(T));
 }
 
 template <class T>

@@ -132,7 +132,7 @@ class LayerHarness {
   void poison() {
     y_d_.poison(), dx_d_.poison(), aux_d_.poison();
     for (DeviceArray<float>* a : {&mgr_, &mg1_, &mg2_})
-      if (a->size()) MG_CUDA_CHECK(cudaMemset(a->get(), 0, a->size() * sizeof(float)));
+      if (a->size()) testing::memset_and_wait(a->get(), 0, a->size() * sizeof(float));
     for (DeviceArray<uint16_t>* a : {&dwr_, &dw1_, &dw2_, &db1_d_, &db2_d_})
       if (a->size()) a->poison();
   }
@@ -393,9 +393,9 @@ TEST_P(MoeLayerStep, StepGraphsReplayTheWholeLayer) {
   auto run = [&](bool graph) {
     MG_CUDA_CHECK(cudaMemcpy(io.x, x.get(), n * 2, cudaMemcpyDeviceToDevice));
     MG_CUDA_CHECK(cudaMemcpy(io.dy, dy.get(), n * 2, cudaMemcpyDeviceToDevice));
-    MG_CUDA_CHECK(cudaMemset(step.weights().main_grad1, 0, l.experts * 2 * l.ffn * l.hidden * 4));
-    MG_CUDA_CHECK(cudaMemset(io.y, 0xff, n * 2));
-    MG_CUDA_CHECK(cudaMemset(io.dx, 0xff, n * 2));
+    testing::memset_and_wait(step.weights().main_grad1, 0, l.experts * 2 * l.ffn * l.hidden * 4);
+    testing::memset_and_wait(io.y, 0xff, n * 2);
+    testing::memset_and_wait(io.dx, 0xff, n * 2);
     graph ? step.forward_train(b, s) : step.run_eager(b, StepPhase::kForwardTrain, s);
     graph ? step.backward(b, s) : step.run_eager(b, StepPhase::kBackward, s);
     graph ? step.wgrad(b, s) : step.run_eager(b, StepPhase::kWgrad, s);

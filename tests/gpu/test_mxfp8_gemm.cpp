@@ -80,7 +80,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   DeviceArray<int32_t> dsplits(c.groups);
   DeviceArray<int64_t> doffsets(c.groups + 1);
   DeviceArray<DeviceErrorRecord> derr(1);
-  MG_CUDA_CHECK(cudaMemset(derr.get(), 0, sizeof(DeviceErrorRecord)));
+  testing::memset_and_wait(derr.get(), 0, sizeof(DeviceErrorRecord));
   DeviceArray<uint16_t> dc(capacity * c.n);
 
   kernels::Mxfp8RaggedGemmParams p;
@@ -224,7 +224,7 @@ TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   DeviceArray<int32_t> dsplits(groups);
   DeviceArray<int64_t> doffsets(groups + 1);
   DeviceArray<DeviceErrorRecord> derr(1);
-  MG_CUDA_CHECK(cudaMemset(derr.get(), 0, sizeof(DeviceErrorRecord)));
+  testing::memset_and_wait(derr.get(), 0, sizeof(DeviceErrorRecord));
   dsplits.upload({32, 32});
   DeviceArray<uint16_t> dc(rows * n);
   kernels::launch_group_offsets(dsplits.get(), groups, 1, rows, doffsets.get(), derr.get(), nullptr);

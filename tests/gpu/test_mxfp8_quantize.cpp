@@ -481,7 +481,7 @@ TEST(Mxfp8Graph, CaptureOnceReplayWithNewSplitsAndData) {
     splits.upload(l.splits);
     const std::vector<double> values = grouped_values(rng, l, cols, dtype);
     x.upload(bits_of(values, dtype));
-    MG_CUDA_CHECK(cudaMemset(error.get(), 0, sizeof(DeviceErrorRecord)));
+    testing::memset_and_wait(error.get(), 0, sizeof(DeviceErrorRecord));
     row.poison();
     col.poison();
     y.poison();

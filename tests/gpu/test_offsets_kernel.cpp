@@ -32,7 +32,7 @@ TEST_P(DeviceOffsets, MatchHostMirror) {
   DeviceArray<DeviceErrorRecord> d_error(1);
   d_splits.upload(splits);
   d_offsets.poison();
-  MG_CUDA_CHECK(cudaMemset(d_error.get(), 0, sizeof(DeviceErrorRecord)));
+  testing::memset_and_wait(d_error.get(), 0, sizeof(DeviceErrorRecord));
   kernels::launch_group_offsets(d_splits.get(), groups, align, capacity, d_offsets.get(), d_error.get(), nullptr);
   MG_CUDA_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(d_offsets.download(), expected.offsets);

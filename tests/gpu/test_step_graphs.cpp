@@ -94,17 +94,17 @@ class StepHarness {
     const StepWeights& w = step_.weights();
     const auto& l = c_.layer;
     const std::size_t n1 = l.experts * 2 * l.ffn * l.hidden, n2 = l.experts * l.hidden * l.ffn;
-    if (w.main_grad1) MG_CUDA_CHECK(cudaMemset(w.main_grad1, 0, n1 * 4));
-    if (w.main_grad2) MG_CUDA_CHECK(cudaMemset(w.main_grad2, 0, n2 * 4));
-    if (w.dw1) MG_CUDA_CHECK(cudaMemset(w.dw1, 0xff, n1 * 2));  // written, so poisoned
-    if (w.dw2) MG_CUDA_CHECK(cudaMemset(w.dw2, 0xff, n2 * 2));
-    MG_CUDA_CHECK(cudaMemset(w.db1, 0xff, l.experts * 2 * l.ffn * 2));
-    MG_CUDA_CHECK(cudaMemset(w.db2, 0xff, l.experts * l.hidden * 2));
+    if (w.main_grad1) testing::memset_and_wait(w.main_grad1, 0, n1 * 4);
+    if (w.main_grad2) testing::memset_and_wait(w.main_grad2, 0, n2 * 4);
+    if (w.dw1) testing::memset_and_wait(w.dw1, 0xff, n1 * 2);  // written, so poisoned
+    if (w.dw2) testing::memset_and_wait(w.dw2, 0xff, n2 * 2);
+    testing::memset_and_wait(w.db1, 0xff, l.experts * 2 * l.ffn * 2);
+    testing::memset_and_wait(w.db2, 0xff, l.experts * l.hidden * 2);
   }
   void poison_outputs(int b) {
     const BucketIO io = step_.io(b);
-    MG_CUDA_CHECK(cudaMemset(io.y, 0xff, io.rows * c_.layer.hidden * 2));
-    MG_CUDA_CHECK(cudaMemset(io.dx, 0xff, io.rows * c_.layer.hidden * 2));
+    testing::memset_and_wait(io.y, 0xff, io.rows * c_.layer.hidden * 2);
+    testing::memset_and_wait(io.dx, 0xff, io.rows * c_.layer.hidden * 2);
   }
   void train_step(int b, bool graph) {
     poison_outputs(b);
@@ -185,7 +185,7 @@ TEST_P(StepGraphsCase, ReplaysMatchEagerAndReferenceAtEveryFill) {
       h.expect_matches_reference(graph, where);
       // Inference forward: the same y.
       const BucketIO io = h.step().io(b);
-      MG_CUDA_CHECK(cudaMemset(io.y, 0xff, io.rows * c.layer.hidden * 2));
+      testing::memset_and_wait(io.y, 0xff, io.rows * c.layer.hidden * 2);
       h.step().forward(b, h.stream());
       h.step().check_device_errors(h.stream());
       EXPECT_TRUE(same_bits(download(io.y, io.rows * c.layer.hidden, c.precision.dtype), graph.y))

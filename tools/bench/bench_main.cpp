@@ -86,7 +86,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moegraph-bench: invalid config: %s\n", e.message().c_str());
     return 2;
   } catch (const moegraph::Error& e) {
+    std::fprintf(stderr, "moegraph-bench: %s\n", e.message().c_str());
+    if (e.kind() == moegraph::ErrorKind::kNoDevice || e.kind() == moegraph::ErrorKind::kUnsupportedDevice)
+      std::fprintf(stderr, "moegraph-bench: --plan prints a config's buffers and kernels without a GPU\n");
+    return e.kind() == moegraph::ErrorKind::kInvalidArgument ? 2 : 1;
+  } catch (const std::exception& e) {  // out of memory and the like: a reason, never an abort
     std::fprintf(stderr, "moegraph-bench: %s\n", e.what());
-    return 1;
+    return 2;
   }
 }

@@ -22,6 +22,7 @@
 #include "src/core/lt_gemm.hpp"
 #include "testing/legacy_loop.hpp"
 #include "graphs/graph_exec.hpp"
+#include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace moegraph::bench {
@@ -307,7 +308,8 @@ double run_quantize(const Shape& s, Buffers& b, const MxBuffers& mx, int replays
 
 int run_kernel_bench(bool quick) {
   cudaDeviceProp prop{};
-  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const DeviceInfo device = require_supported_device();  // "no CUDA device" or a wrong GPU, said plainly
+  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.device));
   std::printf("device: %s, %d SMs, L2 %d MB\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20);
   const int grid = prop.multiProcessorCount;  // plans scale it by each kernel's occupancy
   std::printf("grouped kernels: wgmma 128 x tile_n x 64 (tile_n and the load pipeline per shape and phase), "

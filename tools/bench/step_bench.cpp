@@ -18,6 +18,7 @@
 #include "src/ops/moe/op_spec.hpp"
 #include "testing/legacy_loop.hpp"
 #include "testing/step_weights.hpp"
+#include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
 
 namespace moegraph::bench {
@@ -197,7 +198,8 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
 int run_step_bench(const Config& c, const StepBenchOptions& options) {
   const int replays = options.replays > 0 ? options.replays : c.bench.replays;
   cudaDeviceProp prop{};
-  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  const DeviceInfo device = require_supported_device();  // "no CUDA device" or a wrong GPU, said plainly
+  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.device));
   std::printf("device: %s, %d SMs, L2 %d MB\nconfig: %s (%d experts, hidden %lld, ffn %lld, top-%d, %s, %s)\n",
               prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, c.name.c_str(), c.layer.experts,
               static_cast<long long>(c.layer.hidden), static_cast<long long>(c.layer.ffn), c.layer.top_k,

@@ -53,20 +53,18 @@ std::unique_ptr<CaseRunner> parse_case(const Json& value, const std::string& nam
   MG_CONFIG_FAIL("op ", in_quotes(op), " is not supported (supported: ", known, ")");
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CaseFileError(path + ": cannot read the file");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 std::vector<std::unique_ptr<CaseRunner>> load_case_file(const std::string& path) {
+  std::string text;
+  try {
+    text = config_detail::read_document_file(path, "case file");  // its messages name the path
+  } catch (const ConfigError& e) {
+    throw CaseFileError(e.message());
+  }
   Json document;
   try {
-    document = config_detail::parse_document(read_text(path));
+    document = config_detail::parse_document(text);
   } catch (const ConfigError& e) {
     throw CaseFileError(path + ": " + e.message());
   }

@@ -146,9 +146,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "moegraph-check: %s\n%s", e.what(), kUsage);
   } catch (const CaseFileError& e) {
     std::fprintf(stderr, "moegraph-check: %s\n", e.what());
-  } catch (const std::exception& e) {
+  } catch (const std::exception& e) {  // out of memory and the like: a reason, never an abort
     std::fprintf(stderr, "moegraph-check: %s\n", e.what());
-    return kExitFailed;
   }
   return kExitUsage;
 }

@@ -15,8 +15,8 @@ class Bf16Backend final : public LinearBackend {
   void lay_out_scratch(LayoutWalker&) override {}
   void lay_out_slot(LayoutWalker& walk, int slot, const std::string& prefix) override {
     if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
-    slots_[slot].x = walk.take(prefix + "x", o_.capacity_rows * o_.in_features * es_);
-    if (o_.delay_wgrad) slots_[slot].dy = walk.take(prefix + "dy", o_.capacity_rows * o_.out_features * es_);
+    slots_[slot].x = walk.take(prefix + "x", o_.capacity_rows, o_.in_features, es_);
+    if (o_.delay_wgrad) slots_[slot].dy = walk.take(prefix + "dy", o_.capacity_rows, o_.out_features, es_);
   }
 
   void prepare(int sm_count) override {

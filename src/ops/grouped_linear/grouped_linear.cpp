@@ -2,12 +2,14 @@
 // gradients; the recipe's backend (linear_backend.hpp) does the GEMMs and keeps its operand copies.
 #include "moegraph/grouped_linear.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
 #include "kernels/elementwise/elementwise.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "moegraph/error.hpp"
+#include "src/core/checked.hpp"
 #include "src/core/device_buffer.hpp"
 #include "src/core/device_info.hpp"
 #include "src/core/layout.hpp"
@@ -79,14 +81,28 @@ void validate(const GroupedLinearOptions& o) {
            "in_features (K) must be a positive multiple of 16, got ", o.in_features);
   MG_CHECK(o.out_features >= 16 && o.out_features % 16 == 0,
            "out_features (N) must be a positive multiple of 16, got ", o.out_features);
+  MG_CHECK(o.in_features <= kMaxFeatures, "in_features (K) must be at most ", kMaxFeatures, ", got ", o.in_features);
+  MG_CHECK(o.out_features <= kMaxFeatures, "out_features (N) must be at most ", kMaxFeatures, ", got ",
+           o.out_features);
   MG_CHECK(o.capacity_rows >= 1, "capacity_rows must be at least 1, got ", o.capacity_rows);
-  MG_CHECK(o.capacity_rows <= (int64_t{1} << 31) - 1, "capacity_rows must be below 2^31, got ", o.capacity_rows);
+  MG_CHECK(o.capacity_rows <= kMaxCapacityRows, "capacity_rows must be below 2^31, got ", o.capacity_rows);
   MG_CHECK(o.row_align == 1 || o.row_align == 16 || o.row_align == 32 || o.row_align == 128,
            "row_align must be 1, 16, 32 or 128, got ", o.row_align);
   MG_CHECK(o.capacity_rows % o.row_align == 0, "capacity_rows must be a multiple of row_align (", o.row_align,
            "), got ", o.capacity_rows);
   MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ",
            dtype_name(o.dtype));
+  // Each field is bounded above, so these products are exact; what they may not pass is one layout.
+  const std::size_t es = dtype_size(o.dtype), max_bytes = LayoutWalker::kMaxBytes;
+  const int64_t widest = std::max(o.in_features, o.out_features);
+  const std::size_t row_buffer = checked_mul("row buffer bytes", o.capacity_rows, widest, es);
+  MG_CHECK(row_buffer <= max_bytes, "capacity_rows * max(in_features, out_features) * ", es,
+           " bytes (the largest row buffer) must be at most ", max_bytes, ", got ", o.capacity_rows, " * ", widest,
+           " * ", es, " = ", row_buffer);
+  const std::size_t main_grad = checked_mul("main_grad bytes", o.num_groups, o.out_features, o.in_features, 4);
+  MG_CHECK(main_grad <= max_bytes, "num_groups * out_features * in_features * 4 bytes (an fp32 main_grad) must be ",
+           "at most ", max_bytes, ", got ", o.num_groups, " * ", o.out_features, " * ", o.in_features, " * 4 = ",
+           main_grad);
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
            o.tile_n);
@@ -97,18 +113,18 @@ void validate(const GroupedLinearOptions& o) {
 void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, linear::LinearBackend& backend,
                             std::vector<Slot>& slots, Scratch& scratch) {
   const int64_t g = o.num_groups;
-  scratch.offsets = walk.take<int64_t>("offsets", (g + 1) * sizeof(int64_t));
+  scratch.offsets = walk.take<int64_t>("offsets", g + 1, sizeof(int64_t));
   if (o.bias)
     scratch.bias_partials = walk.take<float>(
-        "bias_grad_partials", kernels::bias_grad_workspace_floats(o.capacity_rows, g, o.out_features) * sizeof(float));
+        "bias_grad_partials", kernels::bias_grad_workspace_floats(o.capacity_rows, g, o.out_features), sizeof(float));
   backend.lay_out_scratch(walk);
   slots.assign(o.wgrad_slots, Slot{});
   for (int s = 0; s < o.wgrad_slots; ++s) {
     const std::string prefix = detail::concat("slot", s, ".");
     backend.lay_out_slot(walk, s, prefix);
-    slots[s].own_splits = walk.take<int32_t>(prefix + "splits", g * sizeof(int32_t));
-    slots[s].own_offsets = walk.take<int64_t>(prefix + "offsets", (g + 1) * sizeof(int64_t));
-    if (o.bias) slots[s].scale = walk.take<float>(prefix + "bias_scale", o.capacity_rows * sizeof(float));
+    slots[s].own_splits = walk.take<int32_t>(prefix + "splits", g, sizeof(int32_t));
+    slots[s].own_offsets = walk.take<int64_t>(prefix + "offsets", g + 1, sizeof(int64_t));
+    if (o.bias) slots[s].scale = walk.take<float>(prefix + "bias_scale", o.capacity_rows, sizeof(float));
   }
 }
 
@@ -145,8 +161,9 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : GroupedLinea
 GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspace) : options_(options) {
   validate(options_);
   scratch_ = std::make_unique<Scratch>();
-  scratch_->sm_count = require_supported_device().sm_count;
+  // Sized before the device is looked at: a workspace too large to lay out fails the same without a GPU.
   scratch_->workspace_bytes = workspace_bytes(options_);
+  scratch_->sm_count = require_supported_device().sm_count;
   if (workspace == nullptr) {
     scratch_->owned_workspace = DeviceBuffer(scratch_->workspace_bytes);
     workspace = scratch_->owned_workspace.get();

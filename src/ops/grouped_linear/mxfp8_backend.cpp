@@ -6,6 +6,7 @@
 
 #include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/error.hpp"
+#include "src/core/checked.hpp"
 #include "src/core/device_buffer.hpp"
 #include "src/ops/grouped_linear/linear_backend.hpp"
 
@@ -18,8 +19,8 @@ class Mxfp8Backend final : public LinearBackend {
 
   void lay_out_scratch(LayoutWalker& walk) override {
     const int64_t widest = std::max(o_.in_features, o_.out_features);
-    operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows * widest),
-                walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows * widest / kernels::kMxBlock)};
+    operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows, widest),
+                walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows / kernels::kMxBlock, widest)};
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (!o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
   }
@@ -33,7 +34,7 @@ class Mxfp8Backend final : public LinearBackend {
     fprop_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kFprop), sm_count);
     dgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kDgrad), sm_count);
     wgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kWgrad), sm_count);
-    const std::size_t weight = static_cast<std::size_t>(o_.num_groups) * o_.out_features * o_.in_features;
+    const std::size_t weight = checked_mul("mxfp8 weight copy", o_.num_groups, o_.out_features, o_.in_features);
     w_data_ = DeviceBuffer(weight), w_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
     wt_data_ = DeviceBuffer(weight), wt_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
   }
@@ -93,8 +94,8 @@ class Mxfp8Backend final : public LinearBackend {
 
  private:
   kernels::Mxfp8Colwise colwise(LayoutWalker& walk, const std::string& name, int64_t cols) {
-    return {walk.take<uint8_t>(name, o_.capacity_rows * cols),
-            walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock * cols)};
+    return {walk.take<uint8_t>(name, o_.capacity_rows, cols),
+            walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
   }
   void wgrad(const kernels::Mxfp8Colwise& dy_t, const kernels::Mxfp8Colwise& x_t, Groups g, void* dweight,
              float* main_grad, cudaStream_t stream) {

@@ -5,6 +5,7 @@
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 #include "src/core/device_buffer.hpp"
+#include "src/core/checked.hpp"
 #include "src/ops/group_layout.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
@@ -22,15 +23,17 @@ class DispatchOp final : public LayerOp {
 
   void declare(TensorTable& t, bool training) override {
     const int64_t e = o_.experts, tk = o_.max_tokens, k = o_.top_k;
-    t.declare(tensor::kCounts, e * sizeof(int32_t), Lifetime::kSaved);
-    t.declare(tensor::kSplits, e * sizeof(int32_t), Lifetime::kSaved);
-    t.declare(tensor::kOffsets, (e + 1) * sizeof(int64_t), Lifetime::kSaved);
-    t.declare(tensor::kRowOf, tk * k * sizeof(int32_t), Lifetime::kSaved);
-    t.declare(tensor::kTokenOfRow, rows_ * sizeof(int32_t), Lifetime::kSaved);
-    t.declare(tensor::kRowWeight, rows_ * sizeof(float), Lifetime::kSaved);
-    t.declare(tensor::kPermutedX, rows_ * o_.hidden * dtype_size(o_.dtype), Lifetime::kStep);
+    t.declare(tensor::kCounts, checked_mul(tensor::kCounts, e, sizeof(int32_t)), Lifetime::kSaved);
+    t.declare(tensor::kSplits, checked_mul(tensor::kSplits, e, sizeof(int32_t)), Lifetime::kSaved);
+    t.declare(tensor::kOffsets, checked_mul(tensor::kOffsets, e + 1, sizeof(int64_t)), Lifetime::kSaved);
+    t.declare(tensor::kRowOf, checked_mul(tensor::kRowOf, tk, k, sizeof(int32_t)), Lifetime::kSaved);
+    t.declare(tensor::kTokenOfRow, checked_mul(tensor::kTokenOfRow, rows_, sizeof(int32_t)), Lifetime::kSaved);
+    t.declare(tensor::kRowWeight, checked_mul(tensor::kRowWeight, rows_, sizeof(float)), Lifetime::kSaved);
+    t.declare(tensor::kPermutedX, checked_mul(tensor::kPermutedX, rows_, o_.hidden, dtype_size(o_.dtype)),
+              Lifetime::kStep);
     t.declare("dispatch.workspace", kernels::dispatch_workspace_bytes(tk, o_.experts, o_.top_k), Lifetime::kStep);
-    if (training) t.declare(tensor::kDTopkWeights, tk * k * sizeof(float), Lifetime::kStep);
+    if (training)
+      t.declare(tensor::kDTopkWeights, checked_mul(tensor::kDTopkWeights, tk, k, sizeof(float)), Lifetime::kStep);
   }
 
   void bind(TensorTable&) override {
@@ -107,8 +110,10 @@ class CombineOp final : public LayerOp {
 
   void declare(TensorTable& t, bool training) override {
     if (!training) return;
-    t.declare(tensor::grad(spec_.in), rows_ * o_.hidden * dtype_size(o_.dtype), Lifetime::kStep);
-    if (spec_.weighted) t.declare(tensor::kDRowWeight, rows_ * sizeof(float), Lifetime::kStep);
+    const std::string d_in = tensor::grad(spec_.in);
+    t.declare(d_in, checked_mul(d_in, rows_, o_.hidden, dtype_size(o_.dtype)), Lifetime::kStep);
+    if (spec_.weighted)
+      t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, rows_, sizeof(float)), Lifetime::kStep);
   }
 
   void forward(const Phase& p, cudaStream_t stream) override {

@@ -7,6 +7,7 @@
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
+#include "src/core/checked.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {
@@ -35,11 +36,14 @@ class LinearOp final : public LayerOp {
 
   void declare(TensorTable& t, bool training) override {
     const std::size_t es = dtype_size(o_.dtype);
-    t.declare(spec_.out, g_.capacity_rows * g_.out_features * es, spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
+    t.declare(spec_.out, checked_mul(spec_.out, g_.capacity_rows, g_.out_features, es),
+              spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     t.declare(spec_.name + ".workspace", GroupedLinear::workspace_bytes(g_), Lifetime::kStep);
     if (!training) return;
-    t.declare(tensor::grad(spec_.in), g_.capacity_rows * g_.in_features * es, Lifetime::kStep);
-    if (scaled_bias_) t.declare(kDBiasScale, g_.capacity_rows * sizeof(float), Lifetime::kStep);
+    const std::string d_in = tensor::grad(spec_.in);
+    t.declare(d_in, checked_mul(d_in, g_.capacity_rows, g_.in_features, es), Lifetime::kStep);
+    if (scaled_bias_)
+      t.declare(kDBiasScale, checked_mul(kDBiasScale, g_.capacity_rows, sizeof(float)), Lifetime::kStep);
   }
 
   void bind(TensorTable& t) override { op_ = std::make_unique<GroupedLinear>(g_, t.get(spec_.name + ".workspace")); }
@@ -100,10 +104,13 @@ class SwigluOp final : public LayerOp {
 
   void declare(TensorTable& t, bool training) override {
     const std::size_t es = dtype_size(o_.dtype);
-    t.declare(spec_.out, rows_ * o_.ffn * es, spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
+    t.declare(spec_.out, checked_mul(spec_.out, rows_, o_.ffn, es),
+              spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     if (!training) return;
-    t.declare(tensor::grad(spec_.in), rows_ * 2 * o_.ffn * es, Lifetime::kStep);
-    if (weighted_) t.declare(tensor::kDRowWeight, rows_ * sizeof(float), Lifetime::kStep);
+    const std::string d_in = tensor::grad(spec_.in);
+    t.declare(d_in, checked_mul(d_in, rows_, 2, o_.ffn, es), Lifetime::kStep);
+    if (weighted_)
+      t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, rows_, sizeof(float)), Lifetime::kStep);
   }
 
   void bind(TensorTable&) override { grid_ = 4 * kernels::current_sm_count(); }
@@ -149,7 +156,7 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, 
   GroupedLinearOptions g;
   g.num_groups = o.experts;
   g.in_features = layer == 1 ? o.hidden : o.ffn;
-  g.out_features = layer == 1 ? 2 * o.ffn : o.hidden;
+  g.out_features = layer == 1 ? checked_mul("fc1 out_features (2 * ffn)", 2, o.ffn) : o.hidden;
   g.capacity_rows = capacity_rows;
   g.row_align = o.row_align;
   g.dtype = o.dtype;

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "moegraph/error.hpp"
+#include "src/core/device_info.hpp"
 #include "src/ops/group_layout.hpp"
 
 namespace moegraph::layer {
@@ -17,9 +18,12 @@ LayerProgram::LayerProgram(const MoeLayerOptions& options) : options_(options), 
 
 LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace)
     : options_(options), tensors_(slots_of(options)) {
+  // Options and sizes are refused first (they fail the same with or without a GPU), then the
+  // device, before any allocation: a clear error, never a failed first enqueue.
+  const std::size_t bytes = LayerProgram(options).workspace_bytes();
+  require_supported_device();
   if (workspace == nullptr) {
-    LayerProgram sizing(options);
-    owned_ = DeviceBuffer(sizing.workspace_bytes());
+    owned_ = DeviceBuffer(bytes);
     workspace = owned_.get();
   }
   MG_CHECK(reinterpret_cast<uintptr_t>(workspace) % LayoutWalker::kAlignment == 0, "MoeLayer workspace must be ",

@@ -7,6 +7,7 @@
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 #include "src/core/device_buffer.hpp"
+#include "src/core/checked.hpp"
 #include "src/ops/group_layout.hpp"
 #include "src/core/lt_gemm.hpp"
 #include "src/ops/moe/op_spec.hpp"
@@ -27,14 +28,14 @@ class RouterOp final : public LayerOp {
     const std::size_t es = dtype_size(o_.dtype);
     const int64_t tk = o_.max_tokens, e = o_.experts, k = o_.top_k;
     t.declare(tensor::kTokens, sizeof(int32_t), Lifetime::kSaved);
-    t.declare("logits", tk * e * sizeof(float), Lifetime::kStep);
-    t.declare(tensor::kScores, tk * e * sizeof(float), Lifetime::kSaved);
-    t.declare(tensor::kTopkIds, tk * k * sizeof(int32_t), Lifetime::kSaved);
-    t.declare(tensor::kTopkWeights, tk * k * sizeof(float), Lifetime::kSaved);
+    t.declare("logits", checked_mul("logits", tk, e, sizeof(float)), Lifetime::kStep);
+    t.declare(tensor::kScores, checked_mul(tensor::kScores, tk, e, sizeof(float)), Lifetime::kSaved);
+    t.declare(tensor::kTopkIds, checked_mul(tensor::kTopkIds, tk, k, sizeof(int32_t)), Lifetime::kSaved);
+    t.declare(tensor::kTopkWeights, checked_mul(tensor::kTopkWeights, tk, k, sizeof(float)), Lifetime::kSaved);
     if (!training) return;
     // dW_r reads x after the caller may have reused its buffer for the next micro-batch.
-    t.declare("router.x", tk * o_.hidden * es, Lifetime::kSaved);
-    t.declare("d.logits", tk * e * es, o_.delay_wgrad ? Lifetime::kSaved : Lifetime::kStep);
+    t.declare("router.x", checked_mul("router.x", tk, o_.hidden, es), Lifetime::kSaved);
+    t.declare("d.logits", checked_mul("d.logits", tk, e, es), o_.delay_wgrad ? Lifetime::kSaved : Lifetime::kStep);
   }
 
   void bind(TensorTable&) override {
