@@ -112,6 +112,21 @@ void fuzz_moe_layer(const uint8_t* data, size_t size) {
 
 void fuzz_grouped_linear(const uint8_t* data, size_t size) {
   mg_grouped_linear_options o = overlay(data, size, mg_grouped_linear_options_init);
+  // An enum value outside its enumerators has no C++ counterpart: the ABI must refuse it by name
+  // while converting, before validating anything else or touching a GPU.
+  const bool bad_dtype = o.dtype != MG_DTYPE_BF16 && o.dtype != MG_DTYPE_FP16;
+  const bool bad_recipe = o.recipe != MG_RECIPE_BF16 && o.recipe != MG_RECIPE_MXFP8;
+  if (bad_dtype || bad_recipe) {
+    mg_grouped_linear* op = kNotNullOp;
+    const mg_status status = mg_grouped_linear_create(&o, &op);
+    if (status == MG_OK) mg_grouped_linear_destroy(op);
+    expect_refused(status, "mg_grouped_linear_create(enum out of range)");
+    const std::string message = mg_last_error();
+    if (message.find(bad_dtype ? "dtype must be MG_DTYPE_BF16 or MG_DTYPE_FP16" : "recipe must be MG_RECIPE_BF16") ==
+        std::string::npos)
+      finding("an out-of-range enum was refused for another reason: " + message);
+    return;
+  }
   moegraph::GroupedLinearOptions c;
   c.num_groups = o.num_groups;
   c.in_features = o.in_features;
