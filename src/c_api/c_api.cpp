@@ -218,10 +218,9 @@ mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_
     MG_CHECK(o != nullptr && w != nullptr && out != nullptr,
              "mg_moe_layer_create needs options, weights and an output handle");
     *out = nullptr;
+    // The layer validates and sizes before it looks for a device, so bad options are refused the
+    // same with or without a GPU.
     const moegraph::MoeLayerOptions opts = moe_options_of(*o);
-    // Sized before the layer looks for a device: a workspace past the layout maximum is refused as
-    // an invalid argument with or without a GPU, and never allocated short when workspace is NULL.
-    moegraph::MoeLayer::workspace_bytes(opts);
     moegraph::MoeLayerWeights weights;
     weights.router = w->router;
     weights.w1 = w->w1;
