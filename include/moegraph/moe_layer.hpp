@@ -21,6 +21,7 @@
 namespace moegraph {
 
 struct Config;
+class EpComm;  // moegraph/expert_parallel.hpp
 
 // Upper bounds of the options. validate() refuses past them, naming the field, its value and the
 // limit, so every size derived from the options stays exact in 64-bit arithmetic. The products
@@ -48,6 +49,14 @@ struct MoeLayerOptions {
   int wgrad_slots = 1;              // forward_train contexts in flight at once
   bool delay_wgrad = false;         // backward queues the weight gradients for backward_dw()
   bool main_grad_fp32 = true;       // weight gradients accumulate into fp32 main_grad (else written)
+  // Expert parallelism (moegraph/expert_parallel.hpp): the experts are spread over this many ranks,
+  // experts % expert_parallel == 0, at most kMaxExpertParallel (64). max_tokens is per rank. Not
+  // yet combined with capacity_factor or fuse_weights.
+  int expert_parallel = 1;
+  // Rows of each rank's receive buffer: 0 for the worst case (every rank's max_tokens * top_k rows
+  // to one rank: no row is ever dropped), else a bound (a multiple of row_align); rows past it are
+  // dropped, counted on their source rank (read_dropped) and contribute zero to their tokens.
+  int64_t ep_recv_rows = 0;
 };
 
 // The options of one bucket of a config (layer, router, precision, training, row_align).
@@ -57,15 +66,25 @@ void validate(const MoeLayerOptions& options);
 // Rows of the permuted (expert-contiguous) buffers: max_tokens * top_k plus the worst-case
 // alignment padding, so dropless routing always fits (validate() keeps it below 2^31).
 int64_t moe_layer_rows(const MoeLayerOptions& options);
+// Experts held by one rank (experts / expert_parallel).
+int moe_local_experts(const MoeLayerOptions& options);
+// Rows of the experts' grouped buffers: moe_layer_rows without expert parallelism, else the receive
+// buffer's rows (ep_recv_rows, or the worst case moe_ep_worst_case_rows).
+int64_t moe_expert_rows(const MoeLayerOptions& options);
+// expert_parallel * max_tokens * top_k rows plus the alignment padding of the local experts.
+int64_t moe_ep_worst_case_rows(const MoeLayerOptions& options);
 
 // Parameters and their gradients (device). The gradient set follows main_grad_fp32: fp32 main_grad_*
-// accumulated into, or d* written in the activation dtype. Biases only with options.bias.
+// accumulated into, or d* written in the activation dtype. Biases only with options.bias. With
+// expert parallelism the expert tensors hold this rank's experts only (El = E / expert_parallel,
+// the first being expert rank * El); the router and its gradient stay whole (the router gradient
+// is this rank's tokens' share: sum it over the ranks as for any replicated parameter).
 struct MoeLayerWeights {
   const void* router = nullptr;  // [E, hidden]
-  const void* w1 = nullptr;      // [E, 2 * ffn, hidden]  (gate | up)
-  const void* b1 = nullptr;      // [E, 2 * ffn]
-  const void* w2 = nullptr;      // [E, hidden, ffn]
-  const void* b2 = nullptr;      // [E, hidden]
+  const void* w1 = nullptr;      // [El, 2 * ffn, hidden]  (gate | up)
+  const void* b1 = nullptr;      // [El, 2 * ffn]
+  const void* w2 = nullptr;      // [El, hidden, ffn]
+  const void* b2 = nullptr;      // [El, hidden]
   float* main_grad_router = nullptr, *main_grad1 = nullptr, *main_grad2 = nullptr;
   void* d_router = nullptr, *dw1 = nullptr, *dw2 = nullptr;
   void* db1 = nullptr, *db2 = nullptr;
@@ -89,8 +108,11 @@ class LayerProgram;  // src/ops/moe/layer_program.hpp
 class MoeLayer {
  public:
   // Validates, builds the operator program (applying fusions), and lays out its workspace
-  // (allocated here when `workspace` is null). Before capture.
-  MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace = nullptr);
+  // (allocated here when `workspace` is null). Before capture. With options.expert_parallel > 1,
+  // `comm` is this rank's communicator (its ranks() must equal expert_parallel); the layer
+  // allocates its window on it (collective) and keeps it.
+  MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace = nullptr,
+           std::shared_ptr<EpComm> comm = nullptr);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
@@ -103,6 +125,10 @@ class MoeLayer {
     std::size_t offset, bytes;
   };
   static std::vector<WorkspaceBuffer> workspace_buffers(const MoeLayerOptions& options);
+  // Expert parallelism: the bytes of the window each rank allocates on its communicator (0 without
+  // expert parallelism), and its named buffers. Touches no GPU.
+  static std::size_t window_bytes(const MoeLayerOptions& options);
+  static std::vector<WorkspaceBuffer> window_buffers(const MoeLayerOptions& options);
 
   const MoeLayerOptions& options() const { return options_; }
   // The operators in order (after fusion) and the kernels they use.
@@ -121,12 +147,14 @@ class MoeLayer {
   int pending_backwards() const;
 
   // Device views of the latest forward's routing (valid until the next forward of the same slot):
-  // per-expert rows [E] and aligned row offsets [E + 1].
+  // per-expert rows [E] and aligned row offsets [E + 1] of the experts' grouped rows (with expert
+  // parallelism: this rank's El experts, the rows it received).
   const int32_t* splits() const;
   const int64_t* offsets() const;
 
-  // Synchronizes `stream`. Returns the (token, expert) assignments dropped by the capacity factor
-  // since the last call (and resets the counter); 0 when dropless.
+  // Synchronizes `stream`. Returns this rank's (token, expert) assignments dropped by the capacity
+  // factor or by a receive bound (ep_recv_rows) since the last call (and resets the counter); 0
+  // when dropless.
   uint64_t read_dropped(cudaStream_t stream);
   // Synchronizes `stream` and throws moegraph::Error (kDeviceSplits) for an invalid token count
   // or invalid splits recorded by any kernel of the layer (then clears the records).

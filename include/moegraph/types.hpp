@@ -52,5 +52,10 @@ inline constexpr int32_t kDeviceErrorNone = 0;
 inline constexpr int32_t kDeviceErrorNegativeSplit = 1;   // value: the split
 inline constexpr int32_t kDeviceErrorPastCapacity = 2;    // value: aligned rows needed; limit: capacity_rows
 inline constexpr int32_t kDeviceErrorTokenCount = 3;      // value: num_tokens; limit: the bucket's tokens
+// Expert parallelism: another rank's token count was invalid (group: that rank), so every rank of
+// the group reports it; or a peer did not reach a barrier in time (group: the peer; value: the
+// barrier's epoch; limit: the timeout in ms).
+inline constexpr int32_t kDeviceErrorPeerTokenCount = 4;  // value: num_tokens; limit: the bucket's tokens
+inline constexpr int32_t kDeviceErrorPeerTimeout = 5;
 
 }  // namespace moegraph

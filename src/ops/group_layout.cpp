@@ -37,6 +37,12 @@ std::string describe_device_error(const DeviceErrorRecord& e, int row_align) {
     case kDeviceErrorTokenCount:
       return detail::concat("num_tokens = ", e.value, " is outside [0, ", e.limit,
                             "] (the bucket's capacity in tokens); the step ran on the clamped count");
+    case kDeviceErrorPeerTokenCount:
+      return detail::concat("rank ", e.group, " of the expert-parallel group had num_tokens = ", e.value,
+                            ", outside [0, ", e.limit, "]; every rank ran on its clamped count");
+    case kDeviceErrorPeerTimeout:
+      return detail::concat("rank ", e.group, " of the expert-parallel group did not reach barrier ", e.value,
+                            " within ", e.limit, " ms (it stopped, or runs a different sequence of steps)");
     default: return detail::concat("unknown device error code ", e.code);
   }
 }

@@ -4,6 +4,7 @@
 
 #include "moegraph/config.hpp"
 #include "moegraph/error.hpp"
+#include "moegraph/expert_parallel.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "src/core/checked.hpp"
 #include "src/core/layout.hpp"
@@ -57,18 +58,36 @@ void validate(const MoeLayerOptions& o) {
   const int64_t rows = moe_layer_rows(o);
   MG_CHECK(rows <= kMaxCapacityRows, "max_tokens * top_k (plus alignment padding) = ", rows,
            " rows must stay below 2^31");
+  MG_CHECK(o.expert_parallel >= 1 && o.expert_parallel <= kMaxExpertParallel, "expert_parallel must be in [1, ",
+           kMaxExpertParallel, "], got ", o.expert_parallel);
+  MG_CHECK(o.experts % o.expert_parallel == 0, "experts (", o.experts, ") must be divisible by expert_parallel (",
+           o.expert_parallel, ")");
+  MG_CHECK(o.ep_recv_rows >= 0, "ep_recv_rows must be 0 (the worst case) or a positive bound, got ", o.ep_recv_rows);
+  if (o.expert_parallel > 1) {
+    MG_CHECK(o.capacity_factor == 0.0, "capacity_factor is not supported with expert_parallel > 1 yet (got ",
+             o.capacity_factor, "): bound the receive buffers with ep_recv_rows instead");
+    MG_CHECK(!o.fuse_weights, "fuse_weights is not supported with expert_parallel > 1 yet");
+    const int64_t worst = moe_ep_worst_case_rows(o);
+    MG_CHECK(worst <= kMaxCapacityRows, "expert_parallel * max_tokens * top_k (plus alignment padding) = ", worst,
+             " receive rows must stay below 2^31");
+    MG_CHECK(o.ep_recv_rows % o.row_align == 0 && o.ep_recv_rows <= worst, "ep_recv_rows must be a multiple of "
+             "row_align (", o.row_align, ") and at most the worst case ", worst, ", got ", o.ep_recv_rows);
+  } else {
+    MG_CHECK(o.ep_recv_rows == 0, "ep_recv_rows needs expert_parallel > 1, got ", o.ep_recv_rows);
+  }
   // Each field is bounded above, so these products are exact; what they may not pass is one layout.
   // FC1 has the widest rows (2 * ffn) and the largest weights; every other buffer is smaller.
   const std::size_t es = dtype_size(o.dtype), max_bytes = LayoutWalker::kMaxBytes;
-  const std::size_t fc1_out = checked_mul("fc1 output bytes", rows, 2, o.ffn, es);
+  const int64_t expert_rows = moe_expert_rows(o);
+  const std::size_t fc1_out = checked_mul("fc1 output bytes", expert_rows, 2, o.ffn, es);
   MG_CHECK(fc1_out <= max_bytes, "rows * 2 * ffn * ", es, " bytes (fc1's output) must be at most ", max_bytes,
-           ", got ", rows, " * 2 * ", o.ffn, " * ", es, " = ", fc1_out);
+           ", got ", expert_rows, " * 2 * ", o.ffn, " * ", es, " = ", fc1_out);
   const std::size_t main_grad = checked_mul("fc1 main_grad bytes", o.experts, 2, o.ffn, o.hidden, 4);
   MG_CHECK(main_grad <= max_bytes, "experts * 2 * ffn * hidden * 4 bytes (fc1's fp32 main_grad) must be at most ",
            max_bytes, ", got ", o.experts, " * 2 * ", o.ffn, " * ", o.hidden, " * 4 = ", main_grad);
   // The recipe's shape rules, on the two grouped linears it will build.
   for (int layer : {1, 2}) {
-    const std::string reason = recipe_can_implement(layer::expert_linear_options(o, layer, rows));
+    const std::string reason = recipe_can_implement(layer::expert_linear_options(o, layer, expert_rows));
     MG_CHECK(reason.empty(), "fc", layer, " (hidden ", o.hidden, ", ffn ", o.ffn, "): ", reason);
   }
 }
@@ -82,8 +101,29 @@ int64_t moe_layer_rows(const MoeLayerOptions& o) {
   return checked_align_up("rows", checked_add("rows", assigned, padding), align);
 }
 
-MoeLayer::MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace)
-    : options_(options), program_(std::make_unique<layer::LayerProgram>(options, weights, workspace)) {}
+int moe_local_experts(const MoeLayerOptions& o) {
+  MG_CHECK(o.expert_parallel >= 1 && o.experts % o.expert_parallel == 0, "experts (", o.experts,
+           ") must be divisible by expert_parallel (", o.expert_parallel, ")");
+  return o.experts / o.expert_parallel;
+}
+
+int64_t moe_ep_worst_case_rows(const MoeLayerOptions& o) {
+  const int64_t align = o.row_align;
+  const int64_t assigned = checked_mul("receive rows (ranks * max_tokens * top_k)", o.expert_parallel, o.max_tokens,
+                                       o.top_k);
+  const int64_t padding = checked_mul("receive rows (alignment padding)", moe_local_experts(o), align - 1);
+  return checked_align_up("receive rows", checked_add("receive rows", assigned, padding), align);
+}
+
+int64_t moe_expert_rows(const MoeLayerOptions& o) {
+  if (o.expert_parallel <= 1) return moe_layer_rows(o);
+  return o.ep_recv_rows > 0 ? o.ep_recv_rows : moe_ep_worst_case_rows(o);
+}
+
+MoeLayer::MoeLayer(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace,
+                   std::shared_ptr<EpComm> comm)
+    : options_(options),
+      program_(std::make_unique<layer::LayerProgram>(options, weights, workspace, std::move(comm))) {}
 
 MoeLayer::~MoeLayer() = default;
 
@@ -95,6 +135,17 @@ std::vector<MoeLayer::WorkspaceBuffer> MoeLayer::workspace_buffers(const MoeLaye
   const layer::LayerProgram sizing(options);  // named: a range-for would not keep a temporary alive
   std::vector<WorkspaceBuffer> out;
   for (const auto& e : sizing.buffers()) out.push_back({e.name, e.offset, e.bytes});
+  return out;
+}
+
+std::size_t MoeLayer::window_bytes(const MoeLayerOptions& options) {
+  return layer::LayerProgram(options).window_bytes();
+}
+
+std::vector<MoeLayer::WorkspaceBuffer> MoeLayer::window_buffers(const MoeLayerOptions& options) {
+  const layer::LayerProgram sizing(options);
+  std::vector<WorkspaceBuffer> out;
+  for (const auto& e : sizing.window_entries()) out.push_back({e.name, e.offset, e.bytes});
   return out;
 }
 

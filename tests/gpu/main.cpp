@@ -3,9 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  // Emulated expert-parallel ranks run concurrently on one GPU and wait for each other on the
+  // device; lazily loading a kernel mid-step would stall the device for the waiting rank
+  // (moegraph/expert_parallel.hpp). Set before CUDA initializes.
+  setenv("CUDA_MODULE_LOADING", "EAGER", 1);
   int devices = 0;
   const cudaError_t st = cudaGetDeviceCount(&devices);
   if (st != cudaSuccess || devices == 0) {

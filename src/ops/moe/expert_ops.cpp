@@ -19,7 +19,7 @@ constexpr const char* kDBiasScale = "d.bias_scale";
 class LinearOp final : public LayerOp {
  public:
   LinearOp(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w)
-      : spec_(spec), o_(o), g_(expert_linear_options(o, spec.layer, moe_layer_rows(o))) {
+      : spec_(spec), o_(o), g_(expert_linear_options(o, spec.layer, moe_expert_rows(o))) {
     MG_CHECK(spec.layer == 1 || spec.layer == 2, "linear operator \"", spec.name, "\" must be FC1 or FC2");
     const bool fc1 = spec.layer == 1;
     weight_ = fc1 ? w.w1 : w.w2;
@@ -95,7 +95,11 @@ class LinearOp final : public LayerOp {
 class SwigluOp final : public LayerOp {
  public:
   SwigluOp(const OpSpec& spec, const MoeLayerOptions& o)
-      : spec_(spec), o_(o), rows_(moe_layer_rows(o)), weighted_(spec.kind == OpKind::kSwigluWeighted) {}
+      : spec_(spec),
+        o_(o),
+        rows_(moe_expert_rows(o)),
+        groups_(moe_local_experts(o)),
+        weighted_(spec.kind == OpKind::kSwigluWeighted) {}
   std::string name() const override { return spec_.name; }
   std::string kernels() const override {
     return weighted_ ? spec_.name + ": w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient"
@@ -121,9 +125,9 @@ class SwigluOp final : public LayerOp {
     const int64_t* offsets = t.get<int64_t>(tensor::kOffsets, s);
     if (weighted_)
       kernels::launch_swiglu_weighted_forward(o_.dtype, t.get(spec_.in, s), t.get<float>(tensor::kRowWeight, s),
-                                              t.get(spec_.out, s), o_.ffn, offsets, o_.experts, stream);
+                                              t.get(spec_.out, s), o_.ffn, offsets, groups_, stream);
     else
-      kernels::launch_swiglu_forward(o_.dtype, t.get(spec_.in, s), t.get(spec_.out, s), o_.ffn, offsets, o_.experts,
+      kernels::launch_swiglu_forward(o_.dtype, t.get(spec_.in, s), t.get(spec_.out, s), o_.ffn, offsets, groups_,
                                      grid_, stream);
   }
 
@@ -135,16 +139,17 @@ class SwigluOp final : public LayerOp {
       kernels::launch_swiglu_weighted_backward(
           o_.dtype, t.get(spec_.in, s), t.get<float>(tensor::kRowWeight, s), t.get(tensor::grad(spec_.out)),
           t.get(tensor::grad(spec_.in)), t.has(kDBiasScale) ? t.get<float>(kDBiasScale) : nullptr,
-          t.get<float>(tensor::kDRowWeight), o_.ffn, offsets, o_.experts, stream);
+          t.get<float>(tensor::kDRowWeight), o_.ffn, offsets, groups_, stream);
     else
       kernels::launch_swiglu_backward(o_.dtype, t.get(spec_.in, s), t.get(tensor::grad(spec_.out)),
-                                      t.get(tensor::grad(spec_.in)), o_.ffn, offsets, o_.experts, grid_, stream);
+                                      t.get(tensor::grad(spec_.in)), o_.ffn, offsets, groups_, grid_, stream);
   }
 
  private:
   OpSpec spec_;
   MoeLayerOptions o_;
   int64_t rows_;
+  int groups_;  // this rank's experts: the groups of the dispatch's layout
   bool weighted_;
   int grid_ = 0;
 };
@@ -154,7 +159,7 @@ class SwigluOp final : public LayerOp {
 GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, int64_t capacity_rows) {
   MG_CHECK(layer == 1 || layer == 2, "an expert linear is FC1 or FC2, got ", layer);
   GroupedLinearOptions g;
-  g.num_groups = o.experts;
+  g.num_groups = moe_local_experts(o);
   g.in_features = layer == 1 ? o.hidden : o.ffn;
   g.out_features = layer == 1 ? checked_mul("fc1 out_features (2 * ffn)", 2, o.ffn) : o.hidden;
   g.capacity_rows = capacity_rows;

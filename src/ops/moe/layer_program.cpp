@@ -13,14 +13,22 @@ int slots_of(const MoeLayerOptions& o) { return o.training ? o.wgrad_slots : 1; 
 }  // namespace
 
 LayerProgram::LayerProgram(const MoeLayerOptions& options) : options_(options), tensors_(slots_of(options)) {
-  build(MoeLayerWeights{}, nullptr);
+  build(MoeLayerWeights{}, nullptr, nullptr);
 }
 
-LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace)
-    : options_(options), tensors_(slots_of(options)) {
+LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace,
+                           std::shared_ptr<EpComm> comm)
+    : options_(options), tensors_(slots_of(options)), comm_(std::move(comm)) {
   // Options and sizes are refused first (they fail the same with or without a GPU), then the
   // device, before any allocation: a clear error, never a failed first enqueue.
-  const std::size_t bytes = LayerProgram(options).workspace_bytes();
+  const LayerProgram sizing(options);
+  const std::size_t bytes = sizing.workspace_bytes();
+  if (options.expert_parallel > 1) {
+    MG_CHECK(comm_ != nullptr, "expert_parallel = ", options.expert_parallel,
+             " needs this rank's communicator (EpComm)");
+    MG_CHECK(comm_->ranks() == options.expert_parallel, "the communicator has ", comm_->ranks(),
+             " ranks but expert_parallel is ", options.expert_parallel);
+  }
   require_supported_device();
   if (workspace == nullptr) {
     owned_ = DeviceBuffer(bytes);
@@ -28,21 +36,29 @@ LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights
   }
   MG_CHECK(reinterpret_cast<uintptr_t>(workspace) % LayoutWalker::kAlignment == 0, "MoeLayer workspace must be ",
            LayoutWalker::kAlignment, "-byte aligned");
-  build(weights, static_cast<std::byte*>(workspace));
+  std::byte* window = nullptr;
+  if (options.expert_parallel > 1) {
+    window_ = comm_->allocate_window(sizing.window_bytes());
+    window = static_cast<std::byte*>(window_->local());
+    tensors_.set_window(window_);
+  }
+  build(weights, static_cast<std::byte*>(workspace), window);
   for (auto& op : ops_) op->bind(tensors_);
   for (int s = slots_of(options_) - 1; s >= 0; --s) free_slots_.push_back(s);
 }
 
-void LayerProgram::build(const MoeLayerWeights& weights, std::byte* base) {
+void LayerProgram::build(const MoeLayerWeights& weights, std::byte* base, std::byte* window) {
   validate(options_);
   specs_ = moe_layer_ops(options_);
   if (options_.fuse_weights) MG_CHECK(fuse_routing_weights(specs_) == 1, "fuse_weights: the fusion pattern is missing");
-  for (const OpSpec& spec : specs_) ops_.push_back(make_op(spec, options_, weights));
+  for (const OpSpec& spec : specs_) ops_.push_back(make_op(spec, options_, weights, comm_));
   for (auto& op : ops_) op->declare(tensors_, options_.training);
-  LayoutWalker walk(base);
-  tensors_.lay_out(walk);
+  LayoutWalker walk(base), window_walk(window);
+  tensors_.lay_out(walk, options_.expert_parallel > 1 ? &window_walk : nullptr);
   entries_ = walk.entries();
   bytes_ = walk.bytes();
+  window_entries_ = window_walk.entries();
+  window_bytes_ = window_walk.bytes();
 }
 
 std::string LayerProgram::describe() const {

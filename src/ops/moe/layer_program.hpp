@@ -20,11 +20,15 @@ class LayerProgram {
  public:
   // Sizing only (no GPU): the declarations and their layout with a null base.
   explicit LayerProgram(const MoeLayerOptions& options);
-  // Set-up on real memory (`workspace` null: allocated here): binds every operator.
-  LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace);
+  // Set-up on real memory (`workspace` null: allocated here): binds every operator. With expert
+  // parallelism, allocates the window on `comm` (collective).
+  LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights& weights, void* workspace,
+               std::shared_ptr<EpComm> comm);
 
   std::size_t workspace_bytes() const { return bytes_; }
   const std::vector<LayoutWalker::Entry>& buffers() const { return entries_; }
+  std::size_t window_bytes() const { return window_bytes_; }
+  const std::vector<LayoutWalker::Entry>& window_entries() const { return window_entries_; }
   const std::vector<OpSpec>& specs() const { return specs_; }
   std::string describe() const;
 
@@ -41,15 +45,17 @@ class LayerProgram {
   void check_device_errors(cudaStream_t stream);
 
  private:
-  void build(const MoeLayerWeights& weights, std::byte* base);
+  void build(const MoeLayerWeights& weights, std::byte* base, std::byte* window);
   void run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream);
 
   MoeLayerOptions options_;
   std::vector<OpSpec> specs_;
   std::vector<std::unique_ptr<LayerOp>> ops_;
   TensorTable tensors_;
-  std::vector<LayoutWalker::Entry> entries_;
-  std::size_t bytes_ = 0;
+  std::vector<LayoutWalker::Entry> entries_, window_entries_;
+  std::size_t bytes_ = 0, window_bytes_ = 0;
+  std::shared_ptr<EpComm> comm_;
+  std::shared_ptr<EpWindow> window_;
   DeviceBuffer owned_;
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_, wgrad_queue_;

@@ -11,8 +11,9 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
   if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, true, "", 0});
   ops.push_back({OpKind::kLinear, "fc1", tensor::kPermutedX, "fc1_out", true, true, "", 1});
   ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", false, true, "", 0});
-  // The combine's backward needs each row's expert output for the weight gradient.
-  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", true, true, "", 2});
+  // The combine's backward needs each row's expert output for the weight gradient (with expert
+  // parallelism it keeps the copy that came back to this rank instead).
+  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, true, "", 2});
   ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, true, "", 0});
   return ops;
 }
@@ -45,15 +46,17 @@ std::string describe(const std::vector<OpSpec>& ops) {
   return s;
 }
 
-std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w) {
+std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w,
+                                 const std::shared_ptr<EpComm>& comm) {
+  const bool ep = o.expert_parallel > 1;
   switch (spec.kind) {
     case OpKind::kRouter: return make_router_op(spec, o, w);
-    case OpKind::kDispatch: return make_dispatch_op(spec, o);
+    case OpKind::kDispatch: return ep ? make_ep_dispatch_op(spec, o, comm) : make_dispatch_op(spec, o);
     case OpKind::kAuxLoss: return make_aux_loss_op(spec, o);
     case OpKind::kLinear: return make_linear_op(spec, o, w);
     case OpKind::kSwiglu:
     case OpKind::kSwigluWeighted: return make_swiglu_op(spec, o);
-    case OpKind::kCombine: return make_combine_op(spec, o);
+    case OpKind::kCombine: return ep ? make_ep_combine_op(spec, o, comm) : make_combine_op(spec, o);
   }
   MG_FAIL("unknown operator kind for \"", spec.name, "\"");
 }

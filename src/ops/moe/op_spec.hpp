@@ -46,8 +46,10 @@ std::string describe(const std::vector<OpSpec>& ops);
 // (the layer's operators and the expert-MLP step both use it).
 GroupedLinearOptions expert_linear_options(const MoeLayerOptions& options, int layer, int64_t capacity_rows);
 
-// The operator of a declaration (set-up only: may allocate).
-std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& options, const MoeLayerWeights& weights);
+// The operator of a declaration (set-up only: may allocate). With expert parallelism the dispatch
+// and the combine are the cross-rank ones (src/ops/moe/ep_ops.cpp), on `comm` (null: sizing only).
+std::unique_ptr<LayerOp> make_op(const OpSpec& spec, const MoeLayerOptions& options, const MoeLayerWeights& weights,
+                                 const std::shared_ptr<EpComm>& comm);
 // Per kind, in their own files.
 std::unique_ptr<LayerOp> make_router_op(const OpSpec&, const MoeLayerOptions&, const MoeLayerWeights&);
 std::unique_ptr<LayerOp> make_aux_loss_op(const OpSpec&, const MoeLayerOptions&);
@@ -55,6 +57,8 @@ std::unique_ptr<LayerOp> make_dispatch_op(const OpSpec&, const MoeLayerOptions&)
 std::unique_ptr<LayerOp> make_combine_op(const OpSpec&, const MoeLayerOptions&);
 std::unique_ptr<LayerOp> make_linear_op(const OpSpec&, const MoeLayerOptions&, const MoeLayerWeights&);
 std::unique_ptr<LayerOp> make_swiglu_op(const OpSpec&, const MoeLayerOptions&);
+std::unique_ptr<LayerOp> make_ep_dispatch_op(const OpSpec&, const MoeLayerOptions&, std::shared_ptr<EpComm>);
+std::unique_ptr<LayerOp> make_ep_combine_op(const OpSpec&, const MoeLayerOptions&, std::shared_ptr<EpComm>);
 
 // Shared names of the routing tensors (declared by router and dispatch, read by the others).
 namespace tensor {

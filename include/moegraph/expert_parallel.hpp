@@ -1,0 +1,80 @@
+// Expert parallelism: the group of R ranks a MoeLayer spreads its experts over. Rank r owns experts
+// [r·E/R, (r+1)·E/R); its layer holds the weights of those experts only (the router stays whole).
+//
+// An EpComm gives a layer what its exchange kernels need: its rank, the group size, and windows:
+// memory laid out identically on every rank, which every rank can load from and store to. Two
+// transports implement it:
+//   - NCCL's device API (moegraph/nccl_ep.hpp): one process per GPU, windows are NCCL symmetric
+//     memory registered on the communicator, and peers are reached through their load/store (LSA)
+//     pointers over NVLink;
+//   - EmulatedEpGroup: R ranks in one process on one GPU (each rank its own layer and stream; the
+//     windows are R buffers of that GPU). The same kernels run; it is how the EP logic is tested on
+//     one GPU.
+// Set-up calls (allocate_window) are collective: every rank makes them in the same order with the
+// same sizes. Steps are collective too: every rank runs the same sequence of forward / backward
+// calls (the token counts may differ), or the group's device barriers time out and report it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moegraph {
+
+inline constexpr int kMaxExpertParallel = 64;
+
+// One window: this rank's copy and every rank's copy as this rank addresses it (peer(rank) ==
+// local()). Zeroed when allocated. Freed with the last reference.
+class EpWindow {
+ public:
+  virtual ~EpWindow() = default;
+  void* local() const { return peers_.at(static_cast<std::size_t>(rank_)); }
+  void* peer(int rank) const { return peers_.at(static_cast<std::size_t>(rank)); }
+  std::size_t bytes() const { return bytes_; }
+  int ranks() const { return static_cast<int>(peers_.size()); }
+
+ protected:
+  EpWindow(int rank, std::vector<void*> peers, std::size_t bytes)
+      : rank_(rank), peers_(std::move(peers)), bytes_(bytes) {}
+
+ private:
+  int rank_;
+  std::vector<void*> peers_;
+  std::size_t bytes_;
+};
+
+class EpComm {
+ public:
+  virtual ~EpComm() = default;
+  virtual int rank() const = 0;
+  virtual int ranks() const = 0;
+  // "nccl device API (symmetric windows, LSA peer pointers)", "emulated ranks on one GPU", ...
+  virtual std::string transport() const = 0;
+  // Collective (see above). Set-up only: allocates and may synchronize.
+  virtual std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) = 0;
+  // How long a device barrier waits for a peer before it reports kDeviceErrorPeerTimeout (set-up
+  // reads MOEGRAPH_EP_TIMEOUT_MS, default 20000).
+  virtual long long barrier_timeout_ns() const = 0;
+};
+
+// R ranks in this process, on the current device. rank(r) is rank r's communicator; it shares the
+// group (the group outlives none of its communicators' windows: they hold it). The ranks' steps run
+// concurrently on their own streams and wait for each other on the device, so every kernel must be
+// loaded before the first step: the process needs CUDA_MODULE_LOADING=EAGER (set before CUDA
+// initializes; lazy loading, the default, can stall a waiting rank's peers). The constructor
+// refuses to run without it.
+class EmulatedEpGroup {
+ public:
+  explicit EmulatedEpGroup(int ranks);
+  ~EmulatedEpGroup();
+  int ranks() const;
+  std::shared_ptr<EpComm> rank(int r) const;
+  struct State;  // opaque: shared by the group and its communicators
+
+ private:
+  std::shared_ptr<State> state_;
+  std::vector<std::shared_ptr<EpComm>> comms_;
+};
+
+}  // namespace moegraph

@@ -1,0 +1,250 @@
+// Expert-parallel exchange kernels: counts to every rank, a device barrier over peer flags, the
+// receive plan every rank computes identically from the count matrix, and the row stores.
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels/comm/ep_exchange.hpp"
+#include "kernels/common/row_lanes.cuh"
+#include "kernels/routing/routing_common.cuh"
+#include "moegraph/error.hpp"
+
+namespace moegraph::kernels {
+namespace {
+
+constexpr int kPlanThreads = 1024;  // one thread per expert (E <= 1024)
+static_assert(kPlanThreads >= kMaxExperts);
+constexpr int kExchangeThreads = 256;
+
+__device__ __forceinline__ void store_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// ---- counts -------------------------------------------------------------------------------------
+__global__ void ep_share_counts_kernel(const int32_t* counts, const int32_t* num_tokens, int experts, int rank,
+                                       int ranks, PeerBases matrix) {
+  const int64_t row = static_cast<int64_t>(rank) * (experts + 1);
+  for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
+    const int32_t v = i < experts ? counts[i] : *num_tokens;
+    for (int d = 0; d < ranks; ++d) reinterpret_cast<int32_t*>(matrix.base[d])[row + i] = v;
+  }
+  __threadfence_system();  // the barrier that follows publishes these stores
+}
+
+// ---- barrier ------------------------------------------------------------------------------------
+// Thread d signals rank d (flag[rank] = epoch in d's window) and waits for d's signal in its own.
+__global__ void ep_barrier_kernel(EpBarrierParams p) {
+  __shared__ uint32_t epoch;
+  __shared__ int broken;
+  if (threadIdx.x == 0) {
+    epoch = *p.epoch + 1;
+    *p.epoch = epoch;
+    broken = p.error != nullptr && atomicAdd(&p.error->code, 0) != kDeviceErrorNone;
+  }
+  __syncthreads();
+  const int d = threadIdx.x;
+  if (d >= p.ranks) return;
+  __threadfence_system();  // this rank's earlier stores (previous kernels in the stream) first
+  store_release_sys(reinterpret_cast<uint32_t*>(p.flags.base[d]) + p.rank, epoch);
+  if (broken) return;
+  const uint32_t* mine = reinterpret_cast<const uint32_t*>(p.flags.base[p.rank]) + d;
+  const uint64_t start = global_ns();
+  // Wrap-safe: flags only grow, and every rank runs the same barrier sequence.
+  while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0) {
+    if (global_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
+      raise_routing_error(p.error, kDeviceErrorPeerTimeout, d, epoch, p.timeout_ns / 1000000);
+      return;
+    }
+    __nanosleep(100);
+  }
+}
+
+// ---- plan ---------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
+  using Scan = cub::BlockScan<int64_t, kPlanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  const int R = p.ranks, E = p.experts, L = E / R;
+  const int64_t stride = E + 1;
+  // scratch [R][E] each: the rows (source, expert) asks for, their local row base on the source,
+  // their receive row on the owner, and how many the owner keeps.
+  int32_t* want = p.scratch;
+  int32_t* local_base = want + static_cast<int64_t>(R) * E;
+  int32_t* recv_row = local_base + static_cast<int64_t>(R) * E;
+  int32_t* kept = recv_row + static_cast<int64_t>(R) * E;
+  const int t = threadIdx.x;
+
+  // Each source's token count (its counts were computed on the clamped count) and its local rows.
+  // Counts are clamped so that no source's rows pass local_rows whatever the matrix holds (after a
+  // barrier timeout it may hold anything): every rank clamps identically.
+  if (t < R) {
+    const int32_t n = p.matrix[t * stride + E];
+    if ((n < 0 || n > p.max_tokens) && t != p.rank)
+      raise_routing_error(p.error, kDeviceErrorPeerTokenCount, t, n, p.max_tokens);
+    int64_t base = 0;
+    for (int e = 0; e < E; ++e) {
+      const int64_t w = std::min<int64_t>(std::max(p.matrix[t * stride + e], 0), p.local_rows - base);
+      want[t * E + e] = static_cast<int32_t>(w);
+      local_base[t * E + e] = static_cast<int32_t>(base);
+      base += w;
+    }
+  }
+  __syncthreads();
+  // Each owner's receive layout, greedily within the bound (recv_rows is a multiple of row_align,
+  // and so is every start, so an aligned end never passes the bound).
+  if (t < R) {
+    const int d = t;
+    int64_t off = 0;
+    for (int l = 0; l < L; ++l) {
+      const int e = d * L + l;
+      const int64_t start = off;
+      for (int s = 0; s < R; ++s) {
+        const int64_t take = std::min<int64_t>(want[s * E + e], p.recv_rows - off);
+        recv_row[s * E + e] = static_cast<int32_t>(off);
+        kept[s * E + e] = static_cast<int32_t>(take);
+        off += take;
+      }
+      if (d == p.rank) {
+        p.splits[l] = static_cast<int32_t>(off - start);
+        p.offsets[l] = start;
+      }
+      off = (off + p.row_align - 1) / p.row_align * p.row_align;
+    }
+    if (d == p.rank) p.offsets[L] = off;
+  }
+  __syncthreads();
+
+  // Segment tables (thread per entry) and their row prefixes.
+  int64_t owner_rows = 0, source_rows = 0;
+  unsigned long long lost = 0;
+  if (t < E) {
+    const int e = t, idx = p.rank * E + e;
+    EpSegment o;
+    o.src_row = local_base[idx];
+    o.dst_row = recv_row[idx];
+    o.rows = kept[idx];
+    o.peer = e / L;
+    p.to_owner[e] = o;
+    owner_rows = o.rows;
+    const int64_t asked = want[idx];
+    p.dropped_rows[2 * e] = o.src_row + o.rows;
+    p.dropped_rows[2 * e + 1] = o.src_row + asked;
+    lost = static_cast<unsigned long long>(asked - o.rows);
+
+    const int s = e / L, l = e % L, owned = p.rank * L + l;  // entry (s, l) of this rank as the owner
+    EpSegment b;
+    b.src_row = recv_row[s * E + owned];
+    b.dst_row = local_base[s * E + owned];
+    b.rows = kept[s * E + owned];
+    b.peer = s;
+    p.to_source[e] = b;
+    source_rows = b.rows;
+  }
+  if (t < L) {
+    p.recv_gaps[2 * t] = p.offsets[t] + p.splits[t];
+    p.recv_gaps[2 * t + 1] = p.offsets[t + 1];
+  }
+  int64_t owner_before, source_before, owner_total, source_total;
+  Scan(scan_storage).ExclusiveSum(owner_rows, owner_before, owner_total);
+  __syncthreads();
+  Scan(scan_storage).ExclusiveSum(source_rows, source_before, source_total);
+  if (t < E) {
+    p.to_owner_prefix[t] = owner_before;
+    p.to_source_prefix[t] = source_before;
+    if (lost != 0) atomicAdd(p.dropped, lost);  // integer sum: order-free
+  }
+  if (t == 0) {
+    p.to_owner_prefix[E] = owner_total;
+    p.to_source_prefix[E] = source_total;
+  }
+}
+
+// ---- rows ---------------------------------------------------------------------------------------
+// The segment holding flattened row i: the largest s with prefix[s] <= i (empty segments share
+// their start with the next one and are skipped).
+__device__ __forceinline__ int segment_of(const int64_t* prefix, int count, int64_t i) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= i) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchangeParams p, int lanes) {
+  const int64_t vectors = static_cast<int64_t>(p.row_bytes / 16);
+  const int64_t total = p.prefix[p.count];
+  for_each_row(total, lanes, [&](int64_t i, int lane, bool active) {
+    if (!active) return;
+    const int s = segment_of(p.prefix, p.count, i);
+    const EpSegment seg = p.segments[s];
+    const int64_t k = i - p.prefix[s];
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.src) + (seg.src_row + k) * p.row_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(p.dst.base[seg.peer] + (seg.dst_row + k) * p.row_bytes);
+    for (int64_t v = lane; v < vectors; v += lanes) dst[v] = src[v];
+  });
+  // Zero ranges of this rank's own copy: few and short; each block takes ranges in turn.
+  for (int z = blockIdx.x; z < p.zero_count; z += gridDim.x) {
+    const int64_t begin = p.zero_ranges[2 * z], end = p.zero_ranges[2 * z + 1];
+    uint4* base = reinterpret_cast<uint4*>(static_cast<char*>(p.local_dst) + begin * p.row_bytes);
+    const int64_t n = std::max<int64_t>(end - begin, 0) * vectors;
+    for (int64_t v = threadIdx.x; v < n; v += blockDim.x) base[v] = make_uint4(0, 0, 0, 0);
+  }
+  __threadfence_system();  // the barrier that follows publishes these stores
+}
+
+}  // namespace
+
+void launch_ep_share_counts(const int32_t* counts, const int32_t* num_tokens, int experts, int rank, int ranks,
+                            const PeerBases& matrix, cudaStream_t stream) {
+  MG_CHECK(ranks >= 1 && ranks <= kMaxEpRanks && rank >= 0 && rank < ranks, "ep: rank ", rank, " of ", ranks);
+  ep_share_counts_kernel<<<1, 256, 0, stream>>>(counts, num_tokens, experts, rank, ranks, matrix);
+  MG_LAUNCH_CHECK();
+}
+
+void launch_ep_barrier(const EpBarrierParams& p, cudaStream_t stream) {
+  MG_CHECK(p.ranks >= 1 && p.ranks <= kMaxEpRanks && p.epoch != nullptr && p.error != nullptr,
+           "ep barrier: bad parameters");
+  ep_barrier_kernel<<<1, 64, 0, stream>>>(p);
+  MG_LAUNCH_CHECK();
+}
+
+std::size_t ep_plan_scratch_bytes(int ranks, int experts) {
+  return static_cast<std::size_t>(4) * ranks * experts * sizeof(int32_t);
+}
+
+void launch_ep_plan(const EpPlanParams& p, cudaStream_t stream) {
+  MG_CHECK(p.ranks >= 1 && p.ranks <= kMaxEpRanks && p.experts >= 1 && p.experts <= kMaxExperts &&
+               p.experts % p.ranks == 0,
+           "ep plan: ", p.experts, " experts over ", p.ranks, " ranks");
+  MG_CHECK(p.row_align >= 1 && p.recv_rows % p.row_align == 0, "ep plan: recv_rows ", p.recv_rows,
+           " is not a multiple of row_align ", p.row_align);
+  ep_plan_kernel<<<1, kPlanThreads, 0, stream>>>(p);
+  MG_LAUNCH_CHECK();
+}
+
+void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream) {
+  MG_CHECK(p.row_bytes % 16 == 0 && p.row_bytes > 0, "ep exchange: row bytes ", p.row_bytes,
+           " must be a positive multiple of 16");
+  MG_CHECK(p.count >= 1, "ep exchange: no segments");
+  const int64_t vectors = static_cast<int64_t>(p.row_bytes / 16);
+  const int lanes = lanes_per_row(vectors);
+  const int64_t rows_per_block = kExchangeThreads / 32 * (32 / lanes);
+  const int useful = static_cast<int>(std::max<int64_t>(
+      (p.max_rows + rows_per_block - 1) / rows_per_block, p.zero_count));
+  const int grid = grid_blocks(useful, resident_blocks_per_sm(ep_exchange_kernel, kExchangeThreads));
+  ep_exchange_kernel<<<grid, kExchangeThreads, 0, stream>>>(p, lanes);
+  MG_LAUNCH_CHECK();
+}
+
+}  // namespace moegraph::kernels

@@ -1,0 +1,111 @@
+// Expert-parallel exchange kernels (host-callable launchers; no device code in this header). R ranks
+// each hold a window: memory laid out identically on every rank that every rank can load from and
+// store to (NCCL symmetric memory over NVLink, or R buffers of one GPU for emulated ranks). A
+// launcher takes the address of one window buffer on every rank (PeerBases) and never learns how
+// the addresses were obtained, so the same kernels serve both transports.
+//
+// One exchange of the MoE layer, on rank r:
+//   1. launch_ep_share_counts: r's per-expert counts and its token count go to row r of every
+//      rank's count matrix [R][E + 1];
+//   2. launch_ep_barrier (every rank's row has arrived);
+//   3. launch_ep_plan: from the matrix alone, every rank computes the same receive layout for every
+//      rank (grouped by local expert, then by source rank, then in the source's row order), so r
+//      knows where each of its rows lands on its owner and where each row it receives came from;
+//   4. launch_ep_exchange: rows are stored into the peers' windows, each exactly once;
+//   5. launch_ep_barrier (the rows have arrived).
+// Every launcher is an enqueue path: no synchronization, allocation or device read on the host.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moegraph/types.hpp"
+
+namespace moegraph::kernels {
+
+inline constexpr int kMaxEpRanks = 64;
+
+// One window buffer's address on every rank, as this rank addresses it.
+struct PeerBases {
+  char* base[kMaxEpRanks] = {};
+};
+
+// Rows [src_row, src_row + rows) of the local source buffer go to rows [dst_row, dst_row + rows) of
+// `peer`'s destination buffer.
+struct EpSegment {
+  int64_t src_row = 0, dst_row = 0, rows = 0;
+  int32_t peer = 0, pad = 0;
+};
+
+// ---- 1. counts ----------------------------------------------------------------------------------------
+// Row `rank` of every rank's matrix [ranks][experts + 1] = counts[0..E) and then *num_tokens (raw:
+// the receivers check it). `matrix` holds the matrix's address on every rank.
+void launch_ep_share_counts(const int32_t* counts, const int32_t* num_tokens, int experts, int rank, int ranks,
+                            const PeerBases& matrix, cudaStream_t stream);
+
+// ---- 2. barrier ---------------------------------------------------------------------------------------
+// Every rank's stores issued before the barrier (in stream order) are visible to every rank after
+// it. flags: an array of `ranks` uint32 in each window (zero at set-up); epoch: a local counter
+// (zero at set-up). Every rank must run the same sequence of barriers. A peer that has not arrived
+// after `timeout_ns` raises kDeviceErrorPeerTimeout (group: the peer) instead of hanging; once an
+// error is recorded, later barriers of this rank stop waiting.
+struct EpBarrierParams {
+  PeerBases flags;
+  uint32_t* epoch = nullptr;
+  int rank = 0, ranks = 0;
+  int64_t timeout_ns = 0;
+  DeviceErrorRecord* error = nullptr;
+};
+void launch_ep_barrier(const EpBarrierParams& p, cudaStream_t stream);
+
+// ---- 3. plan ------------------------------------------------------------------------------------------
+// Rank d owns experts [d·L, (d+1)·L), L = experts / ranks. Its receive buffer holds `recv_rows`
+// rows (a multiple of row_align): local expert l starts at offsets[l] (aligned) and holds, source by
+// source in rank order, the rows that source keeps for it. Each source's rows for expert e are
+// contiguous in its local row order (its counting sort by expert, row_align 1): they start at the
+// sum of its counts of experts below e. A bound smaller than the worst case keeps rows greedily in
+// (local expert, source) order; the rest are dropped, counted on their source rank and zero in
+// its results.
+struct EpPlanParams {
+  const int32_t* matrix = nullptr;  // [ranks][experts + 1], this rank's copy
+  int rank = 0, ranks = 0, experts = 0, row_align = 1;
+  int64_t max_tokens = 0;           // per rank: a token count outside [0, max_tokens] is an error
+  int64_t local_rows = 0;           // rows of each rank's local row order (max_tokens * top_k)
+  int64_t recv_rows = 0;
+  int32_t* splits = nullptr;        // [L] rows received per local expert
+  int64_t* offsets = nullptr;       // [L + 1] aligned starts, offsets[L] the aligned end
+  EpSegment* to_owner = nullptr;    // [E] this rank's rows of expert e -> e's owner
+  int64_t* to_owner_prefix = nullptr;   // [E + 1] rows before segment i
+  EpSegment* to_source = nullptr;   // [E] (s, l) at s·L + l: received rows -> source s
+  int64_t* to_source_prefix = nullptr;  // [E + 1]
+  int64_t* recv_gaps = nullptr;     // [L][2] alignment gap rows of this rank's receive buffer
+  int64_t* dropped_rows = nullptr;  // [E][2] this rank's local rows kept by no owner
+  int32_t* scratch = nullptr;       // ep_plan_scratch_bytes(ranks, experts)
+  unsigned long long* dropped = nullptr;  // += this rank's rows dropped by the bound
+  DeviceErrorRecord* error = nullptr;     // kDeviceErrorPeerTokenCount (group: the rank)
+};
+std::size_t ep_plan_scratch_bytes(int ranks, int experts);
+void launch_ep_plan(const EpPlanParams& p, cudaStream_t stream);
+
+// ---- 4. rows ------------------------------------------------------------------------------------------
+// For every segment: its rows of `src` are stored into its peer's copy of the destination (dst.base
+// [peer] + row * row_bytes). Then `zero_ranges` [zero_count][2] rows of this rank's own copy of the
+// destination (`local_dst`) are zeroed (alignment gaps, dropped rows), so every row a reader may
+// touch is written. row_bytes: a multiple of 16; every address 16-byte aligned.
+struct EpExchangeParams {
+  const void* src = nullptr;
+  std::size_t row_bytes = 0;
+  PeerBases dst;
+  const EpSegment* segments = nullptr;
+  const int64_t* prefix = nullptr;  // [count + 1]
+  int count = 0;
+  const int64_t* zero_ranges = nullptr;
+  int zero_count = 0;
+  void* local_dst = nullptr;
+  int64_t max_rows = 0;             // bound on the rows moved (sizes the grid)
+};
+void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream);
+
+}  // namespace moegraph::kernels

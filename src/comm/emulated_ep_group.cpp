@@ -1,0 +1,102 @@
+// R expert-parallel ranks in one process on one GPU: window k of every rank is allocated when the
+// first rank asks for it, so each rank's peer table is complete however the ranks' set-up calls
+// interleave (one thread builds rank 0's layer, then rank 1's, ...).
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "moegraph/error.hpp"
+#include "moegraph/expert_parallel.hpp"
+#include "src/comm/ep_timeout.hpp"
+#include "src/core/device_buffer.hpp"
+#include "src/core/device_info.hpp"
+
+namespace moegraph {
+
+struct EmulatedEpGroup::State {
+  struct Allocation {
+    std::size_t bytes;
+    std::vector<DeviceBuffer> buffers;  // one per rank
+  };
+  int ranks = 0;
+  long long timeout_ns = 0;
+  std::mutex mutex;
+  std::vector<std::shared_ptr<Allocation>> allocations;
+  std::vector<std::size_t> calls;  // windows each rank has asked for
+};
+
+namespace {
+
+class EmulatedWindow final : public EpWindow {
+ public:
+  EmulatedWindow(int rank, std::shared_ptr<EmulatedEpGroup::State::Allocation> a)
+      : EpWindow(rank, pointers(*a), a->bytes), allocation_(std::move(a)) {}
+
+ private:
+  static std::vector<void*> pointers(const EmulatedEpGroup::State::Allocation& a) {
+    std::vector<void*> out;
+    for (const DeviceBuffer& b : a.buffers) out.push_back(b.get());
+    return out;
+  }
+  std::shared_ptr<EmulatedEpGroup::State::Allocation> allocation_;
+};
+
+class EmulatedComm final : public EpComm {
+ public:
+  EmulatedComm(std::shared_ptr<EmulatedEpGroup::State> state, int rank) : state_(std::move(state)), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int ranks() const override { return state_->ranks; }
+  std::string transport() const override { return "emulated ranks on one GPU"; }
+  long long barrier_timeout_ns() const override { return state_->timeout_ns; }
+
+  std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) override {
+    MG_CHECK(bytes > 0, "an expert-parallel window needs at least one byte");
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    const std::size_t k = state_->calls[rank_]++;
+    if (k == state_->allocations.size()) {
+      auto a = std::make_shared<EmulatedEpGroup::State::Allocation>();
+      a->bytes = bytes;
+      for (int r = 0; r < state_->ranks; ++r) {
+        a->buffers.emplace_back(bytes);
+        MG_CUDA_CHECK(cudaMemset(a->buffers.back().get(), 0, bytes));
+      }
+      MG_CUDA_CHECK(cudaDeviceSynchronize());
+      state_->allocations.push_back(std::move(a));
+    }
+    const auto& a = state_->allocations[k];
+    MG_CHECK(a->bytes == bytes, "emulated rank ", rank_, " asked for window ", k, " with ", bytes,
+             " bytes, but rank(s) before it asked for ", a->bytes, ": ranks must set up the same layers in the "
+             "same order");
+    return std::make_shared<EmulatedWindow>(rank_, a);
+  }
+
+ private:
+  std::shared_ptr<EmulatedEpGroup::State> state_;
+  int rank_;
+};
+
+}  // namespace
+
+EmulatedEpGroup::EmulatedEpGroup(int ranks) : state_(std::make_shared<State>()) {
+  MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "an emulated expert-parallel group needs 1 to ",
+           kMaxExpertParallel, " ranks, got ", ranks);
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  MG_CHECK(ranks == 1 || (loading != nullptr && std::string(loading) == "EAGER"),
+           "emulated expert-parallel ranks wait for each other on one GPU, so every kernel must be loaded before "
+           "the first step: run with CUDA_MODULE_LOADING=EAGER (set before CUDA initializes; got ",
+           loading ? loading : "unset, which means LAZY", ")");
+  require_supported_device();
+  state_->ranks = ranks;
+  state_->timeout_ns = comm::barrier_timeout_ns_from_environment();
+  state_->calls.assign(ranks, 0);
+  for (int r = 0; r < ranks; ++r) comms_.push_back(std::make_shared<EmulatedComm>(state_, r));
+}
+
+EmulatedEpGroup::~EmulatedEpGroup() = default;
+int EmulatedEpGroup::ranks() const { return state_->ranks; }
+std::shared_ptr<EpComm> EmulatedEpGroup::rank(int r) const {
+  MG_CHECK(r >= 0 && r < state_->ranks, "rank ", r, " is outside the group of ", state_->ranks);
+  return comms_[r];
+}
+
+}  // namespace moegraph
