@@ -46,6 +46,8 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
 
 StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights)
     : options_(options), plan_(plan_step(options)), weights_(weights) {
+  MG_CHECK(options_.layer.expert_parallel == 1, "StepGraphs does not run expert parallelism yet (expert_parallel = ",
+           options_.layer.expert_parallel, "): build one MoeLayer per rank with its EpComm (moegraph/expert_parallel.hpp)");
   check_weights(options_, weights_);
   require_supported_device();
   memory_ = std::make_unique<Memory>();

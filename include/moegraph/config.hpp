@@ -64,6 +64,13 @@ struct RouterConfig {
   bool fuse_weights = false;          // routing weights applied in the SwiGLU output (FC2 bias scaled) instead of at the combine
 };
 
+// Expert parallelism (moegraph/expert_parallel.hpp): one process per GPU, each running the same
+// config; every bucket's token count is per rank.
+struct ParallelConfig {
+  int expert_parallel = 1;            // ranks the experts are spread over, 1..64, dividing layer.experts
+  int64_t recv_rows = 0;              // 0: receive buffers for the worst case (dropless); else a bound
+};
+
 struct Config {
   std::string name = "default";
   StepKind step = StepKind::kMoeLayer;
@@ -71,7 +78,8 @@ struct Config {
   RouterConfig router;
   PrecisionConfig precision;
   TrainingConfig training;
-  std::vector<int64_t> buckets;       // capacities in tokens, strictly increasing, >= 1
+  ParallelConfig parallel;
+  std::vector<int64_t> buckets;       // capacities in tokens, strictly increasing, >= 1 (per rank)
   int row_align = 1;                  // 1, 16, 32, 128
   RoutingConfig routing;
   BenchConfig bench;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "moegraph/expert_parallel.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "src/config/json_reader.hpp"
@@ -124,6 +125,21 @@ TrainingConfig read_training(const Json& value) {
   return training;
 }
 
+ParallelConfig read_parallel(const Json& value, const LayerConfig& layer) {
+  const JsonObject o(value, "parallel", {"expert_parallel", "recv_rows"});
+  ParallelConfig parallel;
+  if (const Json* v = o.find("expert_parallel"))
+    parallel.expert_parallel =
+        static_cast<int>(config_detail::integer_in(*v, o.path("expert_parallel"), 1, kMaxExpertParallel));
+  MG_CONFIG_CHECK(layer.experts % parallel.expert_parallel == 0, "parallel.expert_parallel (",
+                  parallel.expert_parallel, ") must divide layer.experts (", layer.experts, ")");
+  if (const Json* v = o.find("recv_rows"))
+    parallel.recv_rows = config_detail::integer_in(*v, o.path("recv_rows"), 0, kMaxCapacityRows);
+  MG_CONFIG_CHECK(parallel.recv_rows == 0 || parallel.expert_parallel > 1,
+                  "parallel.recv_rows needs parallel.expert_parallel > 1, got recv_rows ", parallel.recv_rows);
+  return parallel;
+}
+
 std::vector<int64_t> read_buckets(const Json& value) {
   const std::string path_of_buckets = "buckets";  // named: the reference returned must not outlive it
   const std::vector<Json>& items = config_detail::array(value, path_of_buckets);
@@ -195,8 +211,8 @@ BenchConfig read_bench(const Json& value) {
 
 Config read_config(const Json& document) {
   const JsonObject o(document, "",
-                     {"name", "step", "layer", "router", "precision", "training", "buckets", "row_align", "routing",
-                      "bench"});
+                     {"name", "step", "layer", "router", "precision", "training", "parallel", "buckets", "row_align",
+                      "routing", "bench"});
   Config config;
   if (const Json* v = o.find("name")) config.name = config_detail::string(*v, "name");
   MG_CONFIG_CHECK(!config.name.empty(), "name must not be empty");
@@ -205,6 +221,10 @@ Config read_config(const Json& document) {
   if (const Json* v = o.find("router")) config.router = read_router(*v);
   if (const Json* v = o.find("precision")) config.precision = read_precision(*v);
   if (const Json* v = o.find("training")) config.training = read_training(*v);
+  if (const Json* v = o.find("parallel")) config.parallel = read_parallel(*v, config.layer);
+  MG_CONFIG_CHECK(config.parallel.expert_parallel == 1 || config.step == StepKind::kMoeLayer,
+                  "parallel.expert_parallel > 1 needs step \"moe_layer\" (the router decides which rank each row "
+                  "goes to), got step \"", step_kind_name(config.step), "\"");
   config.buckets = read_buckets(o.required("buckets"));
   if (const Json* v = o.find("row_align")) {
     const int64_t align = config_detail::integer_in(*v, "row_align", 1, 128, "1, 16, 32 or 128");
@@ -225,8 +245,18 @@ Config read_config(const Json& document) {
   // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
   // The recipe's own shape rules (one can_implement per recipe), on the experts' two grouped linears.
   const MoeLayerOptions largest = moe_layer_options(config, config.buckets.back());
+  if (config.parallel.expert_parallel > 1) {
+    // The layer's own expert-parallel rules on every bucket (fusions it lacks yet, the receive bound).
+    for (int64_t tokens : config.buckets) {
+      try {
+        validate(moe_layer_options(config, tokens));
+      } catch (const Error& e) {
+        MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message());
+      }
+    }
+  }
   for (int fc : {1, 2}) {
-    const std::string reason = recipe_can_implement(layer::expert_linear_options(largest, fc, moe_layer_rows(largest)));
+    const std::string reason = recipe_can_implement(layer::expert_linear_options(largest, fc, moe_expert_rows(largest)));
     MG_CONFIG_CHECK(reason.empty(), "precision.recipe \"", recipe_name(config.precision.recipe), "\" cannot run fc", fc,
                     " (layer.hidden ", config.layer.hidden, ", layer.ffn ", config.layer.ffn, ", row_align ",
                     config.row_align, "): ", reason);
@@ -288,6 +318,7 @@ std::string to_json(const Config& c) {
         {"delay_wgrad", c.training.delay_wgrad},
         {"wgrad_slots", c.training.wgrad_slots},
         {"main_grad_fp32", c.training.main_grad_fp32}}},
+      {"parallel", {{"expert_parallel", c.parallel.expert_parallel}, {"recv_rows", c.parallel.recv_rows}}},
       {"buckets", c.buckets},
       {"row_align", c.row_align},
       {"routing",

@@ -33,6 +33,8 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
   o.main_grad_fp32 = c.training.main_grad_fp32;
+  o.expert_parallel = c.parallel.expert_parallel;
+  o.ep_recv_rows = c.parallel.recv_rows;
   return o;
 }
 

@@ -223,8 +223,23 @@ std::vector<BadDoc> bad_docs() {
       {"UnknownFarNested", with({{"/bench/x", "1"}}),
        R"(unknown key "bench.x"; valid keys in "bench": replays, warmup, fill)"},
       {"UnknownFarTopLevel", with({{"/zzzzzz", "1"}}),
-       R"(unknown key "zzzzzz"; valid keys at the top level: name, step, layer, router, precision, training, buckets, )"
-       "row_align, routing, bench"},
+       R"(unknown key "zzzzzz"; valid keys at the top level: name, step, layer, router, precision, training, )"
+       "parallel, buckets, row_align, routing, bench"},
+      // Expert parallelism.
+      {"EpNotDividing", with({{"/parallel", R"({"expert_parallel": 3})"}}),
+       "parallel.expert_parallel (3) must divide layer.experts (8)"},
+      {"EpTooMany", with({{"/parallel", R"({"expert_parallel": 128})"}}), "parallel.expert_parallel"},
+      {"EpRecvRowsAlone", with({{"/parallel", R"({"recv_rows": 64})"}}),
+       "parallel.recv_rows needs parallel.expert_parallel > 1, got recv_rows 64"},
+      {"EpWithExpertsStep", with({{"/parallel", R"({"expert_parallel": 2})"}, {"/step", R"("experts")"}}),
+       R"(parallel.expert_parallel > 1 needs step "moe_layer")"},
+      {"EpWithFusedWeights",
+       with({{"/parallel", R"({"expert_parallel": 2})"}, {"/router", R"({"fuse_weights": true})"}}),
+       "bucket of 64 tokens: fuse_weights is not supported with expert_parallel > 1 yet"},
+      {"EpRecvRowsOverWorstCase", with({{"/parallel", R"({"expert_parallel": 2, "recv_rows": 100000})"}}),
+       "bucket of 64 tokens: ep_recv_rows must be a multiple of row_align (1) and at most the worst case 256, got "
+       "100000"},
+      {"EpUnknownKey", with({{"/parallel", R"({"ep": 2})"}}), R"(unknown key "parallel.ep")"},
       // Duplicates would silently keep one value.
       {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
       {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},

@@ -297,3 +297,31 @@ TEST(CAbi, MoeLayerNullArgumentsAndHandles) {
 
 }  // namespace
 }  // namespace moegraph
+
+// Expert parallelism: the receive rows and the window are sized without a GPU, the worst case
+// holds every rank's rows on one rank, and a bound shrinks the window by exactly its rows.
+TEST(ExpertParallelOptions, ReceiveRowsAndWindow) {
+  using namespace moegraph;
+  MoeLayerOptions o;
+  o.experts = 64, o.hidden = 256, o.ffn = 128, o.top_k = 8, o.max_tokens = 100, o.row_align = 16;
+  EXPECT_EQ(MoeLayer::window_bytes(o), 0u);
+  o.expert_parallel = 4;
+  validate(o);
+  EXPECT_EQ(moe_local_experts(o), 16);
+  // 4 ranks * 100 tokens * 8 rows, plus 15 gap rows per local expert, aligned up.
+  EXPECT_EQ(moe_ep_worst_case_rows(o), (4 * 100 * 8 + 16 * 15 + 15) / 16 * 16);
+  EXPECT_EQ(moe_expert_rows(o), moe_ep_worst_case_rows(o));
+  const std::size_t worst = MoeLayer::window_bytes(o);
+  bool has_receive = false;
+  for (const auto& b : MoeLayer::window_buffers(o)) has_receive |= b.name == "x_perm";
+  EXPECT_TRUE(has_receive);
+  o.ep_recv_rows = 1024;
+  validate(o);
+  EXPECT_EQ(moe_expert_rows(o), 1024);
+  EXPECT_EQ(worst - MoeLayer::window_bytes(o), (moe_ep_worst_case_rows(o) - 1024) * 256 * 2);
+  o.ep_recv_rows = 1000;  // not a multiple of row_align
+  EXPECT_THROW(validate(o), Error);
+  o.ep_recv_rows = 0;
+  o.fuse_weights = true;
+  EXPECT_THROW(validate(o), Error);
+}

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "moegraph/config.hpp"
+#include "moegraph/moe_layer.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "tools/bench/bench_util.hpp"
 #include "tools/bench/step_bench.hpp"
@@ -24,6 +25,33 @@ constexpr const char* kUsage =
 int usage_error(const std::string& what) {
   std::fprintf(stderr, "moegraph-bench: %s\n%s", what.c_str(), kUsage);
   return 2;
+}
+
+}  // namespace
+
+namespace {
+
+// The expert-parallel window of each bucket (one per rank, allocated on its communicator): its
+// receive buffer sized for the worst case and, with parallel.recv_rows, for the configured bound.
+void print_expert_parallel_plan(const moegraph::Config& config) {
+  if (config.parallel.expert_parallel <= 1) return;
+  std::printf("expert parallel: %d ranks, %d experts per rank, tokens per bucket are per rank\n",
+              config.parallel.expert_parallel, config.layer.experts / config.parallel.expert_parallel);
+  for (int64_t tokens : config.buckets) {
+    moegraph::MoeLayerOptions o = moegraph::moe_layer_options(config, tokens);
+    const int64_t bound = o.ep_recv_rows;
+    o.ep_recv_rows = 0;
+    const int64_t worst = moegraph::moe_ep_worst_case_rows(o);
+    const double worst_mib = moegraph::MoeLayer::window_bytes(o) / 1048576.0;
+    std::printf("  %lld tokens: window per rank %.1f MiB with %lld receive rows (worst case: dropless)",
+                static_cast<long long>(tokens), worst_mib, static_cast<long long>(worst));
+    if (bound > 0) {
+      o.ep_recv_rows = bound;
+      std::printf("; %.1f MiB with the bound of %lld rows (rows past it dropped and counted)",
+                  moegraph::MoeLayer::window_bytes(o) / 1048576.0, static_cast<long long>(bound));
+    }
+    std::printf("\n");
+  }
 }
 
 }  // namespace
@@ -79,6 +107,7 @@ int main(int argc, char** argv) {
     }
     if (plan) {
       std::printf("config: %s\n%s", config.name.c_str(), moegraph::plan_step(moegraph::step_graphs_options(config)).to_string().c_str());
+      print_expert_parallel_plan(config);
       return 0;
     }
     return moegraph::bench::run_step_bench(config, options);
