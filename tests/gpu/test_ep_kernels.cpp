@@ -3,6 +3,9 @@
 // out, across many rounds), and a plan + row exchange against a host model of the layout.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/comm/ep_exchange.hpp"
@@ -49,6 +52,143 @@ TEST(EpKernels, BarrierRoundsOnConcurrentStreams) {
     for (int r = 0; r < ranks; ++r) {
       EXPECT_EQ(w.errors[r].download()[0].code, kDeviceErrorNone) << "rank " << r << " of " << ranks;
       EXPECT_EQ(w.epoch[r].download()[0], 50u);
+    }
+  }
+}
+
+// The plan and the row stores of R ranks run one after another on one stream (so no barrier is
+// needed, and the sanitizer can run them): every row lands where a host model of the layout says,
+// alignment gaps and dropped rows are zero, and the rows that come back are the rows that left.
+TEST(EpKernels, PlanAndRowsMatchAHostModel) {
+  constexpr int R = 3, E = 6, L = E / R, kAlign = 4, kWords = 4;  // rows of 16 bytes
+  constexpr int64_t kLocalRows = 24;
+  std::mt19937_64 rng(5);
+  for (int64_t bound : {int64_t{0}, int64_t{16}}) {
+    // Counts per (rank, expert), some zero, each rank's sum at most kLocalRows.
+    std::vector<std::vector<int32_t>> counts(R, std::vector<int32_t>(E, 0));
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kLocalRows - 3 * r; ++i) ++counts[r][rng() % (r == 1 ? 2 : E)];
+    // Host model: local bases, then each owner's greedy layout.
+    std::vector<std::vector<int64_t>> base(R, std::vector<int64_t>(E)), at(R, std::vector<int64_t>(E)),
+        kept(R, std::vector<int64_t>(E));
+    for (int r = 0; r < R; ++r)
+      for (int e = 0, b = 0; e < E; b += counts[r][e], ++e) base[r][e] = b;
+    const int64_t recv_rows = bound > 0 ? bound : (R * kLocalRows + L * (kAlign - 1) + kAlign - 1) / kAlign * kAlign;
+    std::vector<std::vector<int64_t>> offsets(R, std::vector<int64_t>(L + 1));
+    std::vector<std::vector<int32_t>> splits(R, std::vector<int32_t>(L));
+    uint64_t expected_dropped[R] = {};
+    for (int d = 0; d < R; ++d) {
+      int64_t off = 0;
+      for (int l = 0; l < L; ++l) {
+        offsets[d][l] = off;
+        for (int s = 0; s < R; ++s) {
+          const int e = d * L + l;
+          at[s][e] = off;
+          kept[s][e] = std::min<int64_t>(counts[s][e], recv_rows - off);
+          expected_dropped[s] += counts[s][e] - kept[s][e];
+          off += kept[s][e];
+        }
+        splits[d][l] = static_cast<int32_t>(off - offsets[d][l]);
+        off = (off + kAlign - 1) / kAlign * kAlign;
+      }
+      offsets[d][L] = off;
+    }
+
+    struct Rank {
+      DeviceArray<int32_t> counts{E}, tokens{1}, matrix{R * (E + 1)}, splits{L}, scratch{4 * R * E};
+      DeviceArray<int64_t> offsets{L + 1}, owner_prefix{E + 1}, source_prefix{E + 1}, gaps{2 * L}, drops{2 * E};
+      DeviceArray<kernels::EpSegment> to_owner{E}, to_source{E};
+      DeviceArray<int32_t> send, recv, back;
+      DeviceArray<unsigned long long> dropped{1};
+      DeviceArray<DeviceErrorRecord> error{1};
+    };
+    std::vector<Rank> ranks(R);
+    kernels::PeerBases matrix, recv, back;
+    for (int r = 0; r < R; ++r) {
+      Rank& k = ranks[r];
+      k.send = DeviceArray<int32_t>(kLocalRows * kWords), k.recv = DeviceArray<int32_t>(recv_rows * kWords);
+      k.back = DeviceArray<int32_t>(kLocalRows * kWords);
+      k.counts.upload(counts[r]);
+      k.tokens.upload({7});
+      std::vector<int32_t> rows(kLocalRows * kWords);
+      for (int64_t i = 0; i < kLocalRows; ++i)
+        for (int w = 0; w < kWords; ++w) rows[i * kWords + w] = static_cast<int32_t>(1000 * r + 10 * i + w + 1);
+      k.send.upload(rows);
+      k.recv.poison(), k.back.poison();
+      testing::memset_and_wait(k.dropped.get(), 0, sizeof(unsigned long long));
+      testing::memset_and_wait(k.error.get(), 0, sizeof(DeviceErrorRecord));
+      matrix.base[r] = reinterpret_cast<char*>(k.matrix.get());
+      recv.base[r] = reinterpret_cast<char*>(k.recv.get());
+      back.base[r] = reinterpret_cast<char*>(k.back.get());
+    }
+    testing::Stream stream;
+    for (int r = 0; r < R; ++r)
+      kernels::launch_ep_share_counts(ranks[r].counts.get(), ranks[r].tokens.get(), E, r, R, matrix, stream.get());
+    for (int r = 0; r < R; ++r) {
+      Rank& k = ranks[r];
+      kernels::EpPlanParams p;
+      p.matrix = k.matrix.get(), p.rank = r, p.ranks = R, p.experts = E, p.row_align = kAlign;
+      p.max_tokens = 8, p.local_rows = kLocalRows, p.recv_rows = recv_rows;
+      p.splits = k.splits.get(), p.offsets = k.offsets.get();
+      p.to_owner = k.to_owner.get(), p.to_owner_prefix = k.owner_prefix.get();
+      p.to_source = k.to_source.get(), p.to_source_prefix = k.source_prefix.get();
+      p.recv_gaps = k.gaps.get(), p.dropped_rows = k.drops.get(), p.scratch = k.scratch.get();
+      p.dropped = k.dropped.get(), p.error = k.error.get();
+      kernels::launch_ep_plan(p, stream.get());
+    }
+    auto exchange = [&](int r, bool to_owner) {
+      Rank& k = ranks[r];
+      kernels::EpExchangeParams x;
+      x.src = to_owner ? k.send.get() : k.recv.get();
+      x.row_bytes = kWords * sizeof(int32_t);
+      x.dst = to_owner ? recv : back;
+      x.segments = to_owner ? k.to_owner.get() : k.to_source.get();
+      x.prefix = to_owner ? k.owner_prefix.get() : k.source_prefix.get();
+      x.count = E;
+      x.zero_ranges = to_owner ? k.gaps.get() : k.drops.get();
+      x.zero_count = to_owner ? L : E;
+      x.local_dst = to_owner ? k.recv.get() : k.back.get();
+      x.max_rows = to_owner ? kLocalRows : recv_rows;
+      kernels::launch_ep_exchange(x, stream.get());
+    };
+    for (int r = 0; r < R; ++r) exchange(r, true);
+    for (int r = 0; r < R; ++r) exchange(r, false);
+    MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+
+    for (int d = 0; d < R; ++d) {
+      const std::string where = "bound " + std::to_string(bound) + " rank " + std::to_string(d);
+      EXPECT_EQ(ranks[d].splits.download(), splits[d]) << where;
+      EXPECT_EQ(ranks[d].offsets.download(), offsets[d]) << where;
+      EXPECT_EQ(ranks[d].dropped.download()[0], expected_dropped[d]) << where;
+      EXPECT_EQ(ranks[d].error.download()[0].code, kDeviceErrorNone) << where;
+      // Receive buffer: each (source, local expert) segment holds the source's rows; gaps are zero.
+      const std::vector<int32_t> got = ranks[d].recv.download();
+      std::vector<int> expected(recv_rows * kWords, -1);  // -1: never written (still poison)
+      for (int l = 0; l < L; ++l) {
+        for (int64_t row = offsets[d][l] + splits[d][l]; row < offsets[d][l + 1]; ++row)
+          for (int w = 0; w < kWords; ++w) expected[row * kWords + w] = 0;
+        for (int s = 0; s < R; ++s)
+          for (int64_t i = 0; i < kept[s][d * L + l]; ++i)
+            for (int w = 0; w < kWords; ++w)
+              expected[(at[s][d * L + l] + i) * kWords + w] = static_cast<int>(1000 * s + 10 * (base[s][d * L + l] + i) + w + 1);
+      }
+      for (int64_t i = 0; i < offsets[d][L] * kWords; ++i)
+        ASSERT_EQ(got[i], expected[i]) << where << " receive word " << i;
+      // What came back: the rows that left, or zero where the owner dropped them.
+      const std::vector<int32_t> sent = ranks[d].send.download(), returned = ranks[d].back.download();
+      const int64_t used = base[d][E - 1] + counts[d][E - 1];
+      for (int e = 0; e < E; ++e)
+        for (int64_t i = 0; i < counts[d][e]; ++i)
+          for (int w = 0; w < kWords; ++w) {
+            const int64_t at_word = (base[d][e] + i) * kWords + w;
+            ASSERT_EQ(returned[at_word], i < kept[d][e] ? sent[at_word] : 0) << where << " returned word " << at_word;
+          }
+      EXPECT_LE(used, kLocalRows);
+    }
+    if (bound > 0) {
+      uint64_t total = 0;
+      for (uint64_t v : expected_dropped) total += v;
+      EXPECT_GT(total, 0u) << "the bound must drop rows for this test to mean anything";
     }
   }
 }
