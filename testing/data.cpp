@@ -43,6 +43,14 @@ uint64_t test_seed(const std::string& test_name) {
   return seed;
 }
 
+std::vector<double> grid_values(std::mt19937_64& rng, std::size_t count, int range, double step) {
+  std::uniform_int_distribution<int> d(-range, range);
+  std::vector<double> v(count);
+  for (double& x : v) x = d(rng) * step;
+  if (count > 0) v[0] = step;  // never all zero
+  return v;
+}
+
 std::vector<double> random_values(std::mt19937_64& rng, std::size_t count, double scale, DType t) {
   std::uniform_real_distribution<double> dist(-scale, scale);
   std::vector<double> v(count);

@@ -25,6 +25,11 @@ uint64_t test_seed(const std::string& test_name);
 // Uniform values in [-scale, scale], never all zero, rounded to `t` (fp32 for kFP32).
 std::vector<double> random_values(std::mt19937_64& rng, std::size_t count, double scale, DType t);
 std::vector<uint16_t> to_device_bits(const std::vector<double>& v, DType t);
+// Integers in [-range, range] times `step`, the first always `step`. x and a router weight on such
+// grids make every product and fp32 partial sum of the logits exact: the device and the reference
+// see identical logits and make identical top-k choices (ties to the lower id on both sides)
+// instead of disagreeing on near-ties.
+std::vector<double> grid_values(std::mt19937_64& rng, std::size_t count, int range, double step);
 
 enum class Routing { kUniform, kSkewed };
 // The Zipf exponent of Routing::kSkewed.

@@ -20,9 +20,9 @@
 #include <string>
 #include <vector>
 
-namespace moegraph {
+#include "moegraph/types.hpp"
 
-inline constexpr int kMaxExpertParallel = 64;
+namespace moegraph {
 
 // One window: this rank's copy and every rank's copy as this rank addresses it (peer(rank) ==
 // local()). Zeroed when allocated. Freed with the last reference.

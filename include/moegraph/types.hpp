@@ -10,6 +10,8 @@ namespace moegraph {
 
 // Groups (experts) of one grouped operator: the device tile scheduler keeps a prefix per group.
 inline constexpr int kMaxGroups = 1024;
+// Ranks of an expert-parallel group (moegraph/expert_parallel.hpp): one host's NVLink domain and more.
+inline constexpr int kMaxExpertParallel = 64;
 
 // Element types of grouped buffers. Activations and weights are bf16 or fp16; fp32 is used for
 // main_grad, bias scales and their gradients.

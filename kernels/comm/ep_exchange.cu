@@ -207,13 +207,13 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
 
 void launch_ep_share_counts(const int32_t* counts, const int32_t* num_tokens, int experts, int rank, int ranks,
                             const PeerBases& matrix, cudaStream_t stream) {
-  MG_CHECK(ranks >= 1 && ranks <= kMaxEpRanks && rank >= 0 && rank < ranks, "ep: rank ", rank, " of ", ranks);
+  MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel && rank >= 0 && rank < ranks, "ep: rank ", rank, " of ", ranks);
   ep_share_counts_kernel<<<1, 256, 0, stream>>>(counts, num_tokens, experts, rank, ranks, matrix);
   MG_LAUNCH_CHECK();
 }
 
 void launch_ep_barrier(const EpBarrierParams& p, cudaStream_t stream) {
-  MG_CHECK(p.ranks >= 1 && p.ranks <= kMaxEpRanks && p.epoch != nullptr && p.error != nullptr,
+  MG_CHECK(p.ranks >= 1 && p.ranks <= kMaxExpertParallel && p.epoch != nullptr && p.error != nullptr,
            "ep barrier: bad parameters");
   ep_barrier_kernel<<<1, 64, 0, stream>>>(p);
   MG_LAUNCH_CHECK();
@@ -224,7 +224,7 @@ std::size_t ep_plan_scratch_bytes(int ranks, int experts) {
 }
 
 void launch_ep_plan(const EpPlanParams& p, cudaStream_t stream) {
-  MG_CHECK(p.ranks >= 1 && p.ranks <= kMaxEpRanks && p.experts >= 1 && p.experts <= kMaxExperts &&
+  MG_CHECK(p.ranks >= 1 && p.ranks <= kMaxExpertParallel && p.experts >= 1 && p.experts <= kMaxExperts &&
                p.experts % p.ranks == 0,
            "ep plan: ", p.experts, " experts over ", p.ranks, " ranks");
   MG_CHECK(p.row_align >= 1 && p.recv_rows % p.row_align == 0, "ep plan: recv_rows ", p.recv_rows,

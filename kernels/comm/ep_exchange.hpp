@@ -25,11 +25,9 @@
 
 namespace moegraph::kernels {
 
-inline constexpr int kMaxEpRanks = 64;
-
 // One window buffer's address on every rank, as this rank addresses it.
 struct PeerBases {
-  char* base[kMaxEpRanks] = {};
+  char* base[kMaxExpertParallel] = {};
 };
 
 // Rows [src_row, src_row + rows) of the local source buffer go to rows [dst_row, dst_row + rows) of

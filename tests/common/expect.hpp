@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "testing/data.hpp"
+#include "testing/device_array.hpp"
 #include "testing/problem.hpp"
 
 namespace moegraph::test {
@@ -26,6 +27,13 @@ inline Mat from_bits16(const std::vector<uint16_t>& bits, DType t) {
   Mat out(bits.size());
   for (std::size_t i = 0; i < bits.size(); ++i) out[i] = from_bits(bits[i], t);
   return out;
+}
+
+// A device array's values: 16-bit patterns of type `t`, or fp32.
+inline Mat download_bits(const DeviceArray<uint16_t>& a, DType t) { return from_bits16(a.download(), t); }
+inline Mat download_floats(const DeviceArray<float>& a) {
+  const auto v = a.download();
+  return Mat(v.begin(), v.end());
 }
 
 // Bit-for-bit equality: rows past the last group are never written and keep their NaN poison,

@@ -60,23 +60,8 @@ MoeLayerOptions ep_options(const EpCase& c, int ranks) {
   return o;
 }
 
-// Integers in [-range, range] times `step` (x and the router on such grids make the logits exact,
-// so the device and the reference choose the same experts).
-Mat grid_values(std::mt19937_64& rng, std::size_t count, int range, double step) {
-  std::uniform_int_distribution<int> d(-range, range);
-  Mat v(count);
-  for (double& x : v) x = d(rng) * step;
-  v[0] = step;
-  return v;
-}
-
 Mat slice(const Mat& m, std::size_t begin, std::size_t count) {
   return Mat(m.begin() + static_cast<std::ptrdiff_t>(begin), m.begin() + static_cast<std::ptrdiff_t>(begin + count));
-}
-Mat bits_of(const DeviceArray<uint16_t>& a, DType t) { return from_bits16(a.download(), t); }
-Mat floats_of(const DeviceArray<float>& a) {
-  const auto v = a.download();
-  return Mat(v.begin(), v.end());
 }
 DeviceArray<uint16_t> upload16(const Mat& v, DType t) {
   DeviceArray<uint16_t> a(v.size());
@@ -202,21 +187,21 @@ class EpHarness {
     out.dwr.assign(c_.experts * h, 0.0);
     for (int r = 0; r < c_.ranks; ++r) {
       LayerSlot& s = *ranks_[r];
-      const Mat y = bits_of(s.y, dt), dx = bits_of(s.dx, dt);
+      const Mat y = download_bits(s.y, dt), dx = download_bits(s.dx, dt);
       out.y.insert(out.y.end(), y.begin(), y.begin() + counts_[r] * h);
       out.dx.insert(out.dx.end(), dx.begin(), dx.begin() + counts_[r] * h);
       std::size_t nonzero_past_n = 0;
       for (std::size_t i = counts_[r] * h; i < dx.size(); ++i) nonzero_past_n += dx[i] != 0.0;
       EXPECT_EQ(nonzero_past_n, 0u) << "rank " << r << ": dx rows past n must be written as zero";
-      const Mat dwr = c_.main_grad ? floats_of(s.mgr) : bits_of(s.dwr, dt);
+      const Mat dwr = c_.main_grad ? download_floats(s.mgr) : download_bits(s.dwr, dt);
       for (std::size_t i = 0; i < dwr.size(); ++i) out.dwr[i] += dwr[i];
-      const Mat dw1 = c_.main_grad ? floats_of(s.mg1) : bits_of(s.dw1, dt);
-      const Mat dw2 = c_.main_grad ? floats_of(s.mg2) : bits_of(s.dw2, dt);
+      const Mat dw1 = c_.main_grad ? download_floats(s.mg1) : download_bits(s.dw1, dt);
+      const Mat dw2 = c_.main_grad ? download_floats(s.mg2) : download_bits(s.dw2, dt);
       EXPECT_EQ(dw1.size(), static_cast<std::size_t>(l * 2 * f * h));
       out.dw1.insert(out.dw1.end(), dw1.begin(), dw1.end());
       out.dw2.insert(out.dw2.end(), dw2.begin(), dw2.end());
       if (c_.bias) {
-        const Mat db1 = bits_of(s.db1, dt), db2 = bits_of(s.db2, dt);
+        const Mat db1 = download_bits(s.db1, dt), db2 = download_bits(s.db2, dt);
         out.db1.insert(out.db1.end(), db1.begin(), db1.end());
         out.db2.insert(out.db2.end(), db2.begin(), db2.end());
       }
@@ -230,12 +215,12 @@ class EpHarness {
     const int64_t h = c_.hidden;
     LayerSlot& s = *whole_;
     Outputs out;
-    out.y = slice(bits_of(s.y, dt), 0, n_ * h);
-    out.dx = slice(bits_of(s.dx, dt), 0, n_ * h);
-    out.dwr = c_.main_grad ? floats_of(s.mgr) : bits_of(s.dwr, dt);
-    out.dw1 = c_.main_grad ? floats_of(s.mg1) : bits_of(s.dw1, dt);
-    out.dw2 = c_.main_grad ? floats_of(s.mg2) : bits_of(s.dw2, dt);
-    if (c_.bias) out.db1 = bits_of(s.db1, dt), out.db2 = bits_of(s.db2, dt);
+    out.y = slice(download_bits(s.y, dt), 0, n_ * h);
+    out.dx = slice(download_bits(s.dx, dt), 0, n_ * h);
+    out.dwr = c_.main_grad ? download_floats(s.mgr) : download_bits(s.dwr, dt);
+    out.dw1 = c_.main_grad ? download_floats(s.mg1) : download_bits(s.dw1, dt);
+    out.dw2 = c_.main_grad ? download_floats(s.mg2) : download_bits(s.dw2, dt);
+    if (c_.bias) out.db1 = download_bits(s.db1, dt), out.db2 = download_bits(s.db2, dt);
     return out;
   }
 

@@ -47,23 +47,6 @@ MoeLayerOptions options_of(const LayerCase& c) {
   return o;
 }
 
-// Integers in [-range, range] times `step`. x and the router weight live on such grids so that
-// every product and fp32 partial sum of the logits is exact: the device and the reference then
-// see identical logits and make identical top-k choices (ties go to the lower id on both sides)
-// instead of disagreeing on near-ties.
-Mat grid_values(std::mt19937_64& rng, std::size_t count, int range, double step) {
-  std::uniform_int_distribution<int> d(-range, range);
-  Mat v(count);
-  for (double& x : v) x = d(rng) * step;
-  v[0] = step;  // never all zero
-  return v;
-}
-
-Mat download_bits(const DeviceArray<uint16_t>& a, DType t) { return from_bits16(a.download(), t); }
-Mat download_floats(const DeviceArray<float>& a) {
-  const auto v = a.download();
-  return Mat(v.begin(), v.end());
-}
 
 struct LayerOutputs {
   Mat y, dx, dwr, dw1, dw2, db1, db2;

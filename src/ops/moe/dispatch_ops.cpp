@@ -7,6 +7,7 @@
 #include "src/core/device_buffer.hpp"
 #include "src/core/checked.hpp"
 #include "src/ops/group_layout.hpp"
+#include "src/ops/moe/dispatch_common.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {
@@ -36,35 +37,12 @@ class DispatchOp final : public LayerOp {
       t.declare(tensor::kDTopkWeights, checked_mul(tensor::kDTopkWeights, tk, k, sizeof(float)), Lifetime::kStep);
   }
 
-  void bind(TensorTable&) override {
-    error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
-    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
-    dropped_ = DeviceBuffer(sizeof(unsigned long long));
-    MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(unsigned long long)));
-  }
+  void bind(TensorTable&) override { records_.bind(); }
 
   void forward(const Phase& p, cudaStream_t stream) override {
     const TensorTable& t = *p.tensors;
-    const int s = p.slot;
-    kernels::DispatchParams d;
-    d.topk_ids = t.get<int32_t>(tensor::kTopkIds, s);
-    d.topk_weights = t.get<float>(tensor::kTopkWeights, s);
-    d.num_tokens = t.get<int32_t>(tensor::kTokens, s);
-    d.max_tokens = o_.max_tokens;
-    d.experts = o_.experts;
-    d.top_k = o_.top_k;
-    d.row_align = o_.row_align;
-    d.capacity_rows = rows_;
-    d.capacity_factor = o_.capacity_factor;
-    d.counts = t.get<int32_t>(tensor::kCounts, s);
-    d.splits = t.get<int32_t>(tensor::kSplits, s);
-    d.offsets = t.get<int64_t>(tensor::kOffsets, s);
-    d.row_of = t.get<int32_t>(tensor::kRowOf, s);
-    d.token_of_row = t.get<int32_t>(tensor::kTokenOfRow, s);
-    d.row_weight = t.get<float>(tensor::kRowWeight, s);
-    d.dropped = dropped_.as<unsigned long long>();
-    d.workspace = t.get<int32_t>("dispatch.workspace");
-    d.error = error_.as<DeviceErrorRecord>();
+    const kernels::DispatchParams d = dispatch_params(t, p.slot, o_, tensor::kSplits, tensor::kOffsets, o_.row_align,
+                                                      rows_, o_.capacity_factor, records_);
     kernels::launch_dispatch(d, stream);
     kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
                                  t.get(tensor::kPermutedX), stream);
@@ -82,19 +60,13 @@ class DispatchOp final : public LayerOp {
                               o_.top_k, o_.hidden, p.io->dx, stream);
   }
 
-  DeviceErrorRecord take_device_error() override { return take_device_error_record(error_); }
-
-  uint64_t take_dropped() override {
-    unsigned long long dropped = 0;
-    MG_CUDA_CHECK(cudaMemcpy(&dropped, dropped_.get(), sizeof(dropped), cudaMemcpyDeviceToHost));
-    MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(dropped)));
-    return dropped;
-  }
+  DeviceErrorRecord take_device_error() override { return records_.take_error(); }
+  uint64_t take_dropped() override { return records_.take_dropped(); }
 
  private:
   MoeLayerOptions o_;
   int64_t rows_;
-  DeviceBuffer error_, dropped_;
+  DispatchRecords records_;
 };
 
 class CombineOp final : public LayerOp {
@@ -144,6 +116,47 @@ class CombineOp final : public LayerOp {
 };
 
 }  // namespace
+
+void DispatchRecords::bind() {
+  error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
+  MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
+  dropped_ = DeviceBuffer(sizeof(unsigned long long));
+  MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(unsigned long long)));
+}
+
+DeviceErrorRecord DispatchRecords::take_error() { return take_device_error_record(error_); }
+
+uint64_t DispatchRecords::take_dropped() {
+  unsigned long long dropped = 0;
+  MG_CUDA_CHECK(cudaMemcpy(&dropped, dropped_.get(), sizeof(dropped), cudaMemcpyDeviceToHost));
+  MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(dropped)));
+  return dropped;
+}
+
+kernels::DispatchParams dispatch_params(const TensorTable& t, int s, const MoeLayerOptions& o,
+                                        const std::string& splits, const std::string& offsets, int row_align,
+                                        int64_t capacity_rows, double capacity_factor, const DispatchRecords& records) {
+  kernels::DispatchParams d;
+  d.topk_ids = t.get<int32_t>(tensor::kTopkIds, s);
+  d.topk_weights = t.get<float>(tensor::kTopkWeights, s);
+  d.num_tokens = t.get<int32_t>(tensor::kTokens, s);
+  d.max_tokens = o.max_tokens;
+  d.experts = o.experts;
+  d.top_k = o.top_k;
+  d.row_align = row_align;
+  d.capacity_rows = capacity_rows;
+  d.capacity_factor = capacity_factor;
+  d.counts = t.get<int32_t>(tensor::kCounts, s);
+  d.splits = t.get<int32_t>(splits, s);
+  d.offsets = t.get<int64_t>(offsets, s);
+  d.row_of = t.get<int32_t>(tensor::kRowOf, s);
+  d.token_of_row = t.get<int32_t>(tensor::kTokenOfRow, s);
+  d.row_weight = t.get<float>(tensor::kRowWeight, s);
+  d.dropped = records.dropped();
+  d.workspace = t.get<int32_t>("dispatch.workspace");
+  d.error = records.error();
+  return d;
+}
 
 std::unique_ptr<LayerOp> make_dispatch_op(const OpSpec&, const MoeLayerOptions& o) {
   return std::make_unique<DispatchOp>(o);

@@ -25,6 +25,7 @@
 #include "src/core/checked.hpp"
 #include "src/core/device_buffer.hpp"
 #include "src/ops/group_layout.hpp"
+#include "src/ops/moe/dispatch_common.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {
@@ -64,12 +65,11 @@ struct EpLink {
   }
 };
 
+// `comm` is null when sizing only (LayerProgram checked it against the options otherwise).
 EpLink link_of(const MoeLayerOptions& o, const EpComm* comm) {
   EpLink l;
   l.ranks = o.expert_parallel;
   if (comm != nullptr) {
-    MG_CHECK(comm->ranks() == o.expert_parallel, "the communicator has ", comm->ranks(),
-             " ranks but expert_parallel is ", o.expert_parallel);
     l.rank = comm->rank();
     l.timeout_ns = comm->barrier_timeout_ns();
   }
@@ -147,44 +147,22 @@ class EpDispatchOp final : public LayerOp {
     t.declare(ep::kReturned, checked_mul(ep::kReturned, local_rows_, row), step, window);
   }
 
-  void bind(TensorTable&) override {
-    MG_CHECK(comm_ != nullptr, "expert_parallel = ", o_.expert_parallel, " needs a communicator (EpComm)");
-    error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
-    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
-    dropped_ = DeviceBuffer(sizeof(unsigned long long));
-    MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(unsigned long long)));
-  }
+  void bind(TensorTable&) override { records_.bind(); }
 
   void forward(const Phase& p, cudaStream_t stream) override {
     const TensorTable& t = *p.tensors;
     const int s = p.slot;
     const int32_t* tokens = t.get<int32_t>(tensor::kTokens, s);
     // This rank's rows in expert order: row_align 1 (no GEMM reads them), never dropped here.
-    kernels::DispatchParams d;
-    d.topk_ids = t.get<int32_t>(tensor::kTopkIds, s);
-    d.topk_weights = t.get<float>(tensor::kTopkWeights, s);
-    d.num_tokens = tokens;
-    d.max_tokens = o_.max_tokens;
-    d.experts = o_.experts;
-    d.top_k = o_.top_k;
-    d.row_align = 1;
-    d.capacity_rows = local_rows_;
-    d.counts = t.get<int32_t>(tensor::kCounts, s);
-    d.splits = t.get<int32_t>(ep::kLocalSplits, s);
-    d.offsets = t.get<int64_t>(ep::kLocalOffsets, s);
-    d.row_of = t.get<int32_t>(tensor::kRowOf, s);
-    d.token_of_row = t.get<int32_t>(tensor::kTokenOfRow, s);
-    d.row_weight = t.get<float>(tensor::kRowWeight, s);
-    d.dropped = dropped_.as<unsigned long long>();
-    d.workspace = t.get<int32_t>("dispatch.workspace");
-    d.error = error_.as<DeviceErrorRecord>();
+    const kernels::DispatchParams d = dispatch_params(t, s, o_, ep::kLocalSplits, ep::kLocalOffsets, 1, local_rows_,
+                                                      0.0, records_);
     kernels::launch_dispatch(d, stream);
     kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
                                  t.get(ep::kSend), stream);
 
     kernels::launch_ep_share_counts(d.counts, tokens, o_.experts, link_.rank, link_.ranks, t.peers(ep::kMatrix, s),
                                     stream);
-    link_.barrier(t, error_.as<DeviceErrorRecord>(), stream);
+    link_.barrier(t, records_.error(), stream);
     kernels::EpPlanParams plan;
     plan.matrix = t.get<int32_t>(ep::kMatrix, s);
     plan.rank = link_.rank, plan.ranks = link_.ranks, plan.experts = o_.experts, plan.row_align = o_.row_align;
@@ -200,12 +178,12 @@ class EpDispatchOp final : public LayerOp {
     plan.recv_gaps = t.get<int64_t>(ep::kRecvGaps, s);
     plan.dropped_rows = t.get<int64_t>(ep::kDroppedRows, s);
     plan.scratch = t.get<int32_t>("ep.plan_scratch");
-    plan.dropped = dropped_.as<unsigned long long>();
-    plan.error = error_.as<DeviceErrorRecord>();
+    plan.dropped = records_.dropped();
+    plan.error = records_.error();
     kernels::launch_ep_plan(plan, stream);
     push_rows(t, s, t.get(ep::kSend), row_bytes(), tensor::kPermutedX, 0, ep::kToOwner, ep::kToOwnerPrefix,
               o_.experts, ep::kRecvGaps, local_experts_, local_rows_, stream);
-    link_.barrier(t, error_.as<DeviceErrorRecord>(), stream);
+    link_.barrier(t, records_.error(), stream);
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {
@@ -214,7 +192,7 @@ class EpDispatchOp final : public LayerOp {
     const int s = p.slot;
     push_rows(t, s, t.get(tensor::grad(tensor::kPermutedX)), row_bytes(), ep::kReturned, 0, ep::kToSource,
               ep::kToSourcePrefix, o_.experts, ep::kDroppedRows, o_.experts, recv_rows_, stream);
-    link_.barrier(t, error_.as<DeviceErrorRecord>(), stream);
+    link_.barrier(t, records_.error(), stream);
     const int32_t* tokens = t.get<int32_t>(tensor::kTokens, s);
     const int32_t* row_of = t.get<int32_t>(tensor::kRowOf, s);
     kernels::launch_gather_row_values(t.get<float>(tensor::kDRowWeight), row_of, tokens, o_.max_tokens, o_.top_k,
@@ -223,14 +201,8 @@ class EpDispatchOp final : public LayerOp {
                               p.io->dx, stream);
   }
 
-  DeviceErrorRecord take_device_error() override { return take_device_error_record(error_); }
-
-  uint64_t take_dropped() override {
-    unsigned long long dropped = 0;
-    MG_CUDA_CHECK(cudaMemcpy(&dropped, dropped_.get(), sizeof(dropped), cudaMemcpyDeviceToHost));
-    MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(dropped)));
-    return dropped;
-  }
+  DeviceErrorRecord take_device_error() override { return records_.take_error(); }
+  uint64_t take_dropped() override { return records_.take_dropped(); }
 
  private:
   std::size_t row_bytes() const { return static_cast<std::size_t>(o_.hidden) * dtype_size(o_.dtype); }
@@ -240,7 +212,7 @@ class EpDispatchOp final : public LayerOp {
   EpLink link_;
   int local_experts_;
   int64_t local_rows_, recv_rows_;
-  DeviceBuffer error_, dropped_;
+  DispatchRecords records_;
 };
 
 class EpCombineOp final : public LayerOp {
@@ -249,6 +221,7 @@ class EpCombineOp final : public LayerOp {
       : spec_(spec),
         o_(o),
         link_(link_of(o, comm.get())),
+        local_experts_(moe_local_experts(o)),
         local_rows_(checked_mul("local rows", o.max_tokens, o.top_k)),
         recv_rows_(moe_expert_rows(o)) {
     MG_CHECK(spec.weighted, "expert-parallel combine applies the routing weights itself (fuse_weights is not "
@@ -296,7 +269,7 @@ class EpCombineOp final : public LayerOp {
                                      o_.experts, o_.hidden, t.get(ep::kSend), t.get<float>(tensor::kDRowWeight),
                                      stream);
     push_rows(t, s, t.get(ep::kSend), row_bytes(), tensor::grad(spec_.in), 0, ep::kToOwner, ep::kToOwnerPrefix,
-              o_.experts, ep::kRecvGaps, moe_local_experts(o_), local_rows_, stream);
+              o_.experts, ep::kRecvGaps, local_experts_, local_rows_, stream);
     link_.barrier(t, error_.as<DeviceErrorRecord>(), stream);
   }
 
@@ -308,8 +281,9 @@ class EpCombineOp final : public LayerOp {
   OpSpec spec_;
   MoeLayerOptions o_;
   EpLink link_;
+  int local_experts_;
   int64_t local_rows_, recv_rows_;
-  DeviceBuffer error_;
+  DeviceBuffer error_;  // its barriers' timeouts
 };
 
 }  // namespace

@@ -38,9 +38,9 @@ LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights
            LayoutWalker::kAlignment, "-byte aligned");
   std::byte* window = nullptr;
   if (options.expert_parallel > 1) {
-    window_ = comm_->allocate_window(sizing.window_bytes());
-    window = static_cast<std::byte*>(window_->local());
-    tensors_.set_window(window_);
+    std::shared_ptr<EpWindow> allocated = comm_->allocate_window(sizing.window_bytes());
+    window = static_cast<std::byte*>(allocated->local());
+    tensors_.set_window(std::move(allocated));  // the table keeps it alive and addresses peers through it
   }
   build(weights, static_cast<std::byte*>(workspace), window);
   for (auto& op : ops_) op->bind(tensors_);

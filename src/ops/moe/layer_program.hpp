@@ -55,7 +55,6 @@ class LayerProgram {
   std::vector<LayoutWalker::Entry> entries_, window_entries_;
   std::size_t bytes_ = 0, window_bytes_ = 0;
   std::shared_ptr<EpComm> comm_;
-  std::shared_ptr<EpWindow> window_;
   DeviceBuffer owned_;
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_, wgrad_queue_;
