@@ -3,6 +3,8 @@
 // Parsing never crashes and never accepts a partial config: any problem throws ConfigError.
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -15,7 +17,7 @@ namespace moegraph {
 // A configuration problem: malformed JSON (with line and column), an unknown key (with the closest
 // valid key), a wrong type, or an out-of-range / inconsistent value (key, value and rule).
 // Tools exit with code 2 on it.
-class ConfigError : public Error {
+class MOEGRAPH_API ConfigError : public Error {
  public:
   using Error::Error;
 };
@@ -86,13 +88,13 @@ struct Config {
 };
 
 // `source` names the document in messages (a path, or "<built-in>").
-Config parse_config(const std::string& json_text, const std::string& source);
-Config load_config(const std::string& path);  // reads the file; a missing file is a ConfigError
+MOEGRAPH_API Config parse_config(const std::string& json_text, const std::string& source);
+MOEGRAPH_API Config load_config(const std::string& path);  // reads the file; a missing file is a ConfigError
 // The built-in default (the Qwen3-30B-A3B-like preset), used when no config is given.
-Config default_config();
+MOEGRAPH_API Config default_config();
 // The config as JSON with every key (defaults filled in), e.g. for --plan and result files.
-std::string to_json(const Config& config);
+MOEGRAPH_API std::string to_json(const Config& config);
 
-std::string_view routing_kind_name(RoutingKind kind);
+MOEGRAPH_API std::string_view routing_kind_name(RoutingKind kind);
 
 }  // namespace moegraph

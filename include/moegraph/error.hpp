@@ -2,6 +2,8 @@
 // message assembled from parts. Library code never calls exit(); destructors never throw.
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cuda_runtime_api.h>
 
 #include <sstream>
@@ -20,7 +22,7 @@ enum class ErrorKind {
   kUnsupportedDevice, // a device other than compute capability 9.0
 };
 
-class Error : public std::runtime_error {
+class MOEGRAPH_API Error : public std::runtime_error {
  public:
   Error(const char* file, int line, const std::string& message, ErrorKind kind = ErrorKind::kInvalidArgument);
   ErrorKind kind() const noexcept { return kind_; }
@@ -43,9 +45,9 @@ std::string concat(const Parts&... parts) {
   (os << ... << parts);
   return os.str();
 }
-[[noreturn]] void throw_error(const char* file, int line, const std::string& message,
+[[noreturn]] MOEGRAPH_API void throw_error(const char* file, int line, const std::string& message,
                               ErrorKind kind = ErrorKind::kInvalidArgument);
-[[noreturn]] void throw_cuda_error(const char* file, int line, const char* expr, cudaError_t status);
+[[noreturn]] MOEGRAPH_API void throw_cuda_error(const char* file, int line, const char* expr, cudaError_t status);
 }  // namespace detail
 
 }  // namespace moegraph

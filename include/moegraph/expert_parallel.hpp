@@ -15,6 +15,8 @@
 // calls (the token counts may differ), or the group's device barriers time out and report it.
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -26,7 +28,7 @@ namespace moegraph {
 
 // One window: this rank's copy and every rank's copy as this rank addresses it (peer(rank) ==
 // local()). Zeroed when allocated. Freed with the last reference.
-class EpWindow {
+class MOEGRAPH_API EpWindow {
  public:
   virtual ~EpWindow() = default;
   void* local() const { return peers_.at(static_cast<std::size_t>(rank_)); }
@@ -44,7 +46,7 @@ class EpWindow {
   std::size_t bytes_;
 };
 
-class EpComm {
+class MOEGRAPH_API EpComm {
  public:
   virtual ~EpComm() = default;
   virtual int rank() const = 0;
@@ -64,7 +66,7 @@ class EpComm {
 // loaded before the first step: the process needs CUDA_MODULE_LOADING=EAGER (set before CUDA
 // initializes; lazy loading, the default, can stall a waiting rank's peers). The constructor
 // refuses to run without it.
-class EmulatedEpGroup {
+class MOEGRAPH_API EmulatedEpGroup {
  public:
   explicit EmulatedEpGroup(int ranks);
   ~EmulatedEpGroup();

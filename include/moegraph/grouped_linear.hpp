@@ -5,6 +5,8 @@
 // Threading: one thread at a time per handle; the whole contract is in moegraph/step_graphs.hpp.
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -54,10 +56,10 @@ struct GroupedLinearOptions {
 
 // Throws moegraph::Error naming the field, its value and the rule (the recipe's own rules
 // included). Touches no GPU.
-void validate(const GroupedLinearOptions& options);
+MOEGRAPH_API void validate(const GroupedLinearOptions& options);
 // The recipe's shape rules for these options: "" when its kernels can run them, else the reason
 // ("the mxfp8 recipe needs ..."). Touches no GPU.
-std::string recipe_can_implement(const GroupedLinearOptions& options);
+MOEGRAPH_API std::string recipe_can_implement(const GroupedLinearOptions& options);
 
 // Buffers are device pointers; all row buffers have options.capacity_rows rows. Group e occupies
 // rows [offsets[e], offsets[e] + splits[e]); gap rows up to the next aligned start read as zero
@@ -88,7 +90,7 @@ struct BackwardArgs {
   float* main_grad = nullptr;      // [G, N, K] fp32 accumulated into (an empty group: unchanged)
 };
 
-class GroupedLinear {
+class MOEGRAPH_API GroupedLinear {
  public:
   // Validates the options, picks kernels and allocates its workspace (the saved-context slots and
   // scratch). Before capture.

@@ -9,6 +9,8 @@
 // Threading: one thread at a time per handle; the whole contract is in moegraph/step_graphs.hpp.
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -60,19 +62,19 @@ struct MoeLayerOptions {
 };
 
 // The options of one bucket of a config (layer, router, precision, training, row_align).
-MoeLayerOptions moe_layer_options(const Config& config, int64_t max_tokens);
+MOEGRAPH_API MoeLayerOptions moe_layer_options(const Config& config, int64_t max_tokens);
 // Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
-void validate(const MoeLayerOptions& options);
+MOEGRAPH_API void validate(const MoeLayerOptions& options);
 // Rows of the permuted (expert-contiguous) buffers: max_tokens * top_k plus the worst-case
 // alignment padding, so dropless routing always fits (validate() keeps it below 2^31).
-int64_t moe_layer_rows(const MoeLayerOptions& options);
+MOEGRAPH_API int64_t moe_layer_rows(const MoeLayerOptions& options);
 // Experts held by one rank (experts / expert_parallel).
-int moe_local_experts(const MoeLayerOptions& options);
+MOEGRAPH_API int moe_local_experts(const MoeLayerOptions& options);
 // Rows of the experts' grouped buffers: moe_layer_rows without expert parallelism, else the receive
 // buffer's rows (ep_recv_rows, or the worst case moe_ep_worst_case_rows).
-int64_t moe_expert_rows(const MoeLayerOptions& options);
+MOEGRAPH_API int64_t moe_expert_rows(const MoeLayerOptions& options);
 // expert_parallel * max_tokens * top_k rows plus the alignment padding of the local experts.
-int64_t moe_ep_worst_case_rows(const MoeLayerOptions& options);
+MOEGRAPH_API int64_t moe_ep_worst_case_rows(const MoeLayerOptions& options);
 
 // Parameters and their gradients (device). The gradient set follows main_grad_fp32: fp32 main_grad_*
 // accumulated into, or d* written in the activation dtype. Biases only with options.bias. With
@@ -105,7 +107,7 @@ namespace layer {
 class LayerProgram;  // src/ops/moe/layer_program.hpp
 }
 
-class MoeLayer {
+class MOEGRAPH_API MoeLayer {
  public:
   // Validates, builds the operator program (applying fusions), and lays out its workspace
   // (allocated here when `workspace` is null). Before capture. With options.expert_parallel > 1,

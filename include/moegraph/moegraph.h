@@ -1,10 +1,24 @@
-/* moegraph C ABI: a thin layer over moegraph::GroupedLinear (mg_grouped_linear_*) and
- * moegraph::MoeLayer (mg_moe_layer_*). No exception crosses it: every call returns a status, and
- * mg_last_error() gives the message of this thread's last failure. Enqueue calls (forward, backward,
- * backward_dw) are graph-capturable, as in the C++ API; create, read_dropped and
- * check_device_errors are not (they may allocate or synchronize). Threading: a handle is used by one
- * thread at a time and is bound to the device current at create; distinct handles may run on
- * distinct threads (the whole contract is in moegraph/step_graphs.hpp). */
+/* moegraph C ABI: a thin layer over moegraph::GroupedLinear (mg_grouped_linear_*), moegraph::MoeLayer
+ * (mg_moe_layer_*) and the capture-and-replay runtime moegraph::StepGraphs (mg_config_*,
+ * mg_step_graphs_*).
+ *
+ * Conventions
+ * - No exception crosses it: every call returns a status; mg_status_string() names a status and
+ *   mg_last_error() gives the message of this thread's last failure (empty after a success).
+ * - Every struct passed in or out starts with its own size, so it can grow without breaking callers
+ *   built against older headers: zero it and set struct_size = sizeof(the struct) (the *_init
+ *   functions do), e.g. `mg_forward_args a = {0}; a.struct_size = sizeof(a);`. The library reads
+ *   only the fields a caller's size covers (later ones take their defaults) and refuses a struct
+ *   larger than it knows unless the unknown tail is zero.
+ * - Handles are checked: a null handle, or one already destroyed, gives MG_ERR_INVALID_HANDLE (a
+ *   destroyed handle's address may be reused by a later create, which then owns it).
+ * - Enqueue calls (forward, backward, backward_dw, weights_changed, replay, run_eager) are
+ *   graph-capturable, as in the C++ API; create, destroy, read_dropped and check_device_errors are
+ *   not (they may allocate or synchronize).
+ * - Threading: a handle is used by one thread at a time and is bound to the device current at
+ *   create; distinct handles may run on distinct threads (the whole contract is in
+ *   moegraph/step_graphs.hpp).
+ * Version: MOEGRAPH_VERSION (moegraph/version.h) is the headers', mg_version() the library's. */
 #ifndef MOEGRAPH_MOEGRAPH_H_
 #define MOEGRAPH_MOEGRAPH_H_
 
@@ -12,38 +26,55 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "moegraph/export.h"
+#include "moegraph/version.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
 typedef enum {
   MG_OK = 0,
-  MG_ERR_INVALID_ARGUMENT = 1, /* bad options or arguments; nothing was enqueued */
-  MG_ERR_CUDA = 2,             /* a CUDA runtime call failed */
-  MG_ERR_LIBRARY = 3,          /* cuBLASLt or NCCL failed */
-  MG_ERR_DEVICE_SPLITS = 4,    /* the device raised an invalid-splits error (check_device_errors) */
+  MG_ERR_INVALID_ARGUMENT = 1,   /* bad options or arguments; nothing was enqueued */
+  MG_ERR_CUDA = 2,               /* a CUDA runtime call failed */
+  MG_ERR_LIBRARY = 3,            /* cuBLASLt or NCCL failed */
+  MG_ERR_DEVICE_SPLITS = 4,      /* the device recorded invalid inputs: splits or a token count (check_device_errors) */
   MG_ERR_INTERNAL = 5,
   MG_ERR_NO_DEVICE = 6,          /* no usable CUDA device */
-  MG_ERR_UNSUPPORTED_DEVICE = 7  /* the device is not compute capability 9.0 (Hopper) */
+  MG_ERR_UNSUPPORTED_DEVICE = 7, /* the device is not compute capability 9.0 (Hopper) */
+  MG_ERR_CONFIG = 8,             /* a config file or text was refused: malformed, unknown key, bad value */
+  MG_ERR_INVALID_HANDLE = 9      /* a null handle, or one already destroyed */
 } mg_status;
+
+/* A constant description of `status` ("invalid argument", ...); "unknown status" for other values. */
+MOEGRAPH_API const char* mg_status_string(mg_status status);
+/* This thread's last failure message ("" after a success). Valid until this thread's next call. */
+MOEGRAPH_API const char* mg_last_error(void);
+/* The loaded library's version: MAJOR * 10000 + MINOR * 100 + PATCH (compare with MOEGRAPH_VERSION). */
+MOEGRAPH_API int mg_version(void);
+/* The NCCL version the library runs with (ncclGetVersion). */
+MOEGRAPH_API int mg_nccl_version(void);
 
 /* Each enum spans every int32 (the *_FORCE_* values), so any int a caller stores in an enum field
    is a value of the type, refused by name, never undefined behaviour. */
 typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1, MG_DTYPE_FORCE_INT32 = 0x7fffffff,
                MG_DTYPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_dtype;
 /* MG_RECIPE_MXFP8: the GEMMs run on MXFP8 copies (K, N multiples of 128, row_align 32 or 128);
- * quantize the weights with mg_grouped_linear_weights_changed / mg_moe_layer_weights_changed
- * before the first forward and after every weight update. */
+ * quantize the weights with the *_weights_changed call before the first forward and after every
+ * weight update. */
 typedef enum { MG_RECIPE_BF16 = 0, MG_RECIPE_MXFP8 = 1, MG_RECIPE_FORCE_INT32 = 0x7fffffff,
                MG_RECIPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_recipe;
 
+/* ---- Grouped linear (moegraph::GroupedLinear): G linear layers over one grouped-row buffer ---- */
+
 typedef struct mg_grouped_linear mg_grouped_linear;
 
-/* Limits (moegraph::validate refuses past them with MG_ERR_INVALID_ARGUMENT, and mg_last_error names
- * the field, its value and the limit): num_groups 1..1024; in_features and out_features multiples
- * of 16, at most 2^21; capacity_rows 1..2^31 - 1; capacity_rows * max(K, N) * element size and
- * num_groups * N * K * 4 at most 2^48 bytes, and so the whole workspace. */
+/* Limits (MG_ERR_INVALID_ARGUMENT past them, and mg_last_error names the field, its value and the
+ * limit): num_groups 1..1024; in_features and out_features multiples of 16, at most 2^21;
+ * capacity_rows 1..2^31 - 1; capacity_rows * max(K, N) * element size and num_groups * N * K * 4 at
+ * most 2^48 bytes, and so the whole workspace. */
 typedef struct {
+  size_t struct_size;    /* sizeof(mg_grouped_linear_options) */
   int num_groups;        /* G, 1..1024 */
   int64_t in_features;   /* K, multiple of 16, at most 2^21 */
   int64_t out_features;  /* N, multiple of 16, at most 2^21 */
@@ -56,43 +87,55 @@ typedef struct {
   mg_recipe recipe;
 } mg_grouped_linear_options;
 
+/* Device pointers; every row buffer has capacity_rows rows (moegraph/grouped_linear.hpp). */
 typedef struct {
-  const void* x;
-  const int32_t* splits;
-  const void* weight;
-  const void* bias;
-  const float* bias_scale;
-  void* y;
+  size_t struct_size;       /* sizeof(mg_forward_args) */
+  const void* x;            /* [capacity_rows, K] */
+  const int32_t* splits;    /* [G] */
+  const void* weight;       /* [G, N, K] */
+  const void* bias;         /* [G, N] or NULL */
+  const float* bias_scale;  /* [capacity_rows] or NULL */
+  void* y;                  /* [capacity_rows, N] */
+  const int64_t* offsets;   /* NULL, or [G + 1] group offsets already computed for these splits */
 } mg_forward_args;
 
 typedef struct {
-  const void* dy;
-  const void* weight;
-  const void* bias;
-  void* dx;
-  void* dbias;
-  float* dbias_scale;
-  void* dweight;
-  float* main_grad;
+  size_t struct_size;  /* sizeof(mg_backward_args) */
+  const void* dy;      /* [capacity_rows, N] */
+  const void* weight;  /* [G, N, K] */
+  const void* bias;    /* [G, N]; needed for dbias_scale */
+  void* dx;            /* [capacity_rows, K] or NULL */
+  void* dbias;         /* [G, N] or NULL */
+  float* dbias_scale;  /* [capacity_rows] or NULL */
+  void* dweight;       /* [G, N, K] written, or */
+  float* main_grad;    /* [G, N, K] fp32 accumulated into */
 } mg_backward_args;
 
-/* Fills *options with the defaults (row_align 1, bf16, no bias, one slot, no delay). */
-void mg_grouped_linear_options_init(mg_grouped_linear_options* options);
-/* Validates the options and sizes the workspace (MG_ERR_INVALID_ARGUMENT past the limits above)
- * before any CUDA call, then allocates it. */
-mg_status mg_grouped_linear_create(const mg_grouped_linear_options* options, mg_grouped_linear** out);
-void mg_grouped_linear_destroy(mg_grouped_linear* op);
+/* Fills *options with the defaults (struct_size set; row_align 1, bf16, no bias, one slot, no delay). */
+MOEGRAPH_API void mg_grouped_linear_options_init(mg_grouped_linear_options* options);
+/* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
+ * failure *out is 0 and mg_last_error names the field, its value and the limit. */
+MOEGRAPH_API mg_status mg_grouped_linear_workspace_bytes(const mg_grouped_linear_options* options, size_t* out);
+/* workspace: device memory of mg_grouped_linear_workspace_bytes(options) bytes, 256-byte aligned, that
+ * the caller keeps until destroy, or NULL to have the operator allocate its own. Validates and sizes
+ * before any CUDA call. Before capture. */
+MOEGRAPH_API mg_status mg_grouped_linear_create(const mg_grouped_linear_options* options, void* workspace,
+                                                mg_grouped_linear** out);
+/* NULL or a destroyed handle: nothing happens. */
+MOEGRAPH_API void mg_grouped_linear_destroy(mg_grouped_linear* op);
 /* train != 0 saves the context for backward (forward_train). */
-mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args* args, int train, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args* args, int train,
+                                                 cudaStream_t stream);
 /* delay_wgrad != 0 queues the weight gradient for mg_grouped_linear_backward_dw. */
-mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* args, int delay_wgrad,
-                                     cudaStream_t stream);
-mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* args, int delay_wgrad,
+                                                  cudaStream_t stream);
+MOEGRAPH_API mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream);
 /* The weights [G, N, K] changed: MXFP8 re-quantizes its copies, bf16 has nothing to do (enqueued,
    capturable). Call it before the first forward and after every update. */
-mg_status mg_grouped_linear_weights_changed(mg_grouped_linear* op, const void* weight, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_grouped_linear_weights_changed(mg_grouped_linear* op, const void* weight,
+                                                         cudaStream_t stream);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if invalid splits were seen since the last check. */
-mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream);
 
 /* ---- MoE layer (moegraph::MoeLayer): router -> dispatch -> FC1 -> SwiGLU -> FC2 -> combine ---- */
 
@@ -106,6 +149,7 @@ typedef enum { MG_ROUTER_SOFTMAX = 0, MG_ROUTER_SIGMOID = 1, MG_ROUTER_FORCE_INT
  * below 2^31; rows * 2 * ffn * element size and experts * 2 * ffn * hidden * 4 at most 2^48 bytes,
  * and so the whole workspace. */
 typedef struct {
+  size_t struct_size;      /* sizeof(mg_moe_layer_options) */
   int experts;             /* E, 1..1024 */
   int64_t hidden;          /* multiple of 16, at most 2^20 */
   int64_t ffn;             /* multiple of 16, at most 2^20 */
@@ -129,6 +173,7 @@ typedef struct {
 /* Parameters and their gradients (device). The gradient set follows main_grad_fp32; biases only
  * with options.bias. */
 typedef struct {
+  size_t struct_size;  /* sizeof(mg_moe_layer_weights) */
   const void* router;  /* [E, hidden] */
   const void* w1;      /* [E, 2 * ffn, hidden]  (gate | up) */
   const void* b1;      /* [E, 2 * ffn] */
@@ -147,6 +192,7 @@ typedef struct {
 /* One step's activations (device). Rows at or past *num_tokens are neither read nor written,
  * except dx, whose rows [n, max_tokens) are written as zero. */
 typedef struct {
+  size_t struct_size;         /* sizeof(mg_moe_layer_io) */
   const void* x;              /* [max_tokens, hidden] */
   const int32_t* num_tokens;  /* device scalar n, 0 <= n <= max_tokens */
   void* y;                    /* [max_tokens, hidden] */
@@ -155,36 +201,153 @@ typedef struct {
   void* dx;                   /* backward: [max_tokens, hidden] */
 } mg_moe_layer_io;
 
-/* Fills *options with the defaults (top_k 1, softmax, no renormalization, no aux loss, dropless,
- * row_align 1, bf16, training, one slot, no delay, fp32 main_grad); experts, hidden, ffn and
- * max_tokens are 0 and must be set. */
-void mg_moe_layer_options_init(mg_moe_layer_options* options);
-/* workspace: device memory of mg_moe_layer_workspace_bytes(options) bytes, 256-byte aligned, or NULL
- * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture. */
-mg_status mg_moe_layer_create(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
-                              void* workspace, mg_moe_layer** out);
+/* Fills *options with the defaults (struct_size set; top_k 1, softmax, no renormalization, no aux
+ * loss, dropless, row_align 1, bf16, training, one slot, no delay, fp32 main_grad); experts, hidden,
+ * ffn and max_tokens are 0 and must be set. */
+MOEGRAPH_API void mg_moe_layer_options_init(mg_moe_layer_options* options);
 /* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
  * failure *out is 0 and mg_last_error names the field, its value and the limit. */
-mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* options, size_t* out);
-void mg_moe_layer_destroy(mg_moe_layer* layer);
+MOEGRAPH_API mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* options, size_t* out);
+/* workspace: device memory of mg_moe_layer_workspace_bytes(options) bytes, 256-byte aligned, or NULL
+ * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture. */
+MOEGRAPH_API mg_status mg_moe_layer_create(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
+                                           void* workspace, mg_moe_layer** out);
+/* NULL or a destroyed handle: nothing happens. */
+MOEGRAPH_API void mg_moe_layer_destroy(mg_moe_layer* layer);
 /* train != 0 saves the context for backward into the next free slot (forward_train). */
-mg_status mg_moe_layer_forward(mg_moe_layer* layer, const mg_moe_layer_io* io, int train, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_moe_layer_forward(mg_moe_layer* layer, const mg_moe_layer_io* io, int train,
+                                            cudaStream_t stream);
 /* Backward of the oldest training forward; weight gradients at once or queued (options.delay_wgrad). */
-mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_layer_io* io, cudaStream_t stream);
-mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_layer_io* io, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream);
 /* The weights changed: the MXFP8 recipe re-quantizes its copies (nothing for bf16). Enqueued. */
-mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream);
 /* Synchronizes the stream; *out = the (token, expert) assignments dropped by the capacity factor
  * since the last call (the counter is reset); 0 when dropless. */
-mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, uint64_t* out);
+MOEGRAPH_API mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, uint64_t* out);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if an invalid token count or invalid splits were
  * seen since the last check. */
-mg_status mg_moe_layer_check_device_errors(mg_moe_layer* layer, cudaStream_t stream);
+MOEGRAPH_API mg_status mg_moe_layer_check_device_errors(mg_moe_layer* layer, cudaStream_t stream);
 
-/* ---- common ---- */
+/* ---- Configs (moegraph::Config): a parsed, validated JSON config (docs/config.md) ---- */
 
-const char* mg_last_error(void);
-int mg_nccl_version(void);
+typedef struct mg_config mg_config;
+
+/* Reads and validates a config file / JSON text. MG_ERR_CONFIG with the key, value and rule (or the
+ * line and column of malformed JSON, or the file and the OS reason) in mg_last_error. Touches no GPU. */
+MOEGRAPH_API mg_status mg_config_load(const char* path, mg_config** out);
+MOEGRAPH_API mg_status mg_config_parse(const char* json_text, mg_config** out);
+/* The built-in default config (the Qwen3-30B-A3B-like preset). */
+MOEGRAPH_API mg_status mg_config_default(mg_config** out);
+MOEGRAPH_API void mg_config_destroy(mg_config* config);
+
+/* What a caller needs to allocate a config's weights: [experts, hidden] router, [experts, 2 * ffn,
+ * hidden] w1, [experts, hidden, ffn] w2 (biases [experts, 2 * ffn] and [experts, hidden] with bias),
+ * in dtype; gradients as the training fields say. */
+typedef struct {
+  size_t struct_size;  /* sizeof(mg_config_shape) */
+  int whole_layer;     /* 1: the MoE layer (x, num_tokens -> y); 0: the expert MLP on grouped rows (x, splits -> y) */
+  int experts;
+  int64_t hidden;
+  int64_t ffn;
+  int top_k;
+  int bias;
+  mg_dtype dtype;
+  mg_recipe recipe;
+  int training;        /* training phases are captured */
+  int delay_wgrad;
+  int main_grad_fp32;  /* gradients accumulate into fp32 main_grad_* (else d* are written) */
+  int num_buckets;
+  int64_t max_tokens;  /* the largest bucket's capacity */
+} mg_config_shape;
+
+/* Fills *out (the caller sets out->struct_size). */
+MOEGRAPH_API mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out);
+/* Overrides before mg_step_graphs_create: training 0 captures the forward phase only (a server). */
+MOEGRAPH_API mg_status mg_config_set_training(mg_config* config, int training);
+
+/* ---- Capture and replay (moegraph::StepGraphs): one step per shape bucket, in CUDA graphs ---- */
+
+typedef struct mg_step_graphs mg_step_graphs;
+
+typedef enum {
+  MG_PHASE_FORWARD = 0,       /* inference: saves nothing */
+  MG_PHASE_FORWARD_TRAIN = 1, /* saves the context for backward */
+  MG_PHASE_BACKWARD = 2,
+  MG_PHASE_WGRAD = 3,         /* the delayed weight gradients (training.delay_wgrad) */
+  MG_PHASE_FORCE_INT32 = 0x7fffffff,
+  MG_PHASE_FORCE_SIGNED = -0x7fffffff - 1
+} mg_phase;
+
+/* Caller-owned device parameters and gradients, shared by every bucket (moegraph::StepWeights): the
+ * router for the whole layer, biases with bias, and with training either fp32 main_grad_* or d*.
+ * They must stay valid until mg_step_graphs_destroy. */
+typedef struct {
+  size_t struct_size;  /* sizeof(mg_step_weights) */
+  void* router;
+  float* main_grad_router;
+  void* d_router;
+  void* w1;
+  void* w2;
+  void* b1;
+  void* b2;
+  float* main_grad1;
+  float* main_grad2;
+  void* dw1;
+  void* dw2;
+  void* db1;
+  void* db2;
+} mg_step_weights;
+
+typedef struct {
+  size_t struct_size;        /* sizeof(mg_step_graphs_options) */
+  /* 0: capture in cudaStreamCaptureModeGlobal, which proves that no enqueue path synchronizes or
+   * allocates anywhere in the process but forbids other threads to do either meanwhile; 1: capture
+   * thread-locally, so other threads may set up and synchronize while this one creates. */
+  int thread_local_capture;
+} mg_step_graphs_options;
+
+/* A bucket's device buffers (moegraph::BucketIO). Whole layer: write x [tokens, hidden] and
+ * *num_tokens (and dy), read y, aux_loss (and dx). Experts only: write x [rows, hidden] grouped by
+ * expert and splits (and dy), read y (and dx). */
+typedef struct {
+  size_t struct_size;   /* sizeof(mg_bucket_io) */
+  int64_t tokens;       /* capacity in tokens */
+  int64_t rows;         /* permuted rows: tokens * top_k plus alignment padding */
+  void* x;
+  int32_t* splits;      /* experts only: [experts] */
+  int32_t* num_tokens;  /* whole layer: device scalar, 0..tokens */
+  float* aux_loss;      /* whole layer with an aux loss: device scalar */
+  void* y;
+  void* dy;
+  void* dx;
+} mg_bucket_io;
+
+/* Allocates the arena, binds the weights, warms up and captures every bucket's phases (host work;
+ * MXFP8: call mg_step_graphs_weights_changed once the weights are written). options may be NULL. */
+MOEGRAPH_API mg_status mg_step_graphs_create(const mg_config* config, const mg_step_weights* weights,
+                                             const mg_step_graphs_options* options, mg_step_graphs** out);
+/* NULL or a destroyed handle: nothing happens. */
+MOEGRAPH_API void mg_step_graphs_destroy(mg_step_graphs* step);
+MOEGRAPH_API mg_status mg_step_graphs_num_buckets(const mg_step_graphs* step, int* out);
+/* The bucket's capacity in tokens; MG_ERR_INVALID_ARGUMENT for a bucket outside 0..num_buckets - 1. */
+MOEGRAPH_API mg_status mg_step_graphs_bucket_tokens(const mg_step_graphs* step, int bucket, int64_t* out);
+/* The smallest bucket holding `tokens` (1..the largest capacity); MG_ERR_INVALID_ARGUMENT above it. */
+MOEGRAPH_API mg_status mg_step_graphs_bucket_for(const mg_step_graphs* step, int64_t tokens, int* out);
+/* Fills *out (the caller sets out->struct_size). */
+MOEGRAPH_API mg_status mg_step_graphs_io(const mg_step_graphs* step, int bucket, mg_bucket_io* out);
+/* Replays the bucket's graph of `phase` on `stream`. Buckets share one arena: while one bucket has
+ * training contexts in flight, another bucket's training phases are refused. */
+MOEGRAPH_API mg_status mg_step_graphs_replay(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
+/* The same phase enqueued without graphs (same rules), for checks and timing. */
+MOEGRAPH_API mg_status mg_step_graphs_run_eager(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
+/* The weights were updated: MXFP8 re-quantizes every bucket's copies; nothing for bf16. Enqueued. */
+MOEGRAPH_API mg_status mg_step_graphs_weights_changed(mg_step_graphs* step, cudaStream_t stream);
+/* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if any bucket saw invalid device inputs (a token
+ * count over the bucket's capacity, invalid splits) since the last check. */
+MOEGRAPH_API mg_status mg_step_graphs_check_device_errors(mg_step_graphs* step, cudaStream_t stream);
+/* Synchronizes the stream; *out = assignments dropped by the capacity factor since the last call. */
+MOEGRAPH_API mg_status mg_step_graphs_read_dropped(mg_step_graphs* step, cudaStream_t stream, uint64_t* out);
 
 #ifdef __cplusplus
 }

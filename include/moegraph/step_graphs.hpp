@@ -26,6 +26,8 @@
 //   itself.
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -56,12 +58,12 @@ struct StepGraphsOptions {
   cudaStreamCaptureMode capture_mode = cudaStreamCaptureModeGlobal;
 };
 // The step of a config: layer, router, precision, training, row_align and buckets.
-StepGraphsOptions step_graphs_options(const Config& config);
+MOEGRAPH_API StepGraphsOptions step_graphs_options(const Config& config);
 // Throws moegraph::Error naming the field, its value and the rule. Touches no GPU.
-void validate(const StepGraphsOptions& options);
+MOEGRAPH_API void validate(const StepGraphsOptions& options);
 
 enum class StepPhase { kForward, kForwardTrain, kBackward, kWgrad };
-std::string_view step_phase_name(StepPhase phase);
+MOEGRAPH_API std::string_view step_phase_name(StepPhase phase);
 
 struct PlannedBuffer {
   std::string name;
@@ -75,7 +77,7 @@ struct BucketPlan {
   std::size_t bytes = 0;
 };
 
-struct StepPlan {
+struct MOEGRAPH_API StepPlan {
   std::vector<BucketPlan> buckets;
   std::size_t arena_bytes = 0;     // the largest bucket: buckets share one arena
   std::size_t sum_of_buckets = 0;  // what one allocation per bucket would take
@@ -86,7 +88,7 @@ struct StepPlan {
 
 // Lays out every bucket with a null base and names the kernels each GEMM runs (the same choice
 // set-up makes): no GPU needed (moegraph-bench --plan).
-StepPlan plan_step(const StepGraphsOptions& options);
+MOEGRAPH_API StepPlan plan_step(const StepGraphsOptions& options);
 
 // A bucket's device buffers. Whole layer: the caller writes x [tokens, hidden] and num_tokens (and
 // dy), reads y, aux_loss (and dx); the router makes the splits. Experts only: the caller writes x
@@ -120,7 +122,7 @@ struct StepWeights {
 
 class BucketStep;  // graphs/bucket_step.hpp
 
-class StepGraphs {
+class MOEGRAPH_API StepGraphs {
  public:
   // Allocates one arena (the largest bucket), binds the caller's weights (they must stay valid
   // for the object's lifetime), warms every bucket up eagerly on zero tokens, then captures each

@@ -2,6 +2,8 @@
 // the device error record. Each enum has one name function (an exhaustive switch).
 #pragma once
 
+#include "moegraph/export.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -18,29 +20,29 @@ inline constexpr int kMaxExpertParallel = 64;
 enum class DType { kBF16, kFP16, kFP32 };
 
 constexpr std::size_t dtype_size(DType t) { return t == DType::kFP32 ? 4 : 2; }
-std::string_view dtype_name(DType t);
+MOEGRAPH_API std::string_view dtype_name(DType t);
 
 // How the GEMMs compute: kBF16 on the activation dtype; kMXFP8 on E4M3 operands with one E8M0
 // scale per 32 elements (docs/mxfp8.md). Fixed when an operator is set up; its backend owns it.
 enum class Recipe { kBF16, kMXFP8 };
-std::string_view recipe_name(Recipe r);
+MOEGRAPH_API std::string_view recipe_name(Recipe r);
 
 // Weight gradient of a backward call: computed at once, or queued for backward_dw().
 enum class WgradMode { kImmediate, kDelayed };
 
 // The router's score function.
 enum class RouterScore { kSoftmax, kSigmoid };
-std::string_view router_score_name(RouterScore s);
+MOEGRAPH_API std::string_view router_score_name(RouterScore s);
 
 // What a step runs: the whole MoE layer (router, dispatch, experts, combine), or the expert MLP
 // alone on rows already grouped by expert.
 enum class StepKind { kMoeLayer, kExperts };
-std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
+MOEGRAPH_API std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
 
 // How the 16-bit wgmma GEMMs feed their tensor cores: chosen by the GEMM heuristic (kAuto),
 // cp.async by every thread, or a warp-specialized TMA producer.
 enum class GemmPipeline { kAuto, kCpAsync, kTma };
-std::string_view gemm_pipeline_name(GemmPipeline p);
+MOEGRAPH_API std::string_view gemm_pipeline_name(GemmPipeline p);
 
 // What a kernel raises on the device for invalid device inputs (never clipped silently); the
 // host reads it after the step (check_device_errors). The first problem of a step is kept.

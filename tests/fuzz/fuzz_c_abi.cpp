@@ -1,6 +1,6 @@
 // libFuzzer target: the C ABI's option handling, on every path that never reaches a GPU.
 // Input: one selector byte, then raw bytes laid over an option struct filled with its defaults
-// (mg_*_options_init), so short inputs change only the first fields.
+// (mg_*_options_init) after its struct_size, so short inputs change only the first fields.
 //   selector bit 0 clear: mg_moe_layer_workspace_bytes. MG_OK must give the C++ API's size, and the
 //     workspace's named buffers must be 256-byte aligned, in order, disjoint and inside that size
 //     (a wrapped size computation shows up here); otherwise MG_ERR_INVALID_ARGUMENT with a message,
@@ -39,7 +39,11 @@ Options overlay(const uint8_t* data, size_t size, void (*init)(Options*)) {
   static_assert(std::is_trivially_copyable_v<Options>);
   Options o;
   init(&o);
-  std::memcpy(&o, data, size < sizeof(o) ? size : sizeof(o));
+  // The bytes go over the fields after struct_size: a wrong size is refused before any field is
+  // read, so fuzzing it would only hide the fields (the size checks have host tests of their own).
+  constexpr std::size_t skip = sizeof(o.struct_size);
+  const std::size_t n = size < sizeof(o) - skip ? size : sizeof(o) - skip;
+  std::memcpy(reinterpret_cast<unsigned char*>(&o) + skip, data, n);
   return o;
 }
 
@@ -94,7 +98,8 @@ void fuzz_moe_layer(const uint8_t* data, size_t size) {
     if (bytes != 0) finding("mg_moe_layer_workspace_bytes refused but left a size");
     // mg_moe_layer_create validates and sizes the same way before it looks for a device.
     const std::string expected = mg_last_error();
-    const mg_moe_layer_weights weights{};
+    mg_moe_layer_weights weights{};
+  weights.struct_size = sizeof(weights);
     mg_moe_layer* layer = kNotNullLayer;  // a refusal must overwrite it with null
     const mg_status created = mg_moe_layer_create(&o, &weights, nullptr, &layer);
     if (created == MG_OK) mg_moe_layer_destroy(layer);
@@ -118,7 +123,7 @@ void fuzz_grouped_linear(const uint8_t* data, size_t size) {
   const bool bad_recipe = o.recipe != MG_RECIPE_BF16 && o.recipe != MG_RECIPE_MXFP8;
   if (bad_dtype || bad_recipe) {
     mg_grouped_linear* op = kNotNullOp;
-    const mg_status status = mg_grouped_linear_create(&o, &op);
+    const mg_status status = mg_grouped_linear_create(&o, nullptr, &op);
     if (status == MG_OK) mg_grouped_linear_destroy(op);
     expect_refused(status, "mg_grouped_linear_create(enum out of range)");
     const std::string message = mg_last_error();
@@ -148,7 +153,7 @@ void fuzz_grouped_linear(const uint8_t* data, size_t size) {
     // The ABI sizes before it looks for a device, so these are refused without touching a GPU.
     const std::string expected = e.what();
     mg_grouped_linear* op = kNotNullOp;  // a refusal must overwrite it with null
-    const mg_status status = mg_grouped_linear_create(&o, &op);
+    const mg_status status = mg_grouped_linear_create(&o, nullptr, &op);
     if (status == MG_OK) mg_grouped_linear_destroy(op);
     expect_refused(status, "mg_grouped_linear_create");
     if (op != nullptr) finding("mg_grouped_linear_create refused but left a handle");
@@ -169,7 +174,7 @@ void null_arguments() {
   expect_refused(mg_moe_layer_workspace_bytes(nullptr, &bytes), "mg_moe_layer_workspace_bytes(null options)");
   expect_refused(mg_moe_layer_workspace_bytes(&mo, nullptr), "mg_moe_layer_workspace_bytes(null output)");
   mg_grouped_linear* op = nullptr;
-  expect_refused(mg_grouped_linear_create(nullptr, &op), "mg_grouped_linear_create(null options)");
+  expect_refused(mg_grouped_linear_create(nullptr, nullptr, &op), "mg_grouped_linear_create(null options)");
   mg_moe_layer* layer = nullptr;
   expect_refused(mg_moe_layer_create(nullptr, nullptr, nullptr, &layer), "mg_moe_layer_create(null options)");
   expect_refused(mg_moe_layer_forward(nullptr, nullptr, 1, nullptr), "mg_moe_layer_forward(null layer)");

@@ -68,13 +68,13 @@ TEST(BadSplits, CAbiReportsDeviceSplitsStatus) {
   o.out_features = 64;
   o.capacity_rows = 16;
   mg_grouped_linear* op = nullptr;
-  ASSERT_EQ(mg_grouped_linear_create(&o, &op), MG_OK) << mg_last_error();
+  ASSERT_EQ(mg_grouped_linear_create(&o, nullptr, &op), MG_OK) << mg_last_error();
   DeviceArray<int32_t> splits(2);
   splits.upload({-7, 3});
   DeviceArray<uint16_t> x(16 * 64), w(2 * 64 * 64), y(16 * 64);
   x.poison();
   w.poison();
-  mg_forward_args a{x.get(), splits.get(), w.get(), nullptr, nullptr, y.get()};
+  mg_forward_args a{sizeof(mg_forward_args), x.get(), splits.get(), w.get(), nullptr, nullptr, y.get(), nullptr};
   EXPECT_EQ(mg_grouped_linear_forward(op, &a, 0, nullptr), MG_OK) << mg_last_error();
   EXPECT_EQ(mg_grouped_linear_check_device_errors(op, nullptr), MG_ERR_DEVICE_SPLITS);
   EXPECT_NE(std::string(mg_last_error()).find("splits[0] = -7"), std::string::npos) << mg_last_error();

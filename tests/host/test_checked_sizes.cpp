@@ -170,7 +170,7 @@ mg_grouped_linear_options c_linear(int64_t k, int64_t n, int64_t rows) {
 
 void expect_c_create_refused(const mg_grouped_linear_options& o, const std::vector<std::string>& parts) {
   mg_grouped_linear* op = reinterpret_cast<mg_grouped_linear*>(0x1);
-  EXPECT_EQ(mg_grouped_linear_create(&o, &op), MG_ERR_INVALID_ARGUMENT) << mg_last_error();
+  EXPECT_EQ(mg_grouped_linear_create(&o, nullptr, &op), MG_ERR_INVALID_ARGUMENT) << mg_last_error();
   EXPECT_EQ(op, nullptr);
   expect_names(mg_last_error(), parts);
 }
@@ -221,7 +221,8 @@ void expect_moe_refused(const MoeLayerOptions& o, const std::vector<std::string>
   EXPECT_EQ(mg_moe_layer_workspace_bytes(&c, &bytes), MG_ERR_INVALID_ARGUMENT) << "got " << bytes << " bytes";
   EXPECT_EQ(bytes, 0u);
   expect_names(mg_last_error(), parts);
-  const mg_moe_layer_weights weights{};
+  mg_moe_layer_weights weights{};
+  weights.struct_size = sizeof(weights);
   mg_moe_layer* layer = reinterpret_cast<mg_moe_layer*>(0x1);
   EXPECT_EQ(mg_moe_layer_create(&c, &weights, nullptr, &layer), MG_ERR_INVALID_ARGUMENT) << mg_last_error();
   EXPECT_EQ(layer, nullptr);

@@ -49,7 +49,7 @@ TEST(DeviceCheck, SetUpReportsAMissingDevice) {
   mg_grouped_linear_options_init(&c);
   c.num_groups = 4, c.in_features = 64, c.out_features = 64, c.capacity_rows = 128;
   mg_grouped_linear* handle = nullptr;
-  const mg_status status = mg_grouped_linear_create(&c, &handle);
+  const mg_status status = mg_grouped_linear_create(&c, nullptr, &handle);
   if (has_gpu()) {
     EXPECT_NO_THROW(GroupedLinear{o});
     EXPECT_EQ(status, MG_OK) << mg_last_error();

@@ -100,13 +100,13 @@ TEST(CAbi, BadOptionsGiveInvalidArgumentWithoutTouchingTheGpu) {
   o.out_features = 64;
   o.capacity_rows = 64;
   mg_grouped_linear* op = reinterpret_cast<mg_grouped_linear*>(0x1);
-  EXPECT_EQ(mg_grouped_linear_create(&o, &op), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_grouped_linear_create(&o, nullptr, &op), MG_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(op, nullptr);
   EXPECT_NE(std::string(mg_last_error()).find("in_features (K) must be a positive multiple of 16, got 100"),
             std::string::npos)
       << mg_last_error();
-  EXPECT_EQ(mg_grouped_linear_create(nullptr, &op), MG_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(mg_grouped_linear_backward_dw(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_grouped_linear_create(nullptr, nullptr, &op), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_grouped_linear_backward_dw(nullptr, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_NE(std::string(mg_last_error()).find("null mg_grouped_linear handle"), std::string::npos);
 }
 
@@ -207,7 +207,8 @@ TEST_P(CAbiInvalidMoeOptions, GiveInvalidArgumentNamingTheField) {
   EXPECT_EQ(bytes, 0u);
   EXPECT_NE(std::string(mg_last_error()).find(GetParam().expected), std::string::npos) << mg_last_error();
 
-  const mg_moe_layer_weights w{};
+  mg_moe_layer_weights w{};
+  w.struct_size = sizeof(w);
   mg_moe_layer* layer = reinterpret_cast<mg_moe_layer*>(0x1);
   EXPECT_EQ(mg_moe_layer_create(&o, &w, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(layer, nullptr);
@@ -258,7 +259,7 @@ TEST(CAbi, RecipeIsCheckedAndMxfp8SizesItsWorkspace) {
   g.num_groups = 4, g.in_features = 96, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
   g.recipe = MG_RECIPE_MXFP8;
   mg_grouped_linear* op = nullptr;
-  EXPECT_EQ(mg_grouped_linear_create(&g, &op), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_grouped_linear_create(&g, nullptr, &op), MG_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(op, nullptr);
   EXPECT_NE(std::string(mg_last_error()).find("in_features (K) and out_features (N) multiples of 128, got K 96 and N 128"), std::string::npos)
       << mg_last_error();
@@ -266,7 +267,8 @@ TEST(CAbi, RecipeIsCheckedAndMxfp8SizesItsWorkspace) {
 
 TEST(CAbi, MoeLayerNullArgumentsAndHandles) {
   const mg_moe_layer_options o = good_moe();
-  const mg_moe_layer_weights w{};
+  mg_moe_layer_weights w{};
+  w.struct_size = sizeof(w);
   mg_moe_layer* layer = nullptr;
   size_t bytes = 0;
   EXPECT_EQ(mg_moe_layer_workspace_bytes(nullptr, &bytes), MG_ERR_INVALID_ARGUMENT);
@@ -277,20 +279,21 @@ TEST(CAbi, MoeLayerNullArgumentsAndHandles) {
   EXPECT_NE(std::string(mg_last_error()).find("mg_moe_layer_create needs"), std::string::npos) << mg_last_error();
 
   const auto null_handle = [] { return std::string(mg_last_error()).find("null mg_moe_layer handle") != std::string::npos; };
-  const mg_moe_layer_io io{};
-  EXPECT_EQ(mg_moe_layer_forward(nullptr, &io, 0, nullptr), MG_ERR_INVALID_ARGUMENT);
+  mg_moe_layer_io io{};
+  io.struct_size = sizeof(io);
+  EXPECT_EQ(mg_moe_layer_forward(nullptr, &io, 0, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
-  EXPECT_EQ(mg_moe_layer_forward(nullptr, &io, 1, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_forward(nullptr, &io, 1, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
-  EXPECT_EQ(mg_moe_layer_backward(nullptr, &io, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_backward(nullptr, &io, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
-  EXPECT_EQ(mg_moe_layer_backward_dw(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_backward_dw(nullptr, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
   uint64_t dropped = 99;
-  EXPECT_EQ(mg_moe_layer_read_dropped(nullptr, nullptr, &dropped), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_read_dropped(nullptr, nullptr, &dropped), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
   EXPECT_EQ(dropped, 0u);
-  EXPECT_EQ(mg_moe_layer_check_device_errors(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_moe_layer_check_device_errors(nullptr, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
   mg_moe_layer_destroy(nullptr);  // no-op, no crash
 }

@@ -1,13 +1,12 @@
-#include "moegraph/moegraph.h"
-
-#include <exception>
+// The C ABI of the operators: mg_grouped_linear_* and mg_moe_layer_*.
 #include <memory>
-#include <string>
 #include <type_traits>
 
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
+#include "moegraph/moegraph.h"
+#include "src/c_api/c_api_common.hpp"
 
 struct mg_grouped_linear {
   std::unique_ptr<moegraph::GroupedLinear> op;
@@ -19,58 +18,21 @@ struct mg_moe_layer {
 
 namespace {
 
-thread_local std::string g_last_error;
-
-mg_status status_of(moegraph::ErrorKind kind) {
-  switch (kind) {
-    case moegraph::ErrorKind::kInvalidArgument: return MG_ERR_INVALID_ARGUMENT;
-    case moegraph::ErrorKind::kCuda: return MG_ERR_CUDA;
-    case moegraph::ErrorKind::kLibrary: return MG_ERR_LIBRARY;
-    case moegraph::ErrorKind::kDeviceSplits: return MG_ERR_DEVICE_SPLITS;
-    case moegraph::ErrorKind::kNoDevice: return MG_ERR_NO_DEVICE;
-    case moegraph::ErrorKind::kUnsupportedDevice: return MG_ERR_UNSUPPORTED_DEVICE;
-  }
-  return MG_ERR_INTERNAL;
-}
-
-template <class F>
-mg_status guarded(F&& f) noexcept {
-  try {
-    f();
-    g_last_error.clear();
-    return MG_OK;
-  } catch (const moegraph::Error& e) {
-    g_last_error = e.what();
-    return status_of(e.kind());
-  } catch (const std::exception& e) {
-    g_last_error = e.what();
-    return MG_ERR_INTERNAL;
-  } catch (...) {
-    g_last_error = "unknown exception";
-    return MG_ERR_INTERNAL;
-  }
-}
+using moegraph::c_api::check_handle;
+using moegraph::c_api::dtype_of;
+using moegraph::c_api::guarded;
+using moegraph::c_api::HandleKind;
+using moegraph::c_api::read_struct;
+using moegraph::c_api::recipe_of;
 
 moegraph::GroupedLinear& unwrap(mg_grouped_linear* op) {
-  MG_CHECK(op != nullptr && op->op != nullptr, "null mg_grouped_linear handle");
+  check_handle(op, HandleKind::kGroupedLinear, "mg_grouped_linear");
   return *op->op;
 }
 
 moegraph::MoeLayer& unwrap(mg_moe_layer* layer) {
-  MG_CHECK(layer != nullptr && layer->layer != nullptr, "null mg_moe_layer handle");
+  check_handle(layer, HandleKind::kMoeLayer, "mg_moe_layer");
   return *layer->layer;
-}
-
-moegraph::Recipe recipe_of(mg_recipe recipe) {
-  MG_CHECK(recipe == MG_RECIPE_BF16 || recipe == MG_RECIPE_MXFP8, "recipe must be MG_RECIPE_BF16 or MG_RECIPE_MXFP8, got ",
-           static_cast<int>(recipe));
-  return recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
-}
-
-moegraph::DType dtype_of(mg_dtype dtype) {
-  MG_CHECK(dtype == MG_DTYPE_BF16 || dtype == MG_DTYPE_FP16, "dtype must be MG_DTYPE_BF16 or MG_DTYPE_FP16, got ",
-           static_cast<int>(dtype));
-  return dtype == MG_DTYPE_FP16 ? moegraph::DType::kFP16 : moegraph::DType::kBF16;
 }
 
 // The conversions copy each numeric field into a C++ field of the same type, so validate() sees the
@@ -95,8 +57,31 @@ MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, row_align);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, wgrad_slots);
 #undef MG_SAME_FIELD_TYPE
 
+mg_grouped_linear_options default_linear_options() {
+  mg_grouped_linear_options o{};
+  o.struct_size = sizeof(o);
+  o.row_align = 1;
+  o.dtype = MG_DTYPE_BF16;
+  o.wgrad_slots = 1;
+  return o;
+}
+
+mg_moe_layer_options default_moe_options() {
+  mg_moe_layer_options o{};
+  o.struct_size = sizeof(o);
+  o.top_k = 1;
+  o.score = MG_ROUTER_SOFTMAX;
+  o.row_align = 1;
+  o.dtype = MG_DTYPE_BF16;
+  o.training = 1;
+  o.wgrad_slots = 1;
+  o.main_grad_fp32 = 1;
+  return o;
+}
+
 // Converts and validates (before any CUDA call, so bad options fail the same with or without a GPU).
-moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options& o) {
+moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options* in) {
+  const mg_grouped_linear_options o = read_struct(in, "mg_grouped_linear_options", default_linear_options());
   moegraph::GroupedLinearOptions opts;
   opts.num_groups = o.num_groups;
   opts.in_features = o.in_features;
@@ -113,7 +98,8 @@ moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options
 }
 
 // Converts and validates (before any CUDA call, so bad options fail the same with or without a GPU).
-moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options& o) {
+moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options* in) {
+  const mg_moe_layer_options o = read_struct(in, "mg_moe_layer_options", default_moe_options());
   moegraph::MoeLayerOptions opts;
   opts.experts = o.experts;
   opts.hidden = o.hidden;
@@ -139,9 +125,9 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options& o) {
   return opts;
 }
 
-moegraph::MoeLayerIO io_of(const mg_moe_layer_io* io) {
-  MG_CHECK(io != nullptr, "null mg_moe_layer_io");
-  return moegraph::MoeLayerIO{io->x, io->num_tokens, io->y, io->aux_loss, io->dy, io->dx};
+moegraph::MoeLayerIO io_of(const mg_moe_layer_io* in) {
+  const mg_moe_layer_io io = read_struct(in, "mg_moe_layer_io", mg_moe_layer_io{});
+  return moegraph::MoeLayerIO{io.x, io.num_tokens, io.y, io.aux_loss, io.dy, io.dx};
 }
 
 }  // namespace
@@ -149,42 +135,52 @@ moegraph::MoeLayerIO io_of(const mg_moe_layer_io* io) {
 extern "C" {
 
 void mg_grouped_linear_options_init(mg_grouped_linear_options* o) {
-  if (o == nullptr) return;
-  *o = mg_grouped_linear_options{};
-  o->row_align = 1;
-  o->dtype = MG_DTYPE_BF16;
-  o->wgrad_slots = 1;
+  if (o != nullptr) *o = default_linear_options();
 }
 
-mg_status mg_grouped_linear_create(const mg_grouped_linear_options* o, mg_grouped_linear** out) {
+mg_status mg_grouped_linear_workspace_bytes(const mg_grouped_linear_options* o, size_t* out) {
   return guarded([&] {
-    MG_CHECK(o != nullptr && out != nullptr, "mg_grouped_linear_create needs options and an output handle");
+    MG_CHECK(out != nullptr, "mg_grouped_linear_workspace_bytes needs an output");
+    *out = 0;
+    *out = moegraph::GroupedLinear::workspace_bytes(linear_options_of(o));
+  });
+}
+
+mg_status mg_grouped_linear_create(const mg_grouped_linear_options* o, void* workspace, mg_grouped_linear** out) {
+  return guarded([&] {
+    MG_CHECK(out != nullptr, "mg_grouped_linear_create needs an output handle");
     *out = nullptr;
-    const moegraph::GroupedLinearOptions opts = linear_options_of(*o);
+    const moegraph::GroupedLinearOptions opts = linear_options_of(o);
     auto handle = std::make_unique<mg_grouped_linear>();
     // Sizes its workspace (refusing one past the layout maximum) before it looks for a device.
-    handle->op = std::make_unique<moegraph::GroupedLinear>(opts);
+    handle->op = workspace != nullptr ? std::make_unique<moegraph::GroupedLinear>(opts, workspace)
+                                      : std::make_unique<moegraph::GroupedLinear>(opts);
+    moegraph::c_api::register_handle(handle.get(), HandleKind::kGroupedLinear);
     *out = handle.release();
   });
 }
 
-void mg_grouped_linear_destroy(mg_grouped_linear* op) { delete op; }
+void mg_grouped_linear_destroy(mg_grouped_linear* op) {
+  if (moegraph::c_api::unregister_handle(op, HandleKind::kGroupedLinear)) delete op;
+}
 
-mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args* a, int train, cudaStream_t stream) {
+mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args* in, int train, cudaStream_t stream) {
   return guarded([&] {
-    MG_CHECK(a != nullptr, "null forward args");
-    moegraph::ForwardArgs args{a->x, a->splits, a->weight, a->bias, a->bias_scale, a->y};
-    if (train) unwrap(op).forward_train(args, stream);
-    else unwrap(op).forward(args, stream);
+    moegraph::GroupedLinear& l = unwrap(op);
+    const mg_forward_args a = read_struct(in, "mg_forward_args", mg_forward_args{});
+    moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets};
+    if (train) l.forward_train(args, stream);
+    else l.forward(args, stream);
   });
 }
 
-mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* a, int delay_wgrad,
+mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_args* in, int delay_wgrad,
                                      cudaStream_t stream) {
   return guarded([&] {
-    MG_CHECK(a != nullptr, "null backward args");
-    moegraph::BackwardArgs args{a->dy, a->weight, a->bias, a->dx, a->dbias, a->dbias_scale, a->dweight, a->main_grad};
-    unwrap(op).backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
+    moegraph::GroupedLinear& l = unwrap(op);
+    const mg_backward_args a = read_struct(in, "mg_backward_args", mg_backward_args{});
+    moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad};
+    l.backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
   });
 }
 
@@ -201,55 +197,50 @@ mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStrea
 }
 
 void mg_moe_layer_options_init(mg_moe_layer_options* o) {
-  if (o == nullptr) return;
-  *o = mg_moe_layer_options{};
-  o->top_k = 1;
-  o->score = MG_ROUTER_SOFTMAX;
-  o->row_align = 1;
-  o->dtype = MG_DTYPE_BF16;
-  o->training = 1;
-  o->wgrad_slots = 1;
-  o->main_grad_fp32 = 1;
+  if (o != nullptr) *o = default_moe_options();
 }
 
-mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_weights* w, void* workspace,
+mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_weights* in, void* workspace,
                               mg_moe_layer** out) {
   return guarded([&] {
-    MG_CHECK(o != nullptr && w != nullptr && out != nullptr,
-             "mg_moe_layer_create needs options, weights and an output handle");
+    MG_CHECK(out != nullptr, "mg_moe_layer_create needs an output handle");
     *out = nullptr;
     // The layer validates and sizes before it looks for a device, so bad options are refused the
     // same with or without a GPU.
-    const moegraph::MoeLayerOptions opts = moe_options_of(*o);
+    const moegraph::MoeLayerOptions opts = moe_options_of(o);
+    const mg_moe_layer_weights w = read_struct(in, "mg_moe_layer_weights", mg_moe_layer_weights{});
     moegraph::MoeLayerWeights weights;
-    weights.router = w->router;
-    weights.w1 = w->w1;
-    weights.b1 = w->b1;
-    weights.w2 = w->w2;
-    weights.b2 = w->b2;
-    weights.main_grad_router = w->main_grad_router;
-    weights.main_grad1 = w->main_grad1;
-    weights.main_grad2 = w->main_grad2;
-    weights.d_router = w->d_router;
-    weights.dw1 = w->dw1;
-    weights.dw2 = w->dw2;
-    weights.db1 = w->db1;
-    weights.db2 = w->db2;
+    weights.router = w.router;
+    weights.w1 = w.w1;
+    weights.b1 = w.b1;
+    weights.w2 = w.w2;
+    weights.b2 = w.b2;
+    weights.main_grad_router = w.main_grad_router;
+    weights.main_grad1 = w.main_grad1;
+    weights.main_grad2 = w.main_grad2;
+    weights.d_router = w.d_router;
+    weights.dw1 = w.dw1;
+    weights.dw2 = w.dw2;
+    weights.db1 = w.db1;
+    weights.db2 = w.db2;
     auto handle = std::make_unique<mg_moe_layer>();
     handle->layer = std::make_unique<moegraph::MoeLayer>(opts, weights, workspace);
+    moegraph::c_api::register_handle(handle.get(), HandleKind::kMoeLayer);
     *out = handle.release();
   });
 }
 
 mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* o, size_t* out) {
   return guarded([&] {
-    MG_CHECK(o != nullptr && out != nullptr, "mg_moe_layer_workspace_bytes needs options and an output");
+    MG_CHECK(out != nullptr, "mg_moe_layer_workspace_bytes needs an output");
     *out = 0;
-    *out = moegraph::MoeLayer::workspace_bytes(moe_options_of(*o));
+    *out = moegraph::MoeLayer::workspace_bytes(moe_options_of(o));
   });
 }
 
-void mg_moe_layer_destroy(mg_moe_layer* layer) { delete layer; }
+void mg_moe_layer_destroy(mg_moe_layer* layer) {
+  if (moegraph::c_api::unregister_handle(layer, HandleKind::kMoeLayer)) delete layer;
+}
 
 mg_status mg_moe_layer_forward(mg_moe_layer* layer, const mg_moe_layer_io* io, int train, cudaStream_t stream) {
   return guarded([&] {
@@ -286,7 +277,5 @@ mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, ui
 mg_status mg_moe_layer_check_device_errors(mg_moe_layer* layer, cudaStream_t stream) {
   return guarded([&] { unwrap(layer).check_device_errors(stream); });
 }
-
-const char* mg_last_error(void) { return g_last_error.c_str(); }
 
 }  // extern "C"

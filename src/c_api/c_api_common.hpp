@@ -1,0 +1,80 @@
+// What every C ABI entry point shares: the exception-to-status guard, the live-handle registry, and
+// the reading and writing of size-prefixed structs (moegraph.h's conventions).
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "moegraph/error.hpp"
+#include "moegraph/moegraph.h"
+#include "moegraph/types.hpp"
+
+namespace moegraph::c_api {
+
+// A null, destroyed or mistyped handle (MG_ERR_INVALID_HANDLE).
+class InvalidHandle : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Runs `f`, turning every exception into a status and this thread's last error.
+mg_status guarded_status(void (*f)(void*), void* context) noexcept;
+template <class F>
+mg_status guarded(F&& f) noexcept {
+  return guarded_status([](void* c) { (*static_cast<F*>(c))(); }, &f);
+}
+
+// Handles are checked against a process-wide set of live ones, so a call on a destroyed handle is
+// refused instead of touching freed memory (a mutex: create and destroy are rare, lookups short).
+enum class HandleKind { kGroupedLinear, kMoeLayer, kConfig, kStepGraphs };
+void register_handle(const void* handle, HandleKind kind);
+// False when `handle` is not a live handle of that kind (then nothing is unregistered).
+bool unregister_handle(const void* handle, HandleKind kind);
+// Throws InvalidHandle naming `type` unless `handle` is live and of that kind.
+void check_handle(const void* handle, HandleKind kind, const char* type);
+
+// The size a struct had in its first release: a caller's struct_size may not be smaller. When a
+// field is appended to a struct, specialize this to the old sizeof so older callers keep working.
+template <class T>
+inline constexpr std::size_t kFirstSize = sizeof(T);
+
+// Reads a caller's struct into `value` (already holding the defaults): the fields the caller's size
+// covers are taken, later ones keep their defaults, and an unknown tail must be zero.
+template <class T>
+T read_struct(const T* in, const char* type, T value) {
+  MG_CHECK(in != nullptr, "null ", type);
+  const std::size_t size = in->struct_size;
+  MG_CHECK(size >= kFirstSize<T>, type, ".struct_size must be sizeof(", type, ") = ", sizeof(T), ", got ", size,
+           " (set it, or fill the struct with its _init function)");
+  if (size > sizeof(T)) {
+    const auto* tail = reinterpret_cast<const unsigned char*>(in) + sizeof(T);
+    for (std::size_t i = 0; i < size - sizeof(T); ++i)
+      MG_CHECK(tail[i] == 0, type, " of ", size, " bytes has fields this library (", sizeof(T),
+               " bytes) does not know set at byte ", sizeof(T) + i, ": built against newer headers?");
+  }
+  std::memcpy(static_cast<void*>(&value), in, size < sizeof(T) ? size : sizeof(T));
+  value.struct_size = sizeof(T);
+  return value;
+}
+
+// Writes `value` into a caller's struct, as many bytes as its struct_size asks for (its own size kept).
+template <class T>
+void write_struct(T* out, const char* type, const T& value) {
+  MG_CHECK(out != nullptr, "null ", type, " output");
+  const std::size_t size = out->struct_size;
+  MG_CHECK(size >= kFirstSize<T>, type, ".struct_size must be sizeof(", type, ") = ", sizeof(T), ", got ", size);
+  const std::size_t n = size < sizeof(T) ? size : sizeof(T);
+  std::memcpy(static_cast<void*>(out), &value, n);
+  out->struct_size = size;
+  if (size > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(out) + sizeof(T), 0, size - sizeof(T));
+}
+
+// The C enums span every int32: these refuse values other than the named ones.
+moegraph::DType dtype_of(mg_dtype dtype);
+moegraph::Recipe recipe_of(mg_recipe recipe);
+mg_dtype c_dtype(moegraph::DType dtype);
+mg_recipe c_recipe(moegraph::Recipe recipe);
+
+}  // namespace moegraph::c_api

@@ -1,0 +1,231 @@
+// The C ABI's conventions on paths that never reach a GPU: version, status strings, size-prefixed
+// structs, live-handle checks, configs, and the StepGraphs entry points' refusals.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "moegraph/config.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "moegraph/moegraph.h"
+
+namespace moegraph {
+namespace {
+
+// A C struct zeroed with its size set, as a C caller writes `T t = {0}; t.struct_size = sizeof t;`.
+template <class T>
+T sized() {
+  T t{};
+  t.struct_size = sizeof(T);
+  return t;
+}
+
+bool last_error_has(const std::string& part) { return std::string(mg_last_error()).find(part) != std::string::npos; }
+
+TEST(CAbiVersion, MacrosAndQueryAgree) {
+  EXPECT_EQ(mg_version(), MOEGRAPH_VERSION);
+  EXPECT_EQ(MOEGRAPH_VERSION, MOEGRAPH_VERSION_MAJOR * 10000 + MOEGRAPH_VERSION_MINOR * 100 + MOEGRAPH_VERSION_PATCH);
+  const std::string text = std::to_string(MOEGRAPH_VERSION_MAJOR) + "." + std::to_string(MOEGRAPH_VERSION_MINOR) +
+                           "." + std::to_string(MOEGRAPH_VERSION_PATCH);
+  EXPECT_EQ(text, MOEGRAPH_VERSION_STRING);
+  EXPECT_GT(mg_nccl_version(), 0);
+}
+
+TEST(CAbiStatus, EveryStatusHasItsOwnString) {
+  std::set<std::string> seen;
+  for (int s = MG_OK; s <= MG_ERR_INVALID_HANDLE; ++s) {
+    const std::string text = mg_status_string(static_cast<mg_status>(s));
+    EXPECT_NE(text, "unknown status") << s;
+    EXPECT_TRUE(seen.insert(text).second) << "status " << s << " repeats \"" << text << "\"";
+  }
+  EXPECT_STREQ(mg_status_string(static_cast<mg_status>(MG_ERR_INVALID_HANDLE + 1)), "unknown status");
+  EXPECT_STREQ(mg_status_string(static_cast<mg_status>(-1)), "unknown status");
+}
+
+mg_grouped_linear_options linear() {
+  mg_grouped_linear_options o;
+  mg_grouped_linear_options_init(&o);
+  o.num_groups = 8, o.in_features = 256, o.out_features = 512, o.capacity_rows = 1024;
+  return o;
+}
+
+TEST(CAbiStructs, InitSetsTheSizeAndTheSizeQueryMatchesTheCppApi) {
+  const mg_grouped_linear_options o = linear();
+  EXPECT_EQ(o.struct_size, sizeof(mg_grouped_linear_options));
+  size_t bytes = 0;
+  ASSERT_EQ(mg_grouped_linear_workspace_bytes(&o, &bytes), MG_OK) << mg_last_error();
+  GroupedLinearOptions cpp;
+  cpp.num_groups = 8, cpp.in_features = 256, cpp.out_features = 512, cpp.capacity_rows = 1024;
+  EXPECT_EQ(bytes, GroupedLinear::workspace_bytes(cpp));
+  EXPECT_EQ(mg_grouped_linear_workspace_bytes(&o, nullptr), MG_ERR_INVALID_ARGUMENT);
+  mg_grouped_linear_options bad = o;
+  bad.in_features = 100;
+  bytes = 7;
+  EXPECT_EQ(mg_grouped_linear_workspace_bytes(&bad, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(bytes, 0u);
+  EXPECT_TRUE(last_error_has("in_features (K) must be a positive multiple of 16, got 100")) << mg_last_error();
+}
+
+TEST(CAbiStructs, AMissingOrShortSizeIsRefusedNamingTheStruct) {
+  mg_grouped_linear_options o = linear();
+  size_t bytes = 0;
+  for (size_t size : {size_t{0}, size_t{8}, sizeof(o) - 4}) {
+    o.struct_size = size;
+    EXPECT_EQ(mg_grouped_linear_workspace_bytes(&o, &bytes), MG_ERR_INVALID_ARGUMENT) << size;
+    EXPECT_TRUE(last_error_has("mg_grouped_linear_options.struct_size must be sizeof(mg_grouped_linear_options)"))
+        << mg_last_error();
+  }
+  mg_moe_layer_options m;
+  std::memset(&m, 0, sizeof(m));  // never initialized: struct_size 0
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&m, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("mg_moe_layer_options.struct_size")) << mg_last_error();
+}
+
+// A caller built against newer headers passes a larger struct: a zero tail (fields at their
+// defaults) is accepted with the same result, a set unknown field is refused.
+TEST(CAbiStructs, ALargerStructNeedsAZeroTail) {
+  struct Newer {
+    mg_grouped_linear_options known;
+    int64_t future_field;
+  };
+  Newer n{linear(), 0};
+  n.known.struct_size = sizeof(Newer);
+  size_t expected = 0, got = 0;
+  const mg_grouped_linear_options o = linear();
+  ASSERT_EQ(mg_grouped_linear_workspace_bytes(&o, &expected), MG_OK) << mg_last_error();
+  ASSERT_EQ(mg_grouped_linear_workspace_bytes(&n.known, &got), MG_OK) << mg_last_error();
+  EXPECT_EQ(got, expected);
+  n.future_field = 3;
+  EXPECT_EQ(mg_grouped_linear_workspace_bytes(&n.known, &got), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("does not know set at byte")) << mg_last_error();
+}
+
+TEST(CAbiHandles, NullHandlesAreRefusedAsInvalidHandles) {
+  EXPECT_EQ(mg_grouped_linear_backward_dw(nullptr, nullptr), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("null mg_grouped_linear handle")) << mg_last_error();
+  EXPECT_EQ(mg_step_graphs_replay(nullptr, 0, MG_PHASE_FORWARD, nullptr), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("null mg_step_graphs handle")) << mg_last_error();
+  int n = 0;
+  EXPECT_EQ(mg_step_graphs_num_buckets(nullptr, &n), MG_ERR_INVALID_HANDLE);
+  mg_config_shape shape = sized<mg_config_shape>();
+  EXPECT_EQ(mg_config_shape_of(nullptr, &shape), MG_ERR_INVALID_HANDLE);
+  mg_grouped_linear_destroy(nullptr);  // no-ops
+  mg_moe_layer_destroy(nullptr);
+  mg_config_destroy(nullptr);
+  mg_step_graphs_destroy(nullptr);
+}
+
+TEST(CAbiConfig, ParseLoadAndShape) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_default(&c), MG_OK) << mg_last_error();
+  mg_config_shape s = sized<mg_config_shape>();
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK) << mg_last_error();
+  const Config d = default_config();
+  EXPECT_EQ(s.whole_layer, 1);
+  EXPECT_EQ(s.experts, d.layer.experts);
+  EXPECT_EQ(s.hidden, d.layer.hidden);
+  EXPECT_EQ(s.ffn, d.layer.ffn);
+  EXPECT_EQ(s.top_k, d.layer.top_k);
+  EXPECT_EQ(s.num_buckets, static_cast<int>(d.buckets.size()));
+  EXPECT_EQ(s.max_tokens, d.buckets.back());
+  EXPECT_EQ(s.training, d.training.enabled ? 1 : 0);
+  ASSERT_EQ(mg_config_set_training(c, 0), MG_OK);
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
+  EXPECT_EQ(s.training, 0);
+  mg_config_destroy(c);
+
+  const char* text = R"({"layer": {"experts": 16, "hidden": 512, "ffn": 256, "top_k": 2, "bias": true},
+                         "precision": {"dtype": "fp16"}, "buckets": [32, 96]})";
+  ASSERT_EQ(mg_config_parse(text, &c), MG_OK) << mg_last_error();
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
+  EXPECT_EQ(s.experts, 16);
+  EXPECT_EQ(s.hidden, 512);
+  EXPECT_EQ(s.ffn, 256);
+  EXPECT_EQ(s.bias, 1);
+  EXPECT_EQ(s.dtype, MG_DTYPE_FP16);
+  EXPECT_EQ(s.num_buckets, 2);
+  EXPECT_EQ(s.max_tokens, 96);
+  // A short output struct is refused, a larger one gets a zeroed tail.
+  mg_config_shape tiny = sized<mg_config_shape>();
+  tiny.struct_size = 8;
+  EXPECT_EQ(mg_config_shape_of(c, &tiny), MG_ERR_INVALID_ARGUMENT);
+  struct Newer {
+    mg_config_shape known;
+    int64_t future;
+  } n{};
+  n.known.struct_size = sizeof(Newer);
+  n.future = -1;
+  ASSERT_EQ(mg_config_shape_of(c, &n.known), MG_OK) << mg_last_error();
+  EXPECT_EQ(n.known.struct_size, sizeof(Newer));
+  EXPECT_EQ(n.known.experts, 16);
+  EXPECT_EQ(n.future, 0);
+  mg_config_destroy(c);
+}
+
+TEST(CAbiConfig, BadConfigsAreRefusedWithTheReason) {
+  mg_config* c = reinterpret_cast<mg_config*>(0x1);
+  EXPECT_EQ(mg_config_parse("{\"layer\": {\"experts\": 8,}", &c), MG_ERR_CONFIG);
+  EXPECT_EQ(c, nullptr);
+  EXPECT_TRUE(last_error_has("line 1")) << mg_last_error();
+  EXPECT_EQ(mg_config_parse(R"({"layer": {"expertz": 8}})", &c), MG_ERR_CONFIG);
+  EXPECT_TRUE(last_error_has("expertz")) << mg_last_error();
+  EXPECT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256}, "buckets": [64, 32]})", &c),
+            MG_ERR_CONFIG);
+  EXPECT_TRUE(last_error_has("buckets")) << mg_last_error();
+  EXPECT_EQ(mg_config_load("/nonexistent/moegraph-config.json", &c), MG_ERR_CONFIG);
+  EXPECT_TRUE(last_error_has("/nonexistent/moegraph-config.json")) << mg_last_error();
+  EXPECT_EQ(mg_config_parse(nullptr, &c), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_config_load(nullptr, &c), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_config_parse("{}", nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_config_default(nullptr), MG_ERR_INVALID_ARGUMENT);
+}
+
+TEST(CAbiHandles, ADestroyedHandleIsRefusedAndDestroyingItAgainIsHarmless) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_default(&c), MG_OK);
+  mg_config_destroy(c);
+  mg_config_shape s = sized<mg_config_shape>();
+  EXPECT_EQ(mg_config_shape_of(c, &s), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("mg_config handle that is not live")) << mg_last_error();
+  EXPECT_EQ(mg_config_set_training(c, 0), MG_ERR_INVALID_HANDLE);
+  mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
+  const mg_step_weights w = sized<mg_step_weights>();
+  EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_HANDLE);
+  EXPECT_EQ(step, nullptr);
+  mg_config_destroy(c);  // again: nothing happens
+}
+
+TEST(CAbiHandles, AHandleOfAnotherKindIsRefused) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_default(&c), MG_OK);
+  int n = 0;
+  EXPECT_EQ(mg_step_graphs_num_buckets(reinterpret_cast<mg_step_graphs*>(c), &n), MG_ERR_INVALID_HANDLE);
+  EXPECT_EQ(mg_moe_layer_backward_dw(reinterpret_cast<mg_moe_layer*>(c), nullptr), MG_ERR_INVALID_HANDLE);
+  mg_step_graphs_destroy(reinterpret_cast<mg_step_graphs*>(c));  // not a step: left alone
+  mg_config_shape s = sized<mg_config_shape>();
+  EXPECT_EQ(mg_config_shape_of(c, &s), MG_OK) << mg_last_error();
+  mg_config_destroy(c);
+}
+
+// Refusals that come before the step touches a GPU.
+TEST(CAbiStepGraphs, CreateRefusesMissingArguments) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256}, "buckets": [64]})", &c), MG_OK);
+  mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
+  EXPECT_EQ(mg_step_graphs_create(c, nullptr, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(step, nullptr);
+  EXPECT_TRUE(last_error_has("null mg_step_weights")) << mg_last_error();
+  const mg_step_weights empty = sized<mg_step_weights>();
+  EXPECT_EQ(mg_step_graphs_create(c, &empty, nullptr, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_step_graphs_create(c, &empty, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("StepWeights needs w1 and w2")) << mg_last_error();
+  const mg_step_graphs_options unsized{};
+  EXPECT_EQ(mg_step_graphs_create(c, &empty, &unsized, &step), MG_ERR_INVALID_ARGUMENT);
+  mg_config_destroy(c);
+}
+
+}  // namespace
+}  // namespace moegraph
