@@ -1,0 +1,45 @@
+"""moegraph: Mixture-of-Experts operators for NVIDIA Hopper whose per-expert row counts live on the
+GPU, so whole MoE steps are captured into CUDA graphs. This package calls the library's C ABI:
+`moegraph.Config` here needs only the library; `moegraph.torch` (GroupedLinear, MoELayer) needs PyTorch."""
+import ctypes
+
+from ._lib import MoegraphError, library_path, version
+from . import _lib
+
+__all__ = ["Config", "MoegraphError", "library_path", "version"]
+
+
+class Config:
+    """A parsed, validated JSON config (docs/config.md): Config.load(path), Config.parse(text), Config.default()."""
+
+    def __init__(self, handle):
+        self._handle = ctypes.c_void_p(handle)
+
+    @classmethod
+    def load(cls, path):
+        out = ctypes.c_void_p()
+        _lib.call("mg_config_load", str(path).encode(), ctypes.byref(out))
+        return cls(out.value)
+
+    @classmethod
+    def parse(cls, text):
+        out = ctypes.c_void_p()
+        _lib.call("mg_config_parse", text.encode(), ctypes.byref(out))
+        return cls(out.value)
+
+    @classmethod
+    def default(cls):
+        out = ctypes.c_void_p()
+        _lib.call("mg_config_default", ctypes.byref(out))
+        return cls(out.value)
+
+    def shape(self):
+        """The layer's shape and training fields (mg_config_shape) as a dict."""
+        s = _lib.ConfigShape()
+        _lib.call("mg_config_shape_of", self._handle, ctypes.byref(s))
+        return {name: getattr(s, name) for name, _ in _lib.ConfigShape._fields_ if name != "struct_size"}
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and _lib._lib is not None:
+            _lib.lib().mg_config_destroy(self._handle)
+            self._handle = None

@@ -1,0 +1,346 @@
+"""PyTorch layers over the C ABI: GroupedLinear and MoELayer as nn.Modules.
+
+Their forward and backward are torch.library custom ops (moegraph::*) with fake implementations
+and autograd registered with a separate setup_context, so they run under torch.cuda.graph and
+torch.compile(fullgraph=True) without graph breaks. The ops reach their C handle through an integer
+id (a constant to the compiler).
+
+Contracts the C layer brings (moegraph/moegraph.h):
+- A training forward saves its context inside the handle, in one of `wgrad_slots` slots; backward
+  takes the oldest (forward order, as pipeline schedules run them). With one slot, a second
+  training forward before the first one's backward is refused. Inference (torch.no_grad, or no
+  input requiring grad) saves nothing.
+- Handles are created (and their device memory set up) on a module's first call for a shape:
+  run each shape once before capturing it into a CUDA graph, as torch.cuda.graph's warm-up does.
+- main_grad=True: weight gradients accumulate into fp32 `param.main_grad` (their .grad stays None);
+  delay_wgrad=True (needs main_grad) queues them until module.backward_dw().
+"""
+import ctypes
+import itertools
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _lib
+
+__all__ = ["GroupedLinear", "MoELayer"]
+
+_DTYPE = {torch.bfloat16: _lib.DTYPE["bf16"], torch.float16: _lib.DTYPE["fp16"]}
+_handles = {}
+_ids = itertools.count(1)
+
+
+def _ptr(t):
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _stream(device):
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _empty(like):
+    return like.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GroupedLinear: y_e = x_e W_e^T (+ b_e) for G groups of rows; splits [G] int32 on the device.
+
+
+class _LinearHandles:
+    """The C operators of one GroupedLinear module, one per row count (capacity_rows)."""
+
+    def __init__(self, groups, in_features, out_features, bias, dtype, row_align, wgrad_slots, delay_wgrad):
+        self.options = dict(num_groups=groups, in_features=in_features, out_features=out_features,
+                            row_align=row_align, dtype=_DTYPE[dtype], bias=int(bias), wgrad_slots=wgrad_slots,
+                            delay_wgrad=int(delay_wgrad), recipe=_lib.RECIPE["bf16"])
+        self.delay_wgrad = delay_wgrad
+        self.ops = {}  # rows -> (handle, workspace tensor)
+
+    def op(self, rows, device):
+        if rows not in self.ops:
+            o = _lib.GroupedLinearOptions(capacity_rows=rows, **self.options)
+            size = ctypes.c_size_t()
+            _lib.call("mg_grouped_linear_workspace_bytes", ctypes.byref(o), ctypes.byref(size))
+            workspace = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)  # caching allocator
+            handle = ctypes.c_void_p()
+            _lib.call("mg_grouped_linear_create", ctypes.byref(o), ctypes.c_void_p(workspace.data_ptr()),
+                      ctypes.byref(handle))
+            self.ops[rows] = (handle, workspace)
+        return self.ops[rows][0]
+
+    def __del__(self):
+        for handle, _ in getattr(self, "ops", {}).values():
+            _lib.lib().mg_grouped_linear_destroy(handle)
+
+
+@torch.library.custom_op("moegraph::grouped_linear", mutates_args=())
+def _linear_forward(x: Tensor, splits: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor],
+                    handle: int, train: bool) -> Tensor:
+    op = _handles[handle].op(x.shape[0], x.device)
+    y = torch.zeros((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)  # rows past sum(splits): 0
+    args = _lib.ForwardArgs(x=x.data_ptr(), splits=splits.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias),
+                            y=y.data_ptr())
+    _lib.call("mg_grouped_linear_forward", op, ctypes.byref(args), int(train), _stream(x.device))
+    return y
+
+
+@_linear_forward.register_fake
+def _(x, splits, weight, bias, main_grad, handle, train):
+    return x.new_empty((x.shape[0], weight.shape[1]))
+
+
+@torch.library.custom_op("moegraph::grouped_linear_backward", mutates_args=("main_grad",))
+def _linear_backward(dy: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor], handle: int,
+                     need_dx: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    h = _handles[handle]
+    op = h.op(dy.shape[0], dy.device)
+    dx = torch.zeros((dy.shape[0], weight.shape[2]), dtype=dy.dtype, device=dy.device) if need_dx else _empty(dy)
+    dw = torch.empty_like(weight) if main_grad is None else _empty(dy)
+    db = torch.empty_like(bias) if bias is not None else _empty(dy)
+    args = _lib.BackwardArgs(dy=dy.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias), dx=_ptr(dx),
+                             dbias=_ptr(db), dweight=_ptr(dw), main_grad=_ptr(main_grad))
+    _lib.call("mg_grouped_linear_backward", op, ctypes.byref(args), int(h.delay_wgrad), _stream(dy.device))
+    return dx, dw, db
+
+
+@_linear_backward.register_fake
+def _(dy, weight, bias, main_grad, handle, need_dx):
+    dx = dy.new_empty((dy.shape[0], weight.shape[2])) if need_dx else dy.new_empty((0,))
+    dw = torch.empty_like(weight) if main_grad is None else dy.new_empty((0,))
+    db = torch.empty_like(bias) if bias is not None else dy.new_empty((0,))
+    return dx, dw, db
+
+
+def _linear_setup(ctx, inputs, output):
+    x, splits, weight, bias, main_grad, handle, train = inputs
+    ctx.save_for_backward(weight, bias, main_grad)
+    ctx.handle = handle
+
+
+def _linear_grad(ctx, dy):
+    weight, bias, main_grad = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0]
+    dx, dw, db = torch.ops.moegraph.grouped_linear_backward(dy.contiguous(), weight, bias, main_grad, ctx.handle,
+                                                            need_dx)
+    return (dx if need_dx else None, None, dw if main_grad is None else None, db if bias is not None else None,
+            None, None, None)
+
+
+torch.library.register_autograd("moegraph::grouped_linear", _linear_grad, setup_context=_linear_setup)
+
+
+class GroupedLinear(torch.nn.Module):
+    """G linear layers over rows grouped by expert: forward(x [rows, in], splits [G] int32 cuda) ->
+    [rows, out]; group e is rows [sum(splits[:e]), sum(splits[:e+1])); rows past sum(splits) give 0.
+    weight [G, out, in], bias [G, out]."""
+
+    def __init__(self, num_groups, in_features, out_features, bias=False, dtype=torch.bfloat16, device="cuda",
+                 main_grad=False, delay_wgrad=False, wgrad_slots=1):
+        super().__init__()
+        if dtype not in _DTYPE:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if delay_wgrad and not main_grad:
+            raise ValueError("delay_wgrad needs main_grad=True (the queued gradient lands in weight.main_grad)")
+        self.weight = torch.nn.Parameter(torch.empty(num_groups, out_features, in_features, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(num_groups, out_features, dtype=dtype, device=device)) if bias else None
+        bound = in_features ** -0.5
+        torch.nn.init.uniform_(self.weight, -bound, bound)
+        if main_grad:
+            self.weight.main_grad = torch.zeros(self.weight.shape, dtype=torch.float32, device=device)
+        self.main_grad = main_grad
+        self._id = next(_ids)
+        _handles[self._id] = _LinearHandles(num_groups, in_features, out_features, bias, dtype, 1, wgrad_slots,
+                                            delay_wgrad)
+
+    def forward(self, x, splits):
+        train = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        main_grad = self.weight.main_grad if self.main_grad else None
+        return torch.ops.moegraph.grouped_linear(x, splits, self.weight, self.bias, main_grad, self._id, train)
+
+    def backward_dw(self):
+        """Runs the oldest queued weight gradient (delay_wgrad) into weight.main_grad, on the current stream."""
+        h = _handles[self._id]
+        if len(h.ops) != 1:
+            raise RuntimeError("backward_dw needs the module to have run one row count")
+        handle = next(iter(h.ops.values()))[0]
+        _lib.call("mg_grouped_linear_backward_dw", handle, _stream(self.weight.device))
+
+    def __del__(self):
+        _handles.pop(getattr(self, "_id", None), None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MoELayer: router -> top-k dispatch -> SwiGLU experts -> weighted combine, in one C layer.
+
+
+class _LayerHandle:
+    """One MoE module's C layer, bound to its parameters' and gradient buffers' addresses (re-created
+    if the parameters move)."""
+
+    def __init__(self, options):
+        self.options = options
+        self.handle, self.bound, self.grads = None, None, None
+
+    def layer(self, params, main_grads):
+        key = tuple(_ptr(t) for t in params + main_grads)
+        if self.handle is None or key != self.bound:
+            self.close()
+            router, w1, b1, w2, b2 = params
+            grads = {}
+            if self.options.training:
+                if not self.options.main_grad_fp32:
+                    grads.update(d_router=torch.empty_like(router), dw1=torch.empty_like(w1), dw2=torch.empty_like(w2))
+                if b1 is not None:
+                    grads.update(db1=torch.empty_like(b1), db2=torch.empty_like(b2))
+            w = _lib.MoeLayerWeights(router=_ptr(router), w1=_ptr(w1), b1=_ptr(b1), w2=_ptr(w2), b2=_ptr(b2),
+                                     main_grad_router=_ptr(main_grads[0]), main_grad1=_ptr(main_grads[1]),
+                                     main_grad2=_ptr(main_grads[2]), **{k: _ptr(v) for k, v in grads.items()})
+            handle = ctypes.c_void_p()
+            _lib.call("mg_moe_layer_create", ctypes.byref(self.options), ctypes.byref(w), None, ctypes.byref(handle))
+            self.handle, self.bound, self.grads = handle, key, grads
+        return self.handle
+
+    def close(self):
+        if self.handle is not None:
+            _lib.lib().mg_moe_layer_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        self.close()
+
+
+def _num_tokens(n, device):
+    return torch.full((1,), n, dtype=torch.int32, device=device)
+
+
+def _main_grads(mg_router, mg1, mg2):
+    return [mg_router, mg1, mg2]
+
+
+@torch.library.custom_op("moegraph::moe_layer", mutates_args=())
+def _moe_forward(x: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
+                 mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor], handle: int,
+                 train: bool) -> Tuple[Tensor, Tensor]:
+    h = _handles[handle]
+    layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
+    y = torch.empty_like(x)
+    aux = torch.zeros((1,), dtype=torch.float32, device=x.device)
+    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=_num_tokens(x.shape[0], x.device).data_ptr(), y=y.data_ptr(),
+                         aux_loss=aux.data_ptr() if h.options.aux_loss_coef > 0 else None)
+    _lib.call("mg_moe_layer_forward", layer, ctypes.byref(io), int(train), _stream(x.device))
+    return y, aux
+
+
+@_moe_forward.register_fake
+def _(x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle, train):
+    return torch.empty_like(x), x.new_empty((1,), dtype=torch.float32)
+
+
+@torch.library.custom_op("moegraph::moe_layer_backward", mutates_args=("mg_router", "mg1", "mg2"))
+def _moe_backward(dy: Tensor, x: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
+                  b2: Optional[Tensor], mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor],
+                  handle: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    h = _handles[handle]
+    layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
+    n, max_tokens = x.shape[0], h.options.max_tokens
+    dx = torch.empty((max_tokens, x.shape[1]), dtype=x.dtype, device=x.device)  # rows [n, max) written as 0
+    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=_num_tokens(n, x.device).data_ptr(), dy=dy.data_ptr(),
+                         dx=dx.data_ptr())
+    _lib.call("mg_moe_layer_backward", layer, ctypes.byref(io), _stream(x.device))
+    # The layer writes gradients into buffers bound at create: hand out copies, so a later backward
+    # cannot change a gradient autograd already holds.
+    g = h.grads
+    copy = lambda name: g[name].clone() if name in g else _empty(x)  # noqa: E731
+    return dx[:n].clone(), copy("d_router"), copy("dw1"), copy("db1"), copy("dw2"), copy("db2")
+
+
+@_moe_backward.register_fake
+def _(dy, x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle):
+    grad = lambda t, keep: torch.empty_like(t) if keep else x.new_empty((0,))  # noqa: E731
+    fp32 = mg1 is not None
+    return (torch.empty_like(x), grad(router, not fp32), grad(w1, not fp32), grad(b1, b1 is not None),
+            grad(w2, not fp32), grad(b2, b2 is not None))
+
+
+def _moe_setup(ctx, inputs, output):
+    x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle, train = inputs
+    ctx.save_for_backward(x, router, w1, b1, w2, b2, mg_router, mg1, mg2)
+    ctx.handle = handle
+    ctx.mark_non_differentiable(output[1])  # aux loss: its gradient is applied inside the layer's backward
+
+
+def _moe_grad(ctx, dy, _aux_grad):
+    x, router, w1, b1, w2, b2, mg_router, mg1, mg2 = ctx.saved_tensors
+    dx, dr, dw1, db1, dw2, db2 = torch.ops.moegraph.moe_layer_backward(dy.contiguous(), x, router, w1, b1, w2, b2,
+                                                                       mg_router, mg1, mg2, ctx.handle)
+    fp32 = mg1 is not None
+    return (dx, None if fp32 else dr, None if fp32 else dw1, db1 if b1 is not None else None,
+            None if fp32 else dw2, db2 if b2 is not None else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("moegraph::moe_layer", _moe_grad, setup_context=_moe_setup)
+
+
+class MoELayer(torch.nn.Module):
+    """A whole MoE layer: forward(x [n, hidden]) -> (y [n, hidden], aux_loss [1] fp32), n <= max_tokens.
+
+    Parameters: router [E, hidden], w1 [E, 2 * ffn, hidden] (gate | up), w2 [E, hidden, ffn], and
+    with bias b1 [E, 2 * ffn], b2 [E, hidden]. aux_loss is returned for logging and is not
+    differentiable: its gradient (coefficient aux_loss_coef) is applied inside the layer's backward,
+    as if aux_loss were added to the loss once."""
+
+    def __init__(self, experts, hidden, ffn, top_k=2, max_tokens=4096, bias=False, score="softmax",
+                 renormalize=True, aux_loss_coef=0.0, capacity_factor=0.0, dtype=torch.bfloat16, device="cuda",
+                 main_grad=False, delay_wgrad=False, wgrad_slots=1, training=True):
+        super().__init__()
+        if dtype not in _DTYPE:
+            raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+        if delay_wgrad and not main_grad:
+            raise ValueError("delay_wgrad needs main_grad=True (the queued gradients land in .main_grad)")
+        o = _lib.MoeLayerOptions(experts=experts, hidden=hidden, ffn=ffn, top_k=top_k, bias=int(bias),
+                                 score=_lib.ROUTER_SCORE[score], renormalize=int(renormalize),
+                                 aux_loss_coef=aux_loss_coef, capacity_factor=capacity_factor, max_tokens=max_tokens,
+                                 row_align=1, dtype=_DTYPE[dtype], training=int(training), wgrad_slots=wgrad_slots,
+                                 delay_wgrad=int(delay_wgrad), main_grad_fp32=int(main_grad),
+                                 recipe=_lib.RECIPE["bf16"])
+        size = ctypes.c_size_t()
+        _lib.call("mg_moe_layer_workspace_bytes", ctypes.byref(o), ctypes.byref(size))  # refuses bad options now
+        p = lambda *shape: torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))  # noqa: E731
+        self.router, self.w1, self.w2 = p(experts, hidden), p(experts, 2 * ffn, hidden), p(experts, hidden, ffn)
+        torch.nn.init.normal_(self.router, std=hidden ** -0.5)
+        torch.nn.init.uniform_(self.w1, -hidden ** -0.5, hidden ** -0.5)
+        torch.nn.init.uniform_(self.w2, -ffn ** -0.5, ffn ** -0.5)
+        self.b1 = torch.nn.Parameter(torch.zeros(experts, 2 * ffn, dtype=dtype, device=device)) if bias else None
+        self.b2 = torch.nn.Parameter(torch.zeros(experts, hidden, dtype=dtype, device=device)) if bias else None
+        if main_grad:
+            for w in (self.router, self.w1, self.w2):
+                w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
+        self.main_grad, self.max_tokens, self.trainable = main_grad, max_tokens, bool(training)
+        self._id = next(_ids)
+        _handles[self._id] = _LayerHandle(o)
+
+    def forward(self, x):
+        if x.shape[0] > self.max_tokens:
+            raise ValueError(f"{x.shape[0]} tokens, more than max_tokens {self.max_tokens}")
+        params = (self.router, self.w1, self.w2) + ((self.b1, self.b2) if self.b1 is not None else ())
+        train = self.trainable and torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))
+        mg = [w.main_grad for w in (self.router, self.w1, self.w2)] if self.main_grad else [None] * 3
+        return torch.ops.moegraph.moe_layer(x.contiguous(), self.router, self.w1, self.b1, self.w2, self.b2, *mg,
+                                            self._id, train)
+
+    def backward_dw(self):
+        """Runs the oldest queued weight gradients (delay_wgrad) into the .main_grad buffers."""
+        h = _handles[self._id]
+        if h.handle is None:
+            raise RuntimeError("backward_dw before any forward")
+        _lib.call("mg_moe_layer_backward_dw", h.handle, _stream(self.w1.device))
+
+    def check_device_errors(self):
+        """Synchronizes and raises MoegraphError if the device saw invalid inputs since the last check."""
+        h = _handles[self._id]
+        if h.handle is not None:
+            _lib.call("mg_moe_layer_check_device_errors", h.handle, _stream(self.w1.device))
+
+    def __del__(self):
+        _handles.pop(getattr(self, "_id", None), None)

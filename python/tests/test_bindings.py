@@ -1,0 +1,83 @@
+"""Pure-Python tests (no GPU, no PyTorch): the ctypes bindings against the header, and the library
+calls that need no device. Without the library (MOEGRAPH_LIBRARY unset and nothing installed) the
+library tests are skipped; the header comparison always runs."""
+import ctypes
+import pathlib
+import re
+import unittest
+
+from moegraph import _lib
+
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "include" / "moegraph" / "moegraph.h"
+
+
+def header_structs():
+    """{name: [field names]} of every `typedef struct { ... } name;` in moegraph.h."""
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    structs = {}
+    for body, name in re.findall(r"typedef struct \{(.*?)\}\s*(\w+);", text, flags=re.S):
+        fields = []
+        for decl in body.split(";"):
+            decl = decl.strip()
+            if decl:
+                fields.append(re.search(r"(\w+)\s*$", decl).group(1))
+        structs[name] = fields
+    return structs
+
+
+def header_functions():
+    return set(re.findall(r"MOEGRAPH_API\s[^;(]*?\b(mg_\w+)\s*\(", HEADER.read_text()))
+
+
+class BindingsMatchTheHeader(unittest.TestCase):
+    def test_every_struct_has_the_header_fields_in_order(self):
+        structs = header_structs()
+        self.assertEqual(set(structs), set(_lib.STRUCTS), "structs bound vs declared")
+        for name, cls in _lib.STRUCTS.items():
+            self.assertEqual([f for f, _ in cls._fields_], structs[name], name)
+
+    def test_every_function_is_bound(self):
+        self.assertEqual(header_functions(), set(_lib.SIGNATURES))
+
+
+def have_library():
+    try:
+        _lib.lib()
+        return True
+    except OSError:
+        return False
+
+
+@unittest.skipUnless(have_library(), "libmoegraph not found (set MOEGRAPH_LIBRARY)")
+class LibraryWithoutAGpu(unittest.TestCase):
+    def test_version_and_status_strings(self):
+        import moegraph
+        self.assertRegex(moegraph.version(), r"^\d+\.\d+\.\d+$")
+        self.assertEqual(_lib.lib().mg_status_string(8), b"config refused")
+        self.assertEqual(_lib.lib().mg_status_string(99), b"unknown status")
+
+    def test_struct_sizes_are_accepted(self):
+        o = _lib.GroupedLinearOptions(num_groups=4, in_features=64, out_features=128, capacity_rows=256, row_align=1,
+                                      wgrad_slots=1)
+        size = ctypes.c_size_t()
+        _lib.call("mg_grouped_linear_workspace_bytes", ctypes.byref(o), ctypes.byref(size))
+        self.assertGreater(size.value, 0)
+        o.struct_size = 8
+        with self.assertRaises(_lib.MoegraphError) as e:
+            _lib.call("mg_grouped_linear_workspace_bytes", ctypes.byref(o), ctypes.byref(size))
+        self.assertEqual(e.exception.status_name, "MG_ERR_INVALID_ARGUMENT")
+
+    def test_config_shape_and_errors(self):
+        import moegraph
+        c = moegraph.Config.parse('{"layer": {"experts": 16, "hidden": 512, "ffn": 256, "top_k": 2}, "buckets": [64]}')
+        s = c.shape()
+        self.assertEqual((s["experts"], s["hidden"], s["ffn"], s["top_k"], s["max_tokens"]), (16, 512, 256, 2, 64))
+        self.assertEqual(moegraph.Config.default().shape()["whole_layer"], 1)
+        with self.assertRaises(moegraph.MoegraphError) as e:
+            moegraph.Config.parse('{"layer": {"expertz": 1}}')
+        self.assertEqual(e.exception.status_name, "MG_ERR_CONFIG")
+        self.assertIn("expertz", str(e.exception))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,214 @@
+"""GPU tests of moegraph.torch against PyTorch references in float64: every output and gradient,
+eager, under torch.cuda.graph and under torch.compile(fullgraph=True). Skipped without PyTorch or
+a GPU."""
+import unittest
+
+try:
+    import torch
+    HAVE_GPU = torch.cuda.is_available()
+except ImportError:
+    HAVE_GPU = False
+
+if HAVE_GPU:
+    from moegraph import MoegraphError
+    from moegraph.torch import GroupedLinear, MoELayer
+
+TOL = 2e-2  # relative Frobenius error of bf16 results against float64
+
+
+def rel_err(got, want):
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def linear_reference(x, splits, w, b, dy):
+    """y, dx, dw, db of per-group linear layers in float64."""
+    x, w, dy = x.double(), w.double(), dy.double()
+    y, dx, dw = torch.zeros_like(dy), torch.zeros_like(x), torch.zeros_like(w)
+    db = torch.zeros(w.shape[:2], dtype=torch.float64, device=x.device)
+    start = 0
+    for e, n in enumerate(splits.tolist()):
+        rows = slice(start, start + n)
+        y[rows] = x[rows] @ w[e].t() + (b[e].double() if b is not None else 0)
+        dx[rows] = dy[rows] @ w[e]
+        dw[e] = dy[rows].t() @ x[rows]
+        db[e] = dy[rows].sum(0)
+        start += n
+    return y, dx, dw, db
+
+
+def moe_reference(x, router, w1, b1, w2, b2, dy, top_k, renormalize, aux_coef):
+    """y, aux and gradients (x, router, w1, b1, w2, b2) of the softmax top-k SwiGLU MoE layer, float64."""
+    leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, router, w1, b1, w2, b2)]
+    x, router, w1, b1, w2, b2 = leaves
+    n, E, F = x.shape[0], router.shape[0], w2.shape[2]
+    scores = torch.softmax(x @ router.t(), dim=-1)
+    top, ids = torch.topk(scores, top_k, dim=-1)
+    weights = top / top.sum(-1, keepdim=True) if renormalize else top
+    y = torch.zeros_like(x)
+    for e in range(E):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w1[e].t() + (b1[e] if b1 is not None else 0)
+        out = (torch.nn.functional.silu(h[:, :F]) * h[:, F:]) @ w2[e].t() + (b2[e] if b2 is not None else 0)
+        y = y.index_add(0, tok, weights[tok, slot].unsqueeze(1) * out)
+    counts = torch.bincount(ids.reshape(-1), minlength=E).double()
+    aux = aux_coef * E / (top_k * n * n) * (counts * scores.sum(0)).sum()
+    loss = (y * dy.double()).sum() + (aux if aux_coef > 0 else 0)
+    present = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(loss, present))
+    return y.detach(), aux.detach(), [next(grads) if t is not None else None for t in leaves]
+
+
+def untied_tokens(n, hidden, router, top_k, generator):
+    """Random tokens whose k-th and (k+1)-th router scores are apart, so bf16 rounding cannot flip
+    the choice of experts between the layer and the reference."""
+    x = torch.randn(n, hidden, generator=generator, device="cuda").bfloat16()
+    for _ in range(100):
+        s = torch.softmax(x.double() @ router.double().t(), -1).sort(-1, descending=True).values
+        close = (s[:, top_k - 1] - s[:, top_k]) < 2e-3
+        if not bool(close.any()):
+            return x
+        x[close] = torch.randn(int(close.sum()), hidden, generator=generator, device="cuda").bfloat16()
+    raise AssertionError("could not draw untied tokens")
+
+
+@unittest.skipUnless(HAVE_GPU, "needs PyTorch and a GPU")
+class GroupedLinearTest(unittest.TestCase):
+    def setUp(self):
+        self.g = torch.Generator(device="cuda").manual_seed(1)
+        self.splits = torch.tensor([37, 0, 64, 5, 150], dtype=torch.int32, device="cuda")
+
+    def inputs(self, layer):
+        rows = int(self.splits.sum())
+        x = torch.randn(rows, layer.weight.shape[2], generator=self.g, device="cuda").bfloat16().requires_grad_()
+        dy = torch.randn(rows, layer.weight.shape[1], generator=self.g, device="cuda").bfloat16()
+        return x, dy
+
+    def check(self, layer, x, dy, y, dw):
+        b = layer.bias
+        ry, rdx, rdw, rdb = linear_reference(x.detach(), self.splits, layer.weight.detach(),
+                                             None if b is None else b.detach(), dy)
+        self.assertLess(rel_err(y, ry), TOL)
+        self.assertLess(rel_err(x.grad, rdx), TOL)
+        self.assertLess(rel_err(dw, rdw), TOL)
+        if b is not None:
+            self.assertLess(rel_err(b.grad, rdb), TOL)
+
+    def test_forward_and_every_gradient(self):
+        layer = GroupedLinear(5, 128, 256, bias=True)
+        torch.nn.init.uniform_(layer.bias, -0.5, 0.5)
+        x, dy = self.inputs(layer)
+        y = layer(x, self.splits)
+        y.backward(dy)
+        self.check(layer, x, dy, y, layer.weight.grad)
+
+    def test_main_grad_with_delayed_wgrad(self):
+        layer = GroupedLinear(5, 128, 64, main_grad=True, delay_wgrad=True, wgrad_slots=2)
+        x, dy = self.inputs(layer)
+        y = layer(x, self.splits)
+        y.backward(dy)
+        self.assertIsNone(layer.weight.grad)
+        self.assertEqual(float(layer.weight.main_grad.abs().sum()), 0.0)  # queued, not yet run
+        layer.backward_dw()
+        self.check(layer, x, dy, y, layer.weight.main_grad)
+
+    def test_inference_saves_nothing_and_training_forwards_are_counted(self):
+        layer = GroupedLinear(5, 128, 64)
+        x, _ = self.inputs(layer)
+        with torch.no_grad():
+            for _ in range(3):  # one slot: a saving forward would be refused the second time
+                layer(x, self.splits)
+        layer(x, self.splits)
+        with self.assertRaises(MoegraphError):
+            layer(x, self.splits)  # the first training forward still awaits its backward
+
+    def test_compile_fullgraph(self):
+        layer = GroupedLinear(5, 128, 256, bias=True)
+        compiled = torch.compile(layer, fullgraph=True)
+        x, dy = self.inputs(layer)
+        y = compiled(x, self.splits)
+        y.backward(dy)
+        self.check(layer, x, dy, y, layer.weight.grad)
+
+
+@unittest.skipUnless(HAVE_GPU, "needs PyTorch and a GPU")
+class MoELayerTest(unittest.TestCase):
+    E, H, F, K, N = 8, 256, 128, 2, 200
+
+    def make(self, **kw):
+        torch.manual_seed(3)
+        layer = MoELayer(self.E, self.H, self.F, top_k=self.K, max_tokens=256, bias=True, aux_loss_coef=0.01, **kw)
+        with torch.no_grad():
+            layer.b1.uniform_(-0.1, 0.1), layer.b2.uniform_(-0.1, 0.1)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        x = untied_tokens(self.N, self.H, layer.router.detach(), self.K, g).requires_grad_()
+        dy = torch.randn(self.N, self.H, generator=g, device="cuda").bfloat16()
+        return layer, x, dy
+
+    def check(self, layer, x, dy, y, aux, grads):
+        ref_y, ref_aux, ref = moe_reference(x, layer.router, layer.w1, layer.b1, layer.w2, layer.b2, dy, self.K,
+                                            True, 0.01)
+        self.assertLess(rel_err(y, ref_y), TOL)
+        self.assertLess(abs(float(aux) - float(ref_aux)) / float(ref_aux), 1e-3)
+        for name, got, want in zip(("dx", "d_router", "dw1", "db1", "dw2", "db2"), grads, ref):
+            self.assertLess(rel_err(got, want), TOL, name)
+
+    def grads(self, layer, x):
+        return [x.grad, layer.router.grad, layer.w1.grad, layer.b1.grad, layer.w2.grad, layer.b2.grad]
+
+    def test_forward_and_every_gradient(self):
+        layer, x, dy = self.make()
+        y, aux = layer(x)
+        y.backward(dy)
+        self.check(layer, x, dy, y, aux, self.grads(layer, x))
+
+    def test_main_grad(self):
+        layer, x, dy = self.make(main_grad=True)
+        y, aux = layer(x)
+        y.backward(dy)
+        self.assertIsNone(layer.w1.grad)
+        g = [x.grad, layer.router.main_grad, layer.w1.main_grad, layer.b1.grad, layer.w2.main_grad, layer.b2.grad]
+        self.check(layer, x, dy, y, aux, g)
+
+    def test_cuda_graph_replays_new_inputs(self):
+        layer, x, dy = self.make()
+        static_x, static_dy = x.detach().clone().requires_grad_(), dy.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: creates the layer's handle outside capture
+            for _ in range(2):
+                y, _ = layer(static_x)
+                y.backward(static_dy)
+        torch.cuda.current_stream().wait_stream(side)
+        for p in [static_x, *layer.parameters()]:
+            p.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y, static_aux = layer(static_x)
+            static_y.backward(static_dy)
+        g = torch.Generator(device="cuda").manual_seed(9)
+        for _ in range(2):  # new tokens each replay
+            fresh = untied_tokens(self.N, self.H, layer.router.detach(), self.K, g)
+            with torch.no_grad():
+                static_x.copy_(fresh)
+            graph.replay()
+            torch.cuda.synchronize()
+            self.check(layer, static_x, static_dy, static_y, static_aux, self.grads(layer, static_x))
+
+    def test_compile_fullgraph(self):
+        layer, x, dy = self.make()
+        compiled = torch.compile(layer, fullgraph=True)
+        y, aux = compiled(x)
+        y.backward(dy)
+        self.check(layer, x, dy, y, aux, self.grads(layer, x))
+
+    def test_too_many_tokens_is_refused(self):
+        layer, _, _ = self.make()
+        with self.assertRaises(ValueError):
+            layer(torch.zeros(257, self.H, dtype=torch.bfloat16, device="cuda"))
+
+
+if __name__ == "__main__":
+    unittest.main()
