@@ -105,7 +105,7 @@ std::vector<PlannedBuffer> ExpertMlpBucket::sub_buffers(const LayoutWalker::Entr
   if (!fc1 && !fc2) return out;
   const GroupedLinearOptions o = layer::expert_linear_options(options_, fc1 ? 1 : 2, rows_);
   for (const auto& w : GroupedLinear::workspace_buffers(o))
-    out.push_back({(fc1 ? "  fc1." : "  fc2.") + w.name, e.offset + w.offset, w.bytes});
+    out.push_back({(fc1 ? "fc1." : "fc2.") + w.name, e.offset + w.offset, w.bytes, e.name});
   return out;
 }
 

@@ -55,7 +55,7 @@ std::vector<PlannedBuffer> MoeLayerBucket::sub_buffers(const LayoutWalker::Entry
   std::vector<PlannedBuffer> out;
   if (buffer.name != "layer.workspace") return out;
   for (const auto& b : MoeLayer::workspace_buffers(options_))
-    out.push_back({"  layer." + b.name, buffer.offset + b.offset, b.bytes});
+    out.push_back({"layer." + b.name, buffer.offset + b.offset, b.bytes, buffer.name});
   return out;
 }
 

@@ -7,6 +7,8 @@
 #include "graphs/step_weights.hpp"
 #include "moegraph/config.hpp"
 #include "moegraph/grouped_linear.hpp"
+#include "moegraph/moe_layer.hpp"
+#include "src/core/byte_units.hpp"
 #include "src/core/checked.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
@@ -50,11 +52,15 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     b.tokens = tokens;
     b.rows = sizing->io().rows;
     for (const auto& e : walk.entries()) {
-      b.buffers.push_back({e.name, e.offset, e.bytes});
+      b.buffers.push_back({e.name, e.offset, e.bytes, {}});
       // The operators' workspaces, buffer by buffer (their saved-context slots and scratch).
       for (PlannedBuffer& sub : sizing->sub_buffers(e)) b.buffers.push_back(std::move(sub));
     }
     b.bytes = walk.bytes();
+    if (options.step == StepKind::kMoeLayer)
+      b.window_bytes = MoeLayer::window_bytes(bucket_layer_options(options, tokens));
+    plan.window_bytes = checked_add("window_bytes (expert-parallel windows of all buckets)", plan.window_bytes,
+                                    b.window_bytes);
     plan.arena_bytes = std::max(plan.arena_bytes, b.bytes);
     // Each bucket stays within one layout, but enough of them could still wrap the sum.
     plan.sum_of_buckets = checked_add("sum_of_buckets (arena bytes of separate buckets)", plan.sum_of_buckets, b.bytes);
@@ -88,32 +94,52 @@ StepPlan plan_step(const StepGraphsOptions& options) {
   return plan;
 }
 
-namespace {
-std::string human(std::size_t bytes) {
-  std::ostringstream os;
-  os.precision(bytes >= (std::size_t{1} << 30) ? 2 : 1);
-  os << std::fixed;
-  if (bytes >= (std::size_t{1} << 30)) os << bytes / double(std::size_t{1} << 30) << " GiB";
-  else if (bytes >= (std::size_t{1} << 20)) os << bytes / double(std::size_t{1} << 20) << " MiB";
-  else if (bytes >= 1024) os << bytes / 1024.0 << " KiB";
-  else os << bytes << " B";
-  return os.str();
+std::size_t StepPlan::device_bytes() const {
+  return checked_add("device bytes of the step", arena_bytes, weight_bytes, window_bytes);
 }
+
+std::size_t StepPlan::bucket_device_bytes(std::size_t b) const {
+  const BucketPlan& bucket = buckets.at(b);
+  return checked_add("device bytes of one bucket", bucket.bytes, weight_bytes, bucket.window_bytes);
+}
+
+namespace {
+
+// A bucket's buffers as a table: name, size, offset in the arena; an operator's sub-buffers
+// indented under its workspace.
+void print_buffers(std::ostringstream& os, const BucketPlan& b) {
+  auto label = [](const PlannedBuffer& buf) { return (buf.within.empty() ? "  " : "    ") + buf.name; };
+  std::size_t width = 0;
+  for (const PlannedBuffer& buf : b.buffers) width = std::max(width, label(buf).size());
+  for (const PlannedBuffer& buf : b.buffers) {
+    if (buf.bytes == 0) continue;
+    const std::string name = label(buf), size = human_bytes(buf.bytes);
+    os << name << std::string(width - name.size() + 2 + (size.size() < 10 ? 10 - size.size() : 0), ' ') << size
+       << "  at " << human_bytes(buf.offset) << "\n";
+  }
+}
+
 }  // namespace
 
 std::string StepPlan::to_string() const {
+  const bool windows = window_bytes > 0;
+  const std::string outside = windows ? "the weights, gradients and its window" : "the weights and gradients";
   std::ostringstream os;
-  for (const BucketPlan& b : buckets) {
-    os << "bucket " << b.tokens << " tokens (" << b.rows << " rows): " << human(b.bytes) << "\n";
-    for (const PlannedBuffer& buf : b.buffers)
-      if (buf.bytes > 0) os << "  " << buf.name << std::string(buf.name.size() < 28 ? 28 - buf.name.size() : 1, ' ')
-                            << "@" << buf.offset << "  " << human(buf.bytes) << "\n";
+  for (std::size_t i = 0; i < buckets.size(); ++i) {
+    const BucketPlan& b = buckets[i];
+    os << "bucket " << b.tokens << " tokens (" << b.rows << " rows): " << human_bytes(b.bytes) << " of arena; "
+       << human_bytes(bucket_device_bytes(i)) << " alone with " << outside << "\n";
+    print_buffers(os, b);
   }
-  os << "arena (shared by all buckets, = the largest): " << human(arena_bytes) << "  (separate buckets would take "
-     << human(sum_of_buckets) << ")\n";
-  os << "weights and gradients (outside the arena): " << human(weight_bytes) << "\n";
   os << "kernels:\n";
   for (const auto& k : kernels) os << "  " << k << "\n";
+  os << "arena (shared by all buckets, = the largest): " << human_bytes(arena_bytes) << "  (separate buckets would take "
+     << human_bytes(sum_of_buckets) << ")\n";
+  os << "weights and gradients (outside the arena): " << human_bytes(weight_bytes) << "\n";
+  if (windows)
+    os << "expert-parallel windows (outside the arena, one per bucket): " << human_bytes(window_bytes) << "\n";
+  os << "device memory total: " << human_bytes(device_bytes()) << " (arena + weights and gradients"
+     << (windows ? " + windows, per rank" : "") << ")\n";
   return os.str();
 }
 

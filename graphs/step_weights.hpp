@@ -11,10 +11,12 @@ namespace moegraph {
 inline StepWeights lay_out_weights(const StepGraphsOptions& options, LayoutWalker& walk) {
   const MoeLayerOptions& l = options.layer;
   const std::size_t es = dtype_size(l.dtype), fp32 = sizeof(float);
-  const int64_t g = l.experts, h = l.hidden, f2 = checked_mul("2 * ffn", 2, l.ffn), f = l.ffn;
+  // With expert parallelism a rank holds its own experts' tensors but the whole router.
+  const int64_t router_rows = l.experts, g = moe_local_experts(l);
+  const int64_t h = l.hidden, f2 = checked_mul("2 * ffn", 2, l.ffn), f = l.ffn;
   StepWeights w;
   const bool layer = options.step == StepKind::kMoeLayer;
-  if (layer) w.router = walk.take("router", g, h, es);
+  if (layer) w.router = walk.take("router", router_rows, h, es);
   w.w1 = walk.take("w1", g, f2, h, es);
   w.w2 = walk.take("w2", g, h, f, es);
   if (l.bias) {
@@ -23,11 +25,11 @@ inline StepWeights lay_out_weights(const StepGraphsOptions& options, LayoutWalke
   }
   if (!l.training) return w;
   if (l.main_grad_fp32) {
-    if (layer) w.main_grad_router = walk.take<float>("main_grad_router", g, h, fp32);
+    if (layer) w.main_grad_router = walk.take<float>("main_grad_router", router_rows, h, fp32);
     w.main_grad1 = walk.take<float>("main_grad1", g, f2, h, fp32);
     w.main_grad2 = walk.take<float>("main_grad2", g, h, f, fp32);
   } else {
-    if (layer) w.d_router = walk.take("d_router", g, h, es);
+    if (layer) w.d_router = walk.take("d_router", router_rows, h, es);
     w.dw1 = walk.take("dw1", g, f2, h, es);
     w.dw2 = walk.take("dw2", g, h, f, es);
   }

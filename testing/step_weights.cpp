@@ -20,13 +20,14 @@ OwnedStepWeights make_step_weights(const StepGraphsOptions& options, cudaStream_
   const MoeLayerOptions& l = options.layer;
   const StepWeights& w = out.weights;
   const DType dt = l.dtype;
-  kernels::launch_fill_uniform(dt, w.w1, l.experts * 2 * l.ffn * l.hidden, 1.0f / std::sqrt(float(l.hidden)), 1, s);
-  kernels::launch_fill_uniform(dt, w.w2, l.experts * l.hidden * l.ffn, 1.0f / std::sqrt(float(l.ffn)), 2, s);
+  const int64_t g = moe_local_experts(l);  // the expert tensors' experts (this rank's, as laid out)
+  kernels::launch_fill_uniform(dt, w.w1, g * 2 * l.ffn * l.hidden, 1.0f / std::sqrt(float(l.hidden)), 1, s);
+  kernels::launch_fill_uniform(dt, w.w2, g * l.hidden * l.ffn, 1.0f / std::sqrt(float(l.ffn)), 2, s);
   if (w.router != nullptr)
     kernels::launch_fill_uniform(dt, w.router, l.experts * l.hidden, std::sqrt(3.0f / float(l.hidden)), 5, s);
   if (l.bias) {
-    kernels::launch_fill_uniform(dt, w.b1, l.experts * 2 * l.ffn, 0.1f, 3, s);
-    kernels::launch_fill_uniform(dt, w.b2, l.experts * l.hidden, 0.1f, 4, s);
+    kernels::launch_fill_uniform(dt, w.b1, g * 2 * l.ffn, 0.1f, 3, s);
+    kernels::launch_fill_uniform(dt, w.b2, g * l.hidden, 0.1f, 4, s);
   }
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));  // set-up: ready before any other stream reads them
   return out;

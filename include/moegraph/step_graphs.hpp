@@ -68,6 +68,7 @@ MOEGRAPH_API std::string_view step_phase_name(StepPhase phase);
 struct PlannedBuffer {
   std::string name;
   std::size_t offset = 0, bytes = 0;  // within the arena
+  std::string within;  // the buffer holding this one (an operator's workspace), or empty
 };
 
 struct BucketPlan {
@@ -75,14 +76,24 @@ struct BucketPlan {
   int64_t rows = 0;    // permuted rows: tokens * top_k plus alignment padding
   std::vector<PlannedBuffer> buffers;
   std::size_t bytes = 0;
+  // Expert parallelism: the bucket's window on the communicator (outside the arena: each bucket's
+  // layer allocates its own), for the configured receive rows; 0 without expert parallelism.
+  std::size_t window_bytes = 0;
 };
 
+// Sizes are per GPU (per rank with expert parallelism).
 struct MOEGRAPH_API StepPlan {
   std::vector<BucketPlan> buckets;
   std::size_t arena_bytes = 0;     // the largest bucket: buckets share one arena
   std::size_t sum_of_buckets = 0;  // what one allocation per bucket would take
   std::size_t weight_bytes = 0;    // weights, biases and their gradients (outside the arena)
+  std::size_t window_bytes = 0;    // every bucket's expert-parallel window
   std::vector<std::string> kernels;
+  // Device memory the step allocates (arena, weights and gradients, windows): what must fit the
+  // GPU, before the CUDA context and the caller's own buffers.
+  std::size_t device_bytes() const;
+  // The same for a step configured with bucket `b` alone: which buckets fit when all do not.
+  std::size_t bucket_device_bytes(std::size_t b) const;
   std::string to_string() const;
 };
 

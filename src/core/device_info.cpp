@@ -27,7 +27,17 @@ DeviceInfo current_device_info() {
   cudaDeviceProp prop{};
   MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, info.device));
   info.name = prop.name;
+  info.total_memory = prop.totalGlobalMem;
   return info;
+}
+
+std::optional<DeviceInfo> find_current_device() noexcept {
+  try {
+    return current_device_info();
+  } catch (...) {  // no device, no driver, or a failed query: all mean nothing to compare with
+    cudaGetLastError();
+    return std::nullopt;
+  }
 }
 
 DeviceInfo require_supported_device() {

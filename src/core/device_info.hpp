@@ -2,6 +2,8 @@
 // synchronization) and kept by the operator, so each device keeps its own facts.
 #pragma once
 
+#include <cstddef>
+#include <optional>
 #include <string>
 
 namespace moegraph {
@@ -11,10 +13,14 @@ struct DeviceInfo {
   int sm_count = 0;
   int major = 0, minor = 0;  // compute capability
   std::string name;
+  std::size_t total_memory = 0;  // bytes
 };
 
 // The current device. Throws (ErrorKind::kNoDevice) when the process sees no usable CUDA device.
 DeviceInfo current_device_info();
+// The same, or nothing when there is no usable device (or the query fails): for reports that
+// compare with a GPU when there is one and must work without (moegraph-bench --plan). Never throws.
+std::optional<DeviceInfo> find_current_device() noexcept;
 // Throws ErrorKind::kUnsupportedDevice, naming the device and its capability, unless it is compute
 // capability 9.0.
 void require_hopper(const DeviceInfo& info);

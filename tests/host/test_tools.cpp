@@ -1,14 +1,23 @@
-// The tools as a careless user runs them: bad files give a reason and exit 2, never an abort.
+// The tools as a careless user runs them: bad files give a reason and exit 2, never an abort; and
+// --plan as a user sizing a config reads it: readable units, totals, the same numbers in its JSON.
 // meson test passes the binaries' paths (MOEGRAPH_BENCH, MOEGRAPH_CHECK); run by hand, the tests skip.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <optional>
+#include <regex>
 #include <string>
 
 #include <cuda_runtime_api.h>
+#include <nlohmann/json.hpp>
+
+#include "moegraph/config.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -65,6 +74,169 @@ TEST(Tools, BenchWithoutAGpuSaysSoAndSuggestsPlan) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("no CUDA device is available"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("--plan"), std::string::npos) << r.output;
+}
+
+// ---- moegraph-bench --plan ----
+
+bool gpu_present() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+// A file of this test's own under the temp folder, removed first so that a stale one cannot pass.
+std::string fresh_temp_path(const std::string& name) {
+  const std::filesystem::path p =
+      std::filesystem::temp_directory_path() / ("moegraph-test-" + std::to_string(getpid()) + "-" + name);
+  std::filesystem::remove(p);
+  return p.string();
+}
+
+// The size printed after `label` ("1.88 GiB"), in bytes; nullopt when the label or a size is missing.
+std::optional<double> printed_size(const std::string& output, const std::string& label) {
+  std::smatch m;
+  if (!std::regex_search(output, m, std::regex(std::regex_replace(label, std::regex(R"([()=+.])"), R"(\$&)") +
+                                               R"(([0-9]+(\.[0-9]+)?) (B|KiB|MiB|GiB))")))
+    return std::nullopt;
+  const double unit = m[3] == "GiB" ? 1 << 30 : m[3] == "MiB" ? 1 << 20 : m[3] == "KiB" ? 1 << 10 : 1;
+  return std::stod(m[1]) * unit;
+}
+
+// A printed size agrees with an exact byte count to the printed precision (at most 0.5% off).
+void expect_printed(const std::string& output, const std::string& label, double bytes) {
+  const std::optional<double> printed = printed_size(output, label);
+  ASSERT_TRUE(printed.has_value()) << "no size after '" << label << "' in:\n" << output;
+  EXPECT_NEAR(*printed, bytes, 0.005 * bytes) << label;
+}
+
+struct PlanRun {
+  ToolRun run;
+  nlohmann::json plan;  // null when no file was written or it does not parse
+};
+
+PlanRun run_plan(const std::string& config_args, const std::string& name) {
+  const std::string path = fresh_temp_path(name + ".json");
+  PlanRun r{run_tool("MOEGRAPH_BENCH", config_args + " --plan --json " + path), nullptr};
+  std::ifstream f(path);
+  if (f) r.plan = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  std::filesystem::remove(path);
+  return r;
+}
+
+// A config file of the built-in preset with `patch` merged in (JSON merge patch).
+std::string config_file(const nlohmann::json& patch, const std::string& name) {
+  nlohmann::json config = nlohmann::json::parse(to_json(default_config()));
+  config.merge_patch(patch);
+  const std::string path = fresh_temp_path(name + ".json");
+  std::ofstream(path) << config.dump();
+  return path;
+}
+
+// Sizes in KiB/MiB/GiB (offsets included: no raw byte counts of seven digits or more), and the
+// device-memory total a reader looks for.
+TEST(Tools, BenchPlanPrintsReadableSizesAndATotal) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const ToolRun r = run_tool("MOEGRAPH_BENCH", "--plan");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find(" MiB"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(" GiB"), std::string::npos) << r.output;
+  std::smatch raw;
+  EXPECT_FALSE(std::regex_search(r.output, raw, std::regex("[0-9]{7,}"))) << "a raw byte count: " << raw.str(0);
+  EXPECT_TRUE(printed_size(r.output, "device memory total: ").has_value()) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex(" at [0-9.]+ (KiB|MiB|GiB)\n"))) << "offsets in readable units:\n"
+                                                                                   << r.output;
+}
+
+// --plan --json writes the plan, and its numbers are the ones printed.
+TEST(Tools, BenchPlanJsonHoldsThePrintedPlan) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const PlanRun r = run_plan("", "plan");
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  ASSERT_TRUE(r.plan.is_object()) << "--plan --json wrote no JSON file (or one that does not parse)\n" << r.run.output;
+  const nlohmann::json& p = r.plan;
+  for (const char* key : {"name", "config", "buckets", "arena_bytes", "sum_of_buckets", "weight_bytes", "window_bytes",
+                          "device_bytes", "kernels", "gpu_memory_bytes", "expert_parallel"})
+    EXPECT_TRUE(p.contains(key)) << key;
+  const Config preset = default_config();
+  EXPECT_EQ(p["name"], preset.name);
+  EXPECT_EQ(p["config"], nlohmann::json::parse(to_json(preset)));
+  ASSERT_EQ(p["buckets"].size(), preset.buckets.size());
+  std::size_t largest = 0, sum = 0;
+  for (std::size_t b = 0; b < preset.buckets.size(); ++b) {
+    const nlohmann::json& bucket = p["buckets"][b];
+    EXPECT_EQ(bucket["tokens"], preset.buckets[b]);
+    EXPECT_GT(bucket["rows"].get<int64_t>(), 0);
+    const std::size_t bytes = bucket["bytes"];
+    largest = std::max(largest, bytes), sum += bytes;
+    ASSERT_FALSE(bucket["buffers"].empty());
+    for (const nlohmann::json& buf : bucket["buffers"])
+      EXPECT_LE(buf["offset"].get<std::size_t>() + buf["bytes"].get<std::size_t>(), bytes) << buf.dump();
+    EXPECT_EQ(bucket["device_bytes"], bytes + p["weight_bytes"].get<std::size_t>());
+    expect_printed(r.run.output, "bucket " + std::to_string(preset.buckets[b]) + " tokens (" +
+                                     std::to_string(bucket["rows"].get<int64_t>()) + " rows): ", bytes);
+  }
+  EXPECT_EQ(p["arena_bytes"], largest);
+  EXPECT_EQ(p["sum_of_buckets"], sum);
+  EXPECT_EQ(p["window_bytes"], 0);
+  EXPECT_TRUE(p["expert_parallel"].is_null());
+  EXPECT_EQ(p["device_bytes"], largest + p["weight_bytes"].get<std::size_t>());
+  expect_printed(r.run.output, "arena (shared by all buckets, = the largest): ", largest);
+  expect_printed(r.run.output, "weights and gradients (outside the arena): ", p["weight_bytes"]);
+  expect_printed(r.run.output, "device memory total: ", p["device_bytes"]);
+  EXPECT_FALSE(p["kernels"].empty());
+  if (gpu_present()) {
+    cudaDeviceProp prop{};
+    ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+    EXPECT_EQ(p["gpu_memory_bytes"], prop.totalGlobalMem);
+  } else {
+    EXPECT_TRUE(p["gpu_memory_bytes"].is_null());
+  }
+}
+
+// With expert parallelism each bucket's window counts, at the configured bound, in the totals.
+TEST(Tools, BenchPlanCountsTheExpertParallelWindows) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::string config =
+      config_file({{"name", "ep4"}, {"parallel", {{"expert_parallel", 4}, {"recv_rows", 20000}}}}, "ep4");
+  const PlanRun r = run_plan(config, "ep4-plan");
+  std::filesystem::remove(config);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  ASSERT_TRUE(r.plan.is_object()) << r.run.output;
+  const nlohmann::json& p = r.plan;
+  ASSERT_TRUE(p["expert_parallel"].is_object()) << p.dump(1);
+  EXPECT_EQ(p["expert_parallel"]["ranks"], 4);
+  const nlohmann::json& windows = p["expert_parallel"]["windows"];
+  ASSERT_EQ(windows.size(), p["buckets"].size());
+  std::size_t sum = 0;
+  for (std::size_t b = 0; b < windows.size(); ++b) {
+    EXPECT_EQ(windows[b]["recv_rows"], 20000);
+    EXPECT_LT(windows[b]["bound_bytes"], windows[b]["worst_case_bytes"]) << "20000 rows are below the worst case";
+    EXPECT_EQ(p["buckets"][b]["window_bytes"], windows[b]["bound_bytes"]) << "the bound is what is allocated";
+    sum += windows[b]["bound_bytes"].get<std::size_t>();
+  }
+  EXPECT_EQ(p["window_bytes"], sum);
+  EXPECT_EQ(p["device_bytes"], p["arena_bytes"].get<std::size_t>() + p["weight_bytes"].get<std::size_t>() + sum);
+  expect_printed(r.run.output, "expert-parallel windows (outside the arena, one per bucket): ", sum);
+  expect_printed(r.run.output, "device memory total: ", p["device_bytes"]);
+}
+
+// The plan is compared with the GPU when there is one; without, it says so and still succeeds.
+TEST(Tools, BenchPlanComparesWithTheGpuOrSaysThereIsNone) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::string config = config_file({{"buckets", {1048576}}}, "huge");  // past any GPU's memory
+  const ToolRun r = run_tool("MOEGRAPH_BENCH", config + " --plan");
+  std::filesystem::remove(config);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  if (gpu_present())
+    EXPECT_NE(r.output.find("WARNING: the step needs"), std::string::npos) << r.output;
+  else
+    EXPECT_NE(r.output.find("no GPU found to compare against"), std::string::npos) << r.output;
+}
+
+TEST(Tools, BenchPlanJsonToAnUnwritablePathFailsWithAReason) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const ToolRun r = run_tool("MOEGRAPH_BENCH", "--plan --json /no/such/folder/plan.json");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cannot write the plan to /no/such/folder/plan.json"), std::string::npos) << r.output;
 }
 
 }  // namespace

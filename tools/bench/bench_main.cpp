@@ -4,9 +4,8 @@
 #include <string>
 
 #include "moegraph/config.hpp"
-#include "moegraph/moe_layer.hpp"
-#include "moegraph/step_graphs.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/plan_report.hpp"
 #include "tools/bench/step_bench.hpp"
 
 namespace {
@@ -16,8 +15,9 @@ constexpr const char* kUsage =
     "       moegraph-bench --kernels [--quick]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
-    "  --plan       print each bucket's buffers, the arena and the kernels chosen; needs no GPU\n"
-    "  --json FILE  also write the results as JSON (scripts/plot-bench draws them)\n"
+    "  --plan       print each bucket's buffers, the kernels chosen and the device memory they take,\n"
+    "               compared with the GPU's when there is one; needs no GPU\n"
+    "  --json FILE  also write the results as JSON (scripts/plot-bench draws them); with --plan, the plan\n"
     "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
     "  --recipe R   override precision.recipe (mxfp8 with row_align 1 uses row_align 32)\n"
     "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone on built-in shapes\n";
@@ -25,33 +25,6 @@ constexpr const char* kUsage =
 int usage_error(const std::string& what) {
   std::fprintf(stderr, "moegraph-bench: %s\n%s", what.c_str(), kUsage);
   return 2;
-}
-
-}  // namespace
-
-namespace {
-
-// The expert-parallel window of each bucket (one per rank, allocated on its communicator): its
-// receive buffer sized for the worst case and, with parallel.recv_rows, for the configured bound.
-void print_expert_parallel_plan(const moegraph::Config& config) {
-  if (config.parallel.expert_parallel <= 1) return;
-  std::printf("expert parallel: %d ranks, %d experts per rank, tokens per bucket are per rank\n",
-              config.parallel.expert_parallel, config.layer.experts / config.parallel.expert_parallel);
-  for (int64_t tokens : config.buckets) {
-    moegraph::MoeLayerOptions o = moegraph::moe_layer_options(config, tokens);
-    const int64_t bound = o.ep_recv_rows;
-    o.ep_recv_rows = 0;
-    const int64_t worst = moegraph::moe_ep_worst_case_rows(o);
-    const double worst_mib = moegraph::MoeLayer::window_bytes(o) / 1048576.0;
-    std::printf("  %lld tokens: window per rank %.1f MiB with %lld receive rows (worst case: dropless)",
-                static_cast<long long>(tokens), worst_mib, static_cast<long long>(worst));
-    if (bound > 0) {
-      o.ep_recv_rows = bound;
-      std::printf("; %.1f MiB with the bound of %lld rows (rows past it dropped and counted)",
-                  moegraph::MoeLayer::window_bytes(o) / 1048576.0, static_cast<long long>(bound));
-    }
-    std::printf("\n");
-  }
 }
 
 }  // namespace
@@ -105,11 +78,7 @@ int main(int argc, char** argv) {
       if (recipe == "mxfp8" && config.row_align == 1) config.row_align = 32;
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
     }
-    if (plan) {
-      std::printf("config: %s\n%s", config.name.c_str(), moegraph::plan_step(moegraph::step_graphs_options(config)).to_string().c_str());
-      print_expert_parallel_plan(config);
-      return 0;
-    }
+    if (plan) return moegraph::bench::run_plan(config, options.json_path);
     return moegraph::bench::run_step_bench(config, options);
   } catch (const moegraph::ConfigError& e) {
     std::fprintf(stderr, "moegraph-bench: invalid config: %s\n", e.message().c_str());
@@ -117,7 +86,7 @@ int main(int argc, char** argv) {
   } catch (const moegraph::Error& e) {
     std::fprintf(stderr, "moegraph-bench: %s\n", e.message().c_str());
     if (e.kind() == moegraph::ErrorKind::kNoDevice || e.kind() == moegraph::ErrorKind::kUnsupportedDevice)
-      std::fprintf(stderr, "moegraph-bench: --plan prints a config's buffers and kernels without a GPU\n");
+      std::fprintf(stderr, "moegraph-bench: --plan prints a config's buffers, kernels and device memory without a GPU\n");
     return e.kind() == moegraph::ErrorKind::kInvalidArgument ? 2 : 1;
   } catch (const std::exception& e) {  // out of memory and the like: a reason, never an abort
     std::fprintf(stderr, "moegraph-bench: %s\n", e.what());
