@@ -43,7 +43,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         loss.backward()  # the aux loss gradient is applied inside the MoE layer's backward
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         print(f"step {step:3d}  loss {losses[-1]:.4f}  aux {float(aux):.4f}")
     if not losses[-1] < losses[0]:
         print("train_moe: the loss did not fall", file=sys.stderr)

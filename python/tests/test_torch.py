@@ -17,7 +17,7 @@ TOL = 2e-2  # relative Frobenius error of bf16 results against float64
 
 
 def rel_err(got, want):
-    got, want = got.double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
