@@ -324,7 +324,8 @@ typedef struct {
 } mg_bucket_io;
 
 /* Allocates the arena, binds the weights, warms up and captures every bucket's phases (host work;
- * MXFP8: call mg_step_graphs_weights_changed once the weights are written). options may be NULL. */
+ * MXFP8: call mg_step_graphs_weights_changed once the weights are written). options may be NULL.
+ * The step keeps no reference to `config`: it may be destroyed right after. */
 MOEGRAPH_API mg_status mg_step_graphs_create(const mg_config* config, const mg_step_weights* weights,
                                              const mg_step_graphs_options* options, mg_step_graphs** out);
 /* NULL or a destroyed handle: nothing happens. */
@@ -332,7 +333,8 @@ MOEGRAPH_API void mg_step_graphs_destroy(mg_step_graphs* step);
 MOEGRAPH_API mg_status mg_step_graphs_num_buckets(const mg_step_graphs* step, int* out);
 /* The bucket's capacity in tokens; MG_ERR_INVALID_ARGUMENT for a bucket outside 0..num_buckets - 1. */
 MOEGRAPH_API mg_status mg_step_graphs_bucket_tokens(const mg_step_graphs* step, int bucket, int64_t* out);
-/* The smallest bucket holding `tokens` (1..the largest capacity); MG_ERR_INVALID_ARGUMENT above it. */
+/* The smallest bucket holding `tokens` (0..the largest capacity; 0 gives the first bucket);
+ * MG_ERR_INVALID_ARGUMENT for a negative count or one above the largest capacity. */
 MOEGRAPH_API mg_status mg_step_graphs_bucket_for(const mg_step_graphs* step, int64_t tokens, int* out);
 /* Fills *out (the caller sets out->struct_size). */
 MOEGRAPH_API mg_status mg_step_graphs_io(const mg_step_graphs* step, int bucket, mg_bucket_io* out);
