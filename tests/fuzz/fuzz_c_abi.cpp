@@ -60,9 +60,9 @@ void check_layout(const char* what, const std::vector<Buffer>& buffers, std::siz
   }
 }
 
-void expect_refused(mg_status status, const char* call) {
-  if (status != MG_ERR_INVALID_ARGUMENT)
-    finding(std::string(call) + " returned " + std::to_string(status) + " instead of MG_ERR_INVALID_ARGUMENT");
+void expect_refused(mg_status status, const char* call, mg_status expected = MG_ERR_INVALID_ARGUMENT) {
+  if (status != expected)
+    finding(std::string(call) + " returned " + std::to_string(status) + " instead of " + mg_status_string(expected));
   if (mg_last_error()[0] == '\0') finding(std::string(call) + " refused without a message");
 }
 
@@ -177,8 +177,10 @@ void null_arguments() {
   expect_refused(mg_grouped_linear_create(nullptr, nullptr, &op), "mg_grouped_linear_create(null options)");
   mg_moe_layer* layer = nullptr;
   expect_refused(mg_moe_layer_create(nullptr, nullptr, nullptr, &layer), "mg_moe_layer_create(null options)");
-  expect_refused(mg_moe_layer_forward(nullptr, nullptr, 1, nullptr), "mg_moe_layer_forward(null layer)");
-  expect_refused(mg_grouped_linear_backward_dw(nullptr, nullptr), "mg_grouped_linear_backward_dw(null op)");
+  expect_refused(mg_moe_layer_forward(nullptr, nullptr, 1, nullptr), "mg_moe_layer_forward(null layer)",
+                 MG_ERR_INVALID_HANDLE);
+  expect_refused(mg_grouped_linear_backward_dw(nullptr, nullptr), "mg_grouped_linear_backward_dw(null op)",
+                 MG_ERR_INVALID_HANDLE);
 }
 
 }  // namespace
