@@ -76,6 +76,25 @@ TEST(Tools, BenchWithoutAGpuSaysSoAndSuggestsPlan) {
   EXPECT_NE(r.output.find("--plan"), std::string::npos) << r.output;
 }
 
+// A shape of one's own for the kernel bench is checked before any GPU is touched, with a reason.
+TEST(Tools, KernelBenchRefusesMalformedShapesWithAReason) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::pair<const char*, const char*> cases[] = {
+      {"--kernels --shape olmoe:64:2048", "expected NAME:GROUPS:K:N:ROWS"},
+      {"--kernels --shape x:0:2048:2048:100", "GROUPS must be an integer in [1, 1024], got '0'"},
+      {"--kernels --shape x:64:2040:2048:100", "K and N must be multiples of 16"},
+      {"--kernels --shape x:64:2048:2048:1e4", "ROWS must be an integer"},
+      {"--kernels --shape x:1024:65536:65536:100", "exceed 2^34 elements"},
+      {"--kernels --set tiny", "--set must be presets, quick, fine or all, got 'tiny'"},
+      {"--set fine", "--set, --quick and --shape go with --kernels"},
+  };
+  for (const auto& [args, reason] : cases) {
+    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
+  }
+}
+
 // ---- moegraph-bench --plan ----
 
 bool gpu_present() {

@@ -1,10 +1,13 @@
-// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] | --kernels [--quick]
+// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R]
+//                | --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "moegraph/config.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/kernel_bench.hpp"
 #include "tools/bench/plan_report.hpp"
 #include "tools/bench/step_bench.hpp"
 
@@ -12,7 +15,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N] [--recipe bf16|mxfp8]\n"
-    "       moegraph-bench --kernels [--quick]\n"
+    "       moegraph-bench --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
     "  --plan       print each bucket's buffers, the kernels chosen and the device memory they take,\n"
@@ -20,7 +23,12 @@ constexpr const char* kUsage =
     "  --json FILE  also write the results as JSON (scripts/plot-bench draws them); with --plan, the plan\n"
     "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
     "  --recipe R   override precision.recipe (mxfp8 with row_align 1 uses row_align 32)\n"
-    "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone on built-in shapes\n";
+    "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone against their roofline (dense\n"
+    "               cuBLASLt rate and device-copy bandwidth, both measured in the same run)\n"
+    "  --set S      kernel shapes: presets (default), quick, fine (60-256 experts of 40-500 rows) or all\n"
+    "  --quick      the same as --set quick\n"
+    "  --shape SPEC a shape of your own, NAME:GROUPS:K:N:ROWS (repeatable; replaces the set), e.g.\n"
+    "               olmoe_fc1:64:2048:2048:16384\n";
 
 int usage_error(const std::string& what) {
   std::fprintf(stderr, "moegraph-bench: %s\n%s", what.c_str(), kUsage);
@@ -31,7 +39,9 @@ int usage_error(const std::string& what) {
 
 int main(int argc, char** argv) {
   std::string config_path;
-  bool plan = false, kernels = false, quick = false;
+  bool plan = false, kernels = false;
+  moegraph::bench::KernelBenchOptions kernel_options;
+  std::vector<std::string> shape_specs;
   std::string recipe;
   moegraph::bench::StepBenchOptions options;
   for (int i = 1; i < argc; ++i) {
@@ -45,7 +55,18 @@ int main(int argc, char** argv) {
     } else if (a == "--kernels") {
       kernels = true;
     } else if (a == "--quick") {
-      quick = true;
+      kernel_options.set = "quick";
+    } else if (a == "--set") {
+      const char* v = value("--set");
+      if (!v) return 2;
+      kernel_options.set = v;
+      if (kernel_options.set != "presets" && kernel_options.set != "quick" && kernel_options.set != "fine" &&
+          kernel_options.set != "all")
+        return usage_error("--set must be presets, quick, fine or all, got '" + kernel_options.set + "'");
+    } else if (a == "--shape") {
+      const char* v = value("--shape");
+      if (!v) return 2;
+      shape_specs.push_back(v);
     } else if (a == "--json") {
       const char* v = value("--json");
       if (!v) return 2;
@@ -71,7 +92,13 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    if (kernels) return moegraph::bench::run_kernel_bench(quick);
+    if (kernels) {
+      for (const std::string& spec : shape_specs) kernel_options.shapes.push_back(moegraph::bench::parse_kernel_shape(spec));
+      kernel_options.json_path = options.json_path;
+      kernel_options.replays = options.replays;
+      return moegraph::bench::run_kernel_bench(kernel_options);
+    }
+    if (!shape_specs.empty() || kernel_options.set != "presets") return usage_error("--set, --quick and --shape go with --kernels");
     moegraph::Config config = config_path.empty() ? moegraph::default_config() : moegraph::load_config(config_path);
     if (!recipe.empty() && recipe != moegraph::recipe_name(config.precision.recipe)) {
       config.precision.recipe = recipe == "mxfp8" ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;

@@ -87,6 +87,5 @@ class Table {
   std::vector<std::vector<std::string>> rows_;
 };
 
-int run_kernel_bench(bool quick);
 
 }  // namespace moegraph::bench

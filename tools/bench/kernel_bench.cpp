@@ -3,18 +3,24 @@
 // cuBLASLt loop with host-synced splits (the legacy way), on uniform and skewed routings.
 // Method (docs/PERF.md): a fresh random routing before every replay, CUDA-event timing of the
 // replay alone, medians, input sets rotated so L2 (50-60 MB) cannot hold them, no zero data.
+// Each phase is judged against its roofline (tools/bench/roofline.hpp), measured in the same run.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/elementwise/elementwise.hpp"
 #include "kernels/quantize/mxfp8.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "moegraph/error.hpp"
@@ -24,26 +30,32 @@
 #include "graphs/graph_exec.hpp"
 #include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/kernel_bench.hpp"
+#include "tools/bench/roofline.hpp"
 
 namespace moegraph::bench {
 namespace {
 
-struct Shape {
-  const char* name;
-  int groups;
-  int64_t k, n, rows;  // rows = tokens * top_k
-};
-
 // Expert FC1 of the four presets (N = 2 * ffn: gate and up), at training/prefill sizes and decode.
-const Shape kShapes[] = {
+const KernelShape kShapes[] = {
     {"mixtral_fc1", 8, 4096, 28672, 16384},
     {"deepseek_shard_fc1", 32, 7168, 4096, 32768},
     {"qwen3_fc1", 128, 2048, 1536, 32768},
     {"decode_fc1", 64, 4096, 2816, 768},
 };
-const Shape kQuickShapes[] = {
+const KernelShape kQuickShapes[] = {
     {"qwen3_fc1_small", 128, 2048, 1536, 8192},
     {"decode_fc1", 64, 4096, 2816, 768},
+};
+// Fine-grained experts that are not presets: 60-256 experts of 40-500 rows, K and N from 1024 to
+// 7168 (FC1- and FC2-like), memory-bound on the weights (fprop, dgrad) or their gradients (wgrad).
+const KernelShape kFineShapes[] = {
+    {"fine60_k2048_n2816", 60, 2048, 2816, 10240},     // ~170 rows per expert
+    {"fine64_k2048_n2048", 64, 2048, 2048, 32000},     // 500
+    {"fine128_k4096_n3072", 128, 4096, 3072, 16384},   // 128
+    {"fine128_k1536_n4096", 128, 1536, 4096, 5120},    // 40
+    {"fine256_k7168_n1024", 256, 7168, 1024, 32768},   // 128
+    {"fine256_k2048_n7168", 256, 2048, 7168, 20480},   // 80
 };
 
 // kWgradMainGrad: wgrad accumulated into fp32 main_grad (the training step's), against the dense
@@ -56,7 +68,7 @@ kernels::GemmPhase gemm_phase(Phase p) {
 }
 // The kernel the library's heuristic picks for this shape and phase (optionally forcing the
 // 16-bit load pipeline), prepared on this device.
-kernels::GemmPlan plan_for(const Shape& s, Phase phase, Recipe recipe, int64_t capacity_rows, int sm_count,
+kernels::GemmPlan plan_for(const KernelShape& s, Phase phase, Recipe recipe, int64_t capacity_rows, int sm_count,
                            GemmPipeline forced = GemmPipeline::kAuto) {
   kernels::GemmProblem problem;
   problem.phase = gemm_phase(phase);
@@ -115,17 +127,22 @@ struct MxBuffers {
 };
 DeviceBuffer random_mx_bytes(std::size_t count, bool scales, std::mt19937_64& rng) {
   std::vector<uint8_t> host(count);
-  std::uniform_int_distribution<int> code(0, 255), exp(120, 134);
-  for (auto& h : host) {
-    int c = scales ? exp(rng) : code(rng);
-    if (!scales && (c & 0x7f) == 0x7f) c ^= 1;  // never the NaN code
-    h = static_cast<uint8_t>(c);
+  if (scales) {
+    std::uniform_int_distribution<int> exp(120, 134);
+    for (auto& h : host) h = static_cast<uint8_t>(exp(rng));
+  } else {  // eight codes per draw: the fine-grained shapes hold billions
+    for (std::size_t i = 0; i < count; i += 8) {
+      const uint64_t bits = rng();
+      std::memcpy(host.data() + i, &bits, std::min<std::size_t>(8, count - i));
+    }
+    for (auto& h : host)
+      if ((h & 0x7f) == 0x7f) h ^= 1;  // never the NaN code
   }
   DeviceBuffer d(count);
   MG_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), count, cudaMemcpyHostToDevice));
   return d;
 }
-MxBuffers make_mx_buffers(const Shape& s, std::mt19937_64& rng) {
+MxBuffers make_mx_buffers(const KernelShape& s, std::mt19937_64& rng) {
   MxBuffers m;
   m.cap32 = (s.rows + int64_t{s.groups} * 31 + 31) / 32 * 32;
   m.x = random_mx_bytes(s.rows * s.k, false, rng), m.xs = random_mx_bytes(s.rows * s.k / 32, true, rng);
@@ -139,7 +156,7 @@ MxBuffers make_mx_buffers(const Shape& s, std::mt19937_64& rng) {
 }
 
 // One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels.
-double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
+double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
                  const MxBuffers& mx, int sm_count, int replays, cudaStream_t stream) {
   const kernels::GemmPlan plan =
       plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, sm_count);  // set-up
@@ -184,7 +201,7 @@ double run_mxfp8(const Shape& s, Phase phase, const std::vector<std::vector<int3
   return median(t);
 }
 
-Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
+Result run_phase(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
                  int sm_count, int sets, int replays, cudaStream_t stream) {
   LtGemm lt;
   LegacyExpertLoop legacy(s.groups, s.n, s.k, s.rows, 1, DType::kBF16);
@@ -275,7 +292,7 @@ Result run_phase(const Shape& s, Phase phase, const std::vector<std::vector<int3
 
 // Quantizing the bf16 activations x [rows, k] (32-aligned groups) into both MXFP8 copies from one
 // read: the bytes moved over the time, graph-replayed.
-double run_quantize(const Shape& s, Buffers& b, const MxBuffers& mx, int replays, cudaStream_t stream,
+double run_quantize(const KernelShape& s, Buffers& b, const MxBuffers& mx, int replays, cudaStream_t stream,
                     double* gbps) {
   auto off32 = mx.offsets32.as<int64_t>();
   DeviceBuffer row_data(mx.cap32 * s.k), row_scales(mx.cap32 * s.k / 32), col_data(mx.cap32 * s.k),
@@ -304,9 +321,64 @@ double run_quantize(const Shape& s, Buffers& b, const MxBuffers& mx, int replays
   return ms;
 }
 
+// The fewest bytes a phase must move (bf16): its activations once, and the weights of the experts
+// that received rows (fprop, dgrad) or every expert's gradient (wgrad writes zeros for empty
+// experts; into main_grad it reads and writes the fp32 gradients of the active ones).
+double phase_bytes(const KernelShape& s, Phase phase, double active) {
+  const double acts = static_cast<double>(s.rows) * (s.k + s.n) * 2, weight = static_cast<double>(s.n) * s.k;
+  switch (phase) {
+    case Phase::kFprop:
+    case Phase::kDgrad: return acts + active * weight * 2;
+    case Phase::kWgrad: return acts + s.groups * weight * 2;
+    case Phase::kWgradMainGrad: return acts + active * weight * 8;
+  }
+  return 0;
+}
+
+int64_t parse_int(const std::string& field, const std::string& what, const std::string& spec, int64_t lo, int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(field.c_str(), &end, 10);
+  MG_CHECK(!field.empty() && *end == '\0' && errno == 0 && v >= lo && v <= hi, "--shape '", spec, "': ", what,
+               " must be an integer in [", lo, ", ", hi, "], got '", field, "'");
+  return v;
+}
+
 }  // namespace
 
-int run_kernel_bench(bool quick) {
+KernelShape parse_kernel_shape(const std::string& spec) {
+  std::vector<std::string> f;
+  std::size_t start = 0;
+  for (std::size_t pos; (pos = spec.find(':', start)) != std::string::npos; start = pos + 1)
+    f.push_back(spec.substr(start, pos - start));
+  f.push_back(spec.substr(start));
+  MG_CHECK(f.size() == 5 && !f[0].empty(), "--shape '", spec, "': expected NAME:GROUPS:K:N:ROWS");
+  KernelShape s;
+  s.name = f[0];
+  s.groups = static_cast<int>(parse_int(f[1], "GROUPS", spec, 1, 1024));
+  s.k = parse_int(f[2], "K", spec, 16, 65536);
+  s.n = parse_int(f[3], "N", spec, 16, 65536);
+  s.rows = parse_int(f[4], "ROWS", spec, 1, int64_t{1} << 24);
+  MG_CHECK(s.k % 16 == 0 && s.n % 16 == 0, "--shape '", spec, "': K and N must be multiples of 16");
+  MG_CHECK(s.groups * s.n * s.k <= (int64_t{1} << 34), "--shape '", spec,
+               "': the weights (GROUPS * N * K) exceed 2^34 elements");
+  return s;
+}
+
+std::vector<KernelShape> kernel_bench_shapes(const KernelBenchOptions& o) {
+  if (!o.shapes.empty()) return o.shapes;
+  std::vector<KernelShape> shapes;
+  auto add = [&](const auto& list) { shapes.insert(shapes.end(), std::begin(list), std::end(list)); };
+  if (o.set == "quick") add(kQuickShapes);
+  else if (o.set == "presets") add(kShapes);
+  else if (o.set == "fine") add(kFineShapes);
+  else if (o.set == "all") add(kShapes), add(kFineShapes);
+  else MG_FAIL("unknown kernel shape set '", o.set, "' (presets, quick, fine or all)");
+  return shapes;
+}
+
+int run_kernel_bench(const KernelBenchOptions& options) {
+  const std::vector<KernelShape> shapes = kernel_bench_shapes(options);
   cudaDeviceProp prop{};
   const DeviceInfo device = require_supported_device();  // "no CUDA device" or a wrong GPU, said plainly
   MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.device));
@@ -316,15 +388,18 @@ int run_kernel_bench(bool quick) {
               "persistent; cp_async column: the v4 cp.async kernels on the same tile\n");
   cudaStream_t stream;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Roofline roof = measure_roofline(stream);
+  std::printf("%s\n", roof.describe().c_str());
 
-  std::vector<Shape> shapes;
-  if (quick) shapes.assign(std::begin(kQuickShapes), std::end(kQuickShapes));
-  else shapes.assign(std::begin(kShapes), std::end(kShapes));
-  const int replays = quick ? 15 : 40;
+  const int replays = options.replays > 0 ? options.replays : options.set == "quick" ? 15 : 40;
   Table table, mx_table, q_table;
+  nlohmann::json out;
+  out["device"] = prop.name;
+  out["roofline"] = {{"dense_tflops", roof.dense_tflops}, {"copy_gbps", roof.copy_gbps}};
+  out["replays"] = replays;
   int done = 0;
   const int total = static_cast<int>(shapes.size()) * 2 * 4;
-  for (const Shape& s : shapes) {
+  for (const KernelShape& s : shapes) {
     std::mt19937_64 rng(1234);
     Buffers b;
     const std::size_t set_bytes = s.rows * (s.k + s.n) * 2;
@@ -337,7 +412,7 @@ int run_kernel_bench(bool quick) {
       b.out_rows.emplace_back(s.rows * std::max(s.k, s.n) * 2);
     }
     b.w = DeviceBuffer(s.groups * s.n * s.k * 2);
-    fill_random(b.w, s.groups * s.n * s.k, rng);
+    kernels::launch_fill_uniform(DType::kBF16, b.w.get(), s.groups * s.n * s.k, 1.0f, 99, stream);
     b.dw = DeviceBuffer(s.groups * s.n * s.k * 2);
     b.main_grad = DeviceBuffer(s.groups * s.n * s.k * 4);
     MG_CUDA_CHECK(cudaMemset(b.main_grad.get(), 0, b.main_grad.bytes()));
@@ -349,55 +424,75 @@ int run_kernel_bench(bool quick) {
     MG_CUDA_CHECK(cudaMemset(b.error.get(), 0, sizeof(DeviceErrorRecord)));
     const bool mx_shape = s.k % 128 == 0 && s.n % 128 == 0;
     const MxBuffers mx = mx_shape ? make_mx_buffers(s, rng) : MxBuffers{};
+    nlohmann::json js = {{"name", s.name}, {"groups", s.groups}, {"k", s.k}, {"n", s.n}, {"rows", s.rows}};
     for (Routing routing : {Routing::kUniform, Routing::kSkewed}) {
       std::vector<std::vector<int32_t>> routings;
       for (int i = 0; i < 16; ++i) routings.push_back(testing::random_splits(rng, s.groups, s.rows, routing));
+      js["routings"][routing_name(routing)] = routings;
       std::vector<int32_t> flat;
       for (auto& r : routings) flat.insert(flat.end(), r.begin(), r.end());
       b.routings = DeviceBuffer(flat.size() * 4);
       MG_CUDA_CHECK(cudaMemcpy(b.routings.get(), flat.data(), flat.size() * 4, cudaMemcpyHostToDevice));
-      double active = 0;  // mean number of experts that received tokens (decode weight traffic)
+      double active = 0;  // mean number of experts that received rows (their weights are read)
       for (auto& r : routings) active += std::count_if(r.begin(), r.end(), [](int32_t v) { return v > 0; });
       active /= routings.size();
       if (mx_shape && routing == Routing::kUniform) {
         MG_CUDA_CHECK(cudaMemcpy(b.splits.get(), routings[0].data(), s.groups * 4, cudaMemcpyHostToDevice));
         double gbps = 0;
         const double ms = run_quantize(s, b, mx, replays, stream, &gbps);
-        q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), fmt(ms, 3), fmt(gbps, 0)});
+        q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), fmt(ms, 3), fmt(gbps, 0),
+                     fmt(gbps / roof.copy_gbps, 2)});
       }
       for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad, Phase::kWgradMainGrad}) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
-        const double flops = 2.0 * s.rows * s.n * s.k;
+        const double flops = 2.0 * s.rows * s.n * s.k, bytes = phase_bytes(s, phase, active);
+        const double floor = roof.floor_ms(flops, bytes);
+        double mx_ms = 0;
         if (mx_shape && phase != Phase::kWgradMainGrad) {
-          const double mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
+          mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
           mx_table.add({s.name, routing_name(routing), phase_name(phase), fmt(r.grouped_ms, 3),
                         fmt(flops / r.grouped_ms / 1e9, 1), fmt(mx_ms, 3), fmt(flops / mx_ms / 1e9, 1),
                         fmt(r.grouped_ms / mx_ms, 2)});
         }
-        const double weight_gb = active * s.n * s.k * 2 / 1e9;
         const kernels::GemmConfig chosen = plan_for(s, phase, Recipe::kBF16, s.rows, grid).config;
-        table.add({s.name, routing_name(routing), phase_name(phase),
-                   std::to_string(chosen.block_n) + " " +
-                       (chosen.family == kernels::GemmFamily::kTma16 ? "tma" : "cp_async"),
-                   fmt(r.grouped_ms, 3), fmt(flops / r.grouped_ms / 1e9, 1), fmt(weight_gb / r.grouped_ms * 1e3, 0),
-                   fmt(flops / r.cp_async_ms / 1e9, 1), fmt(r.dense_ms, 3), fmt(flops / r.dense_ms / 1e9, 1),
-                   fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2), fmt(r.legacy_ms / r.grouped_ms, 2)});
-        progress(++done, total, s.name);
+        const std::string tile = std::to_string(chosen.block_n) + " " +
+                                 (chosen.family == kernels::GemmFamily::kTma16 ? "tma" : "cp_async");
+        table.add({s.name, routing_name(routing), phase_name(phase), tile, fmt(r.grouped_ms, 3),
+                   fmt(flops / r.grouped_ms / 1e9, 1), fmt(bytes / r.grouped_ms / 1e6, 0), fmt(floor, 3),
+                   roof.bound(flops, bytes), fmt(floor / r.grouped_ms, 2), fmt(floor / r.cp_async_ms, 2),
+                   fmt(r.dense_ms, 3), fmt(r.dense_ms / r.grouped_ms, 2), fmt(r.legacy_ms, 3),
+                   fmt(r.legacy_ms / r.grouped_ms, 2)});
+        nlohmann::json jr = {{"shape", s.name}, {"routing", routing_name(routing)}, {"phase", phase_name(phase)},
+                             {"kernel", chosen.to_string()}, {"ms", r.grouped_ms}, {"cp_async_ms", r.cp_async_ms},
+                             {"dense_ms", r.dense_ms}, {"legacy_ms", r.legacy_ms}, {"flops", flops},
+                             {"bytes", bytes}, {"active_experts", active}, {"floor_ms", floor},
+                             {"bound", roof.bound(flops, bytes)}, {"of_roofline", floor / r.grouped_ms}};
+        if (mx_ms > 0) jr["mxfp8_ms"] = mx_ms;
+        out["results"].push_back(jr);
+        progress(++done, total, s.name.c_str());
       }
     }
+    out["shapes"].push_back(js);
   }
   std::fprintf(stderr, "\n");
-  std::printf("\nmedian of %d graph replays (legacy: %d eager runs), bf16, fresh routing per replay\n", replays,
+  std::printf("\nmedian of %d graph replays (legacy: %d eager runs), bf16, fresh routing per replay; floor = max(FLOPs "
+              "at the dense rate, fewest bytes at the copy bandwidth); of roofline = floor / time\n", replays,
               std::min(replays, 20));
-  table.print({"shape", "routing", "phase", "tile", "grouped ms", "TFLOP/s", "W GB/s", "cp_async TFLOP/s", "dense ms",
-               "dense TFLOP/s", "legacy ms", "vs dense", "vs legacy"});
+  table.print({"shape", "routing", "phase", "tile", "grouped ms", "TFLOP/s", "GB/s", "floor ms", "bound",
+               "of roofline", "cp_async of roofline", "dense ms", "vs dense", "legacy ms", "vs legacy"});
   std::printf("\nMXFP8 (e4m3 wgmma, per-32 E8M0 scales promoted every K block) vs BF16, same routings"
               " (MXFP8 wgrad: groups 32-row aligned)\n");
   mx_table.print({"shape", "routing", "phase", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
                   "mxfp8 speed-up"});
   std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing\n");
-  q_table.print({"shape", "x", "ms", "GB/s moved"});
+  q_table.print({"shape", "x", "ms", "GB/s moved", "of copy bandwidth"});
   cudaStreamDestroy(stream);
+  if (!options.json_path.empty()) {
+    std::ofstream f(options.json_path);
+    MG_CHECK(f.good(), "cannot write ", options.json_path);
+    f << out.dump(1) << "\n";
+    std::printf("\nresults written to %s\n", options.json_path.c_str());
+  }
   return 0;
 }
 
