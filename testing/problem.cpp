@@ -96,6 +96,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   o.reference_kernels = spec.reference_kernels;
   o.tile_n = spec.tile_n;
   o.pipeline = spec.pipeline;
+  o.wgrad_ping_pong = spec.wgrad_ping_pong;
   o.recipe = spec.recipe;
   op = std::make_unique<GroupedLinear>(o);
 

@@ -32,6 +32,7 @@ struct CaseSpec {
   bool reference_kernels = false;  // the WMMA reference kernels instead of wgmma
   int tile_n = 0;                  // wgmma tile width (0: the heuristic's choice)
   GemmPipeline pipeline = GemmPipeline::kAuto;  // 16-bit wgmma operand loads
+  int wgrad_ping_pong = -1;        // TMA wgrad with ping-pong consumers (-1: the heuristic's choice)
   // Tolerance of the outputs in `dtype` (default: tolerance_for(dtype)). The fp32 outputs
   // (main_grad, dbias_scale) always use the fp32 entry of the table.
   std::optional<Tolerance> tolerance = std::nullopt;

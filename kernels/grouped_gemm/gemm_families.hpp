@@ -22,7 +22,8 @@ void launch_cp_async_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaS
 void launch_cp_async_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
 
 // sm90_grouped_gemm_16bit_tma.cu
-GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n);
+// ping_pong (wgrad only): the ping-pong consumer kernel, 128 x 128 tiles.
+GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_pong = false);
 int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map);
 void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
 void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);

@@ -33,6 +33,7 @@ std::string GemmConfig::to_string() const {
   os << gemm_family_name(family) << " " << block_m << "x" << block_n << "x" << block_k << " stages=" << stages
      << " threads=" << threads;
   if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
+  if (family == GemmFamily::kTma16 && ping_pong) os << " ping-pong consumers";
   return os.str();
 }
 
@@ -51,6 +52,11 @@ GemmOverrides with_environment(GemmOverrides o) {
     const std::string v = env;
     MG_CHECK(v == "0" || v == "1", "MOEGRAPH_MXFP8_PINGPONG must be 0 or 1, got '", v, "'");
     o.mxfp8_ping_pong = v == "1";
+  }
+  if (const char* env = std::getenv("MOEGRAPH_WGRAD_PINGPONG"); env != nullptr && o.wgrad_ping_pong < 0) {
+    const std::string v = env;
+    MG_CHECK(v == "0" || v == "1", "MOEGRAPH_WGRAD_PINGPONG must be 0 or 1, got '", v, "'");
+    o.wgrad_ping_pong = v == "1";
   }
   return o;
 }
@@ -73,6 +79,13 @@ GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
   return phase == GemmPhase::kWgrad && tile_n == 128 ? GemmPipeline::kCpAsync : GemmPipeline::kTma;
 }
 
+// wgrad whose reductions are short (groups of a few hundred rows) is bound by writing dW: the
+// ping-pong consumers keep one tile's epilogue and stores under the other's MMAs (fine-grained
+// shapes, docs/PERF.md: 0.55-0.71 of the roofline against 0.37-0.52 on cp.async and 0.56-0.65 with
+// shared tiles). Into fp32 main_grad the cp.async kernel's read-modify-write stays ahead (0.77-0.87
+// against 0.59-0.66 with bulk reduce-adds), so there the pipeline rule below decides.
+bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return !p.main_grad && p.expected_rows_per_group < 512; }
+
 }  // namespace
 
 GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
@@ -85,6 +98,9 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
       return mxfp8_gemm_config(p.phase, p.dtype, o.mxfp8_ping_pong != 0);
     case Recipe::kBF16: {
       if (o.reference) return reference_gemm_config(p.phase, p.dtype);
+      const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 && o.pipeline != GemmPipeline::kCpAsync &&
+                             (o.wgrad_ping_pong >= 0 ? o.wgrad_ping_pong == 1 : heuristic_wgrad_ping_pong(p));
+      if (ping_pong) return tma_gemm_config(p.phase, p.dtype, 128, true);
       const int tile_n = o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);
       const GemmPipeline pipeline = o.pipeline != GemmPipeline::kAuto ? o.pipeline : heuristic_pipeline(p.phase, tile_n);
       switch (pipeline) {

@@ -98,6 +98,7 @@ struct GemmProblem {
   int64_t capacity_rows = 0;
   int64_t expected_rows_per_group = 0;  // the routing the layer expects (today: capacity_rows / groups)
   int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
+  bool main_grad = false;               // wgrad: accumulates into fp32 main_grad (else writes dW)
 };
 
 // Choices forced by the caller or, where the caller left them open, by the environment.
@@ -106,9 +107,11 @@ struct GemmOverrides {
   int tile_n = 0;                                 // 0: the heuristic's; 128 or 256
   GemmPipeline pipeline = GemmPipeline::kAuto;    // 16-bit wgmma kernels: cp.async or TMA
   int mxfp8_ping_pong = -1;                       // -1: the heuristic's; 0 or 1
+  int wgrad_ping_pong = -1;                       // 16-bit TMA wgrad: -1 the heuristic's; 0 or 1
 };
-// `base` completed from MOEGRAPH_TILE_N=128|256, MOEGRAPH_GEMM_PIPELINE=tma|cp_async and
-// MOEGRAPH_MXFP8_PINGPONG=0|1 where it leaves a choice open: the one place the environment is read.
+// `base` completed from MOEGRAPH_TILE_N=128|256, MOEGRAPH_GEMM_PIPELINE=tma|cp_async,
+// MOEGRAPH_MXFP8_PINGPONG=0|1 and MOEGRAPH_WGRAD_PINGPONG=0|1 where it leaves a choice open: the one
+// place the environment is read.
 // Throws on a malformed value.
 GemmOverrides with_environment(GemmOverrides base);
 
@@ -118,7 +121,8 @@ struct GemmConfig {
   GemmFamily family = GemmFamily::kTma16;
   DType dtype = DType::kBF16;     // the kernel's 16-bit type (activations or outputs)
   int block_m = 0, block_n = 0, block_k = 0, stages = 0, threads = 0;
-  bool ping_pong = false;         // mxfp8: two fp32 partials per 32-deep block
+  bool ping_pong = false;         // mxfp8: two fp32 partials per 32-deep block; TMA wgrad: each
+                                  // consumer warpgroup owns whole tiles, alternating
   std::string to_string() const;  // e.g. "wgmma_tma_ws_sw128 128x128x64 stages=5 threads=384"
 };
 // The heuristic: shapes and overrides in, a config out. Touches no GPU.

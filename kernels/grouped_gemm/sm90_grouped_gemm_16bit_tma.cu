@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <type_traits>
+
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/kernel_setup.cuh"
 #include "kernels/grouped_gemm/gemm_families.hpp"
@@ -49,24 +51,33 @@ CUtensorMap weight_map(const GemmPlan& plan, const void* w, int64_t groups, int6
                    {static_cast<uint64_t>(k), static_cast<uint64_t>(n * k)}, {64u, box_n, 1u});
 }
 
-// Calls f(T{}, Tile{}) for the plan's 16-bit type and tile width.
+// Calls f(T{}, Tile{}) for the plan's 16-bit type and tile shape.
 template <class F>
 void with_kernel_types(const GemmConfig& config, F&& f) {
   with_16bit_type(config.dtype, "TMA grouped GEMM", [&](auto t) {
-    if (config.block_n == 256) f(t, t::Tile256{});
+    if (config.ping_pong) f(t, t::TilePingPong{});
+    else if (config.block_n == 256) f(t, t::Tile256{});
     else f(t, t::Tile128{});
   });
 }
 
+template <class Tile>
+constexpr bool kPingPong = std::is_same_v<Tile, t::TilePingPong>;
 
 template <class Tile>
-GemmConfig config_of(GemmPhase phase, DType dtype) {
-  return {phase, GemmFamily::kTma16, dtype, t::BM, Tile::BN, t::BK, Tile::STAGES, t::THREADS};
+GemmConfig config_of(GemmPhase phase, DType dtype, bool ping_pong = false) {
+  GemmConfig c{phase, GemmFamily::kTma16, dtype, t::BM, Tile::BN, t::BK, Tile::STAGES, t::THREADS};
+  c.ping_pong = ping_pong;
+  return c;
 }
 
 }  // namespace
 
-GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n) {
+GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_pong) {
+  if (ping_pong) {
+    MG_CHECK(phase == GemmPhase::kWgrad && tile_n == 128, "ping-pong consumers are a 128-wide wgrad kernel");
+    return config_of<t::TilePingPong>(phase, dtype, true);
+  }
   return tile_n == 256 ? config_of<t::Tile256>(phase, dtype) : config_of<t::Tile128>(phase, dtype);
 }
 
@@ -82,9 +93,16 @@ int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map) {
     using Tile = decltype(tile);
     auto measure = [&](auto kernel) { blocks = allow_smem_and_measure(kernel, t::THREADS, Tile::kSmemBytes); };
     switch (config.phase) {
-      case GemmPhase::kFprop: measure(t::ragged_gemm_ws_kernel<T, Tile, false>); break;
-      case GemmPhase::kDgrad: measure(t::ragged_gemm_ws_kernel<T, Tile, true>); break;
-      case GemmPhase::kWgrad: measure(t::grouped_wgrad_ws_kernel<T, Tile>); break;
+      case GemmPhase::kFprop:
+        if constexpr (!kPingPong<Tile>) measure(t::ragged_gemm_ws_kernel<T, Tile, false>);
+        break;
+      case GemmPhase::kDgrad:
+        if constexpr (!kPingPong<Tile>) measure(t::ragged_gemm_ws_kernel<T, Tile, true>);
+        break;
+      case GemmPhase::kWgrad:
+        if constexpr (kPingPong<Tile>) measure(t::grouped_wgrad_pingpong_kernel<T>);
+        else measure(t::grouped_wgrad_ws_kernel<T, Tile>);
+        break;
     }
   });
   return blocks;
@@ -100,7 +118,8 @@ void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream
     tp.p = p;
     tp.a = rows_map(plan, p.a, p.capacity_rows, dgrad ? p.n : p.k, t::BM);
     tp.b = weight_map(plan, p.w, p.num_groups, p.n, p.k, dgrad ? 64u : static_cast<uint32_t>(Tile::BN));
-    if (dgrad) t::ragged_gemm_ws_kernel<T, Tile, true><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    if constexpr (kPingPong<Tile>) MG_FAIL("ping-pong consumers are a wgrad kernel");
+    else if (dgrad) t::ragged_gemm_ws_kernel<T, Tile, true><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
     else t::ragged_gemm_ws_kernel<T, Tile, false><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
   });
   MG_LAUNCH_CHECK();
@@ -115,7 +134,9 @@ void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t s
     tp.p = p;
     tp.dy = rows_map(plan, p.dy, p.capacity_rows, p.n, 64);
     tp.x = rows_map(plan, p.x, p.capacity_rows, p.k, 64);
-    t::grouped_wgrad_ws_kernel<T, Tile><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    if constexpr (kPingPong<Tile>)
+      t::grouped_wgrad_pingpong_kernel<T><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    else t::grouped_wgrad_ws_kernel<T, Tile><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
   });
   MG_LAUNCH_CHECK();
 }

@@ -35,20 +35,23 @@ constexpr int kAtomBytes = 64 * BK * 2;  // 64 MN x 64 K: one MN-major box, or a
 constexpr int kRasterM = 8;              // row tiles walked together (L2 reuse of both operands)
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
-// (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus the (128, kBN) 16-bit output
-// staging, whose rows are padded by 16 bytes so a warp's 8 rows x 4 words hit 32 distinct banks.
-template <int kBN, int kStages>
+// (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus kStagings (128, kBN) 16-bit
+// output staging areas (one per warpgroup that owns whole tiles), whose rows are padded by 16 bytes so
+// a warp's 8 rows x 4 words hit 32 distinct banks.
+template <int kBN, int kStages, int kStagings = 1>
 struct TileShape {
-  static constexpr int BN = kBN, STAGES = kStages;
+  static constexpr int BN = kBN, STAGES = kStages, STAGINGS = kStagings;
   static constexpr int kTileBytesB = BN * BK * 2;
   static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
   static constexpr int kStagingLd = BN * 2 + 16;  // bytes per staged row
   static constexpr int kStagingBytes = BM * kStagingLd;
-  static constexpr int kSmemBytes = STAGES * kStageBytes + kStagingBytes + 1024;  // + slack to align to 1024
+  static constexpr int kSmemBytes = STAGES * kStageBytes + STAGINGS * kStagingBytes + 1024;  // + align slack
   static_assert(kSmemBytes + 5 * 1024 <= 227 * 1024, "with the static tile prefix and barriers");
 };
 using Tile128 = TileShape<128, 5>;
 using Tile256 = TileShape<256, 3>;
+// wgrad with ping-pong consumers: each warpgroup owns whole 128 x 128 tiles and its own staging.
+using TilePingPong = TileShape<128, 4, 2>;
 
 // Kernel parameters: the tensor maps live in parameter space (__grid_constant__) for the copy engine.
 struct RaggedTmaParams {
@@ -70,15 +73,24 @@ struct RingPos {
   __device__ __forceinline__ void advance() {
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
+  // Past n positions that another warpgroup consumes (the phase flips at every wrap).
+  template <int kStages>
+  __device__ __forceinline__ void skip(int n) {
+    const int at = stage + n;
+    phase ^= (at / kStages) & 1;
+    stage = at % kStages;
+  }
 };
 
+// `releasers`: the consumer threads that arrive on a stage's empty barrier once its MMAs are done
+// (both warpgroups when they share tiles, the owner's 128 threads with ping-pong consumers).
 template <class Tile>
-__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty) {
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, uint32_t releasers = kConsumerThreads) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < Tile::STAGES; ++s) {
-      sm90::mbar_init(&full[s], 1);                  // the producer's arrive.expect_tx
-      sm90::mbar_init(&empty[s], kConsumerThreads);  // every consumer thread, once its MMAs are done
+      sm90::mbar_init(&full[s], 1);  // the producer's arrive.expect_tx
+      sm90::mbar_init(&empty[s], releasers);
     }
     sm90::fence_mbarrier_init();
   }
@@ -102,47 +114,59 @@ __device__ __forceinline__ uint64_t tile_desc(uint32_t addr) {
 template <bool kMnMajor>
 __device__ __forceinline__ constexpr uint32_t kstep_bytes() { return kMnMajor ? 2048 : 32; }  // 16 K-elements
 
-// The consumers' K loop over `ktiles` stages of the ring: acc = A(this warpgroup's 64 rows) · B.
+// A warpgroup's accumulators: kBlocks blocks of 64 tile rows (1 when the two consumer warpgroups share
+// a tile, 2 when one owns it), each a m64nBNk16 accumulator of BN / 2 registers per thread.
+template <class Tile, int kBlocks>
+using Acc = float[kBlocks][Tile::BN / 2];
+
+// The consumers' K loop over `ktiles` stages of the ring: acc[b] = A(64-row block a_block0 + b) · B.
 // `zero_tail(stage)` may rewrite the last stage before its MMAs (wgrad's rows past the group).
-template <class T, class Tile, bool kAMn, bool kBMn, class ZeroTail>
+template <class T, class Tile, bool kAMn, bool kBMn, int kBlocks, class ZeroTail>
 __device__ __forceinline__ void consume(uint8_t* smem, uint64_t* full, uint64_t* empty, RingPos& pos, int ktiles,
-                                        float (&acc)[Tile::BN / 2], ZeroTail zero_tail) {
-  const int wg = threadIdx.x / 128 - 1;
+                                        int a_block0, Acc<Tile, kBlocks>& acc, ZeroTail zero_tail) {
   int prev = -1;
   // The first MMA ignores acc (scale-d = 0), but the compiler sees the asm read it: zeroing ends the
   // previous tile's accumulators' lives here, so they are not kept (spilled) across its epilogue.
 #pragma unroll
-  for (int i = 0; i < Tile::BN / 2; ++i) acc[i] = 0.0f;
+  for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+    for (int i = 0; i < Tile::BN / 2; ++i) acc[b][i] = 0.0f;
   for (int kt = 0; kt < ktiles; ++kt) {
     sm90::mbar_wait(&full[pos.stage], pos.phase);
     uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
     if (kt == ktiles - 1) zero_tail(stage);
-    const uint32_t a_addr = sm90::smem_addr(stage + wg * kAtomBytes);
+    const uint32_t a_addr = sm90::smem_addr(stage + a_block0 * kAtomBytes);
     const uint32_t b_addr = sm90::smem_addr(stage + kTileBytesA);
-    sm90::fence_registers(acc);
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) sm90::fence_registers(acc[b]);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk)
-      sm90::Wgmma<T, Tile::BN>::template mma<kAMn, kBMn>(acc, tile_desc<kAMn>(a_addr + kk * kstep_bytes<kAMn>()),
-                                                          tile_desc<kBMn>(b_addr + kk * kstep_bytes<kBMn>()),
-                                                          kt > 0 || kk > 0);
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b)
+        sm90::Wgmma<T, Tile::BN>::template mma<kAMn, kBMn>(
+            acc[b], tile_desc<kAMn>(a_addr + b * kAtomBytes + kk * kstep_bytes<kAMn>()),
+            tile_desc<kBMn>(b_addr + kk * kstep_bytes<kBMn>()), kt > 0 || kk > 0);
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // the MMAs of the previous stage are done: release it to the producer
-    sm90::fence_registers(acc);
+#pragma unroll
+    for (int b = 0; b < kBlocks; ++b) sm90::fence_registers(acc[b]);
     if (prev >= 0) sm90::mbar_arrive(&empty[prev]);
     prev = pos.stage;
     pos.template advance<Tile::STAGES>();
   }
   sm90::wgmma_wait<0>();
-  sm90::fence_registers(acc);
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) sm90::fence_registers(acc[b]);
   if (prev >= 0) sm90::mbar_arrive(&empty[prev]);
 }
 
-// Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane/4 (+8); registers
-// 4j + {0,1} are columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} of the second.
-__device__ __forceinline__ int acc_row(int half) {
-  const int wg = threadIdx.x / 128 - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  return wg * 64 + warp * 16 + lane / 4 + half * 8;
+// Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane/4 (+8) of its 64-row
+// block; registers 4j + {0,1} are columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} of
+// the second.
+__device__ __forceinline__ int acc_row(int block, int half) {
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  return block * 64 + warp * 16 + lane / 4 + half * 8;
 }
 __device__ __forceinline__ int acc_col(int j) { return j * 8 + (threadIdx.x % 4) * 2; }
 
@@ -161,44 +185,48 @@ struct Pair<__half> {
   static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
 };
 
-// The staging protocol of one consumer warpgroup (its 64 rows of the staging area): wait until the
-// copy engine has read what this warpgroup's threads handed it last time, write the rows with
-// write(), publish them to the async proxy, and let thread r < 64 of the warpgroup issue copy(row)
-// for tile row 64 * wg + r. Returns without waiting for the copies, which drain under the next tile.
-template <class Write, class Copy>
-__device__ __forceinline__ void through_staging(Write write, Copy copy) {
+// The staging protocol of one consumer warpgroup, which holds the 64-row blocks [block0, block0 +
+// kBlocks) of the tile: wait until the copy engine has read what this warpgroup's threads handed it
+// last time, write the rows with write(), publish them to the async proxy, and let thread r < 64 *
+// kBlocks of the warpgroup issue copy(64 * block0 + r). Returns without waiting for the copies,
+// which drain under the next tile.
+template <int kBlocks, class Write, class Copy>
+__device__ __forceinline__ void through_staging(int block0, Write write, Copy copy) {
   const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
   sm90::bulk_wait_read();
   sm90::named_barrier(2 + wg, 128);
   write();
   sm90::fence_proxy_async_smem();
   sm90::named_barrier(2 + wg, 128);
-  if (wtid < 64) {
-    copy(wg * 64 + wtid);
+  if (wtid < 64 * kBlocks) {
+    copy(64 * block0 + wtid);
     sm90::bulk_commit();
   }
 }
 
 // f(half, row, col, v0, v1) for this thread's accumulator pairs in columns [kJ0 * 8, kJ1 * 8) of
-// the tile: v0, v1 are the pair at (row, col) and (row, col + 1). Compile-time bounds keep acc in
-// registers.
-template <int kJ0, int kJ1, int kN, class F>
-__device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kN], F f) {
+// the tile, for each of the warpgroup's 64-row blocks block0 + b: v0, v1 are the pair at (row, col)
+// and (row, col + 1). Compile-time bounds keep acc in registers.
+template <int kJ0, int kJ1, int kBlocks, int kN, class F>
+__device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kBlocks][kN], int block0, F f) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+  for (int b = 0; b < kBlocks; ++b)
 #pragma unroll
-    for (int j = kJ0; j < kJ1; ++j) f(half, acc_row(half), acc_col(j), acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-  }
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int j = kJ0; j < kJ1; ++j)
+        f(half, acc_row(block0 + b, half), acc_col(j), acc[b][4 * j + 2 * half], acc[b][4 * j + 2 * half + 1]);
 }
 
 // Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators, stored in T:
 // col_bytes of each row to dst0 + row * ld.
-template <class T, class Tile, class F>
-__device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[Tile::BN / 2], T* dst0, int64_t ld,
-                                           int row_lim, uint32_t col_bytes, F f) {
-  through_staging(
+template <class T, class Tile, int kBlocks, class F>
+__device__ __forceinline__ void store_rows(uint8_t* staging, const Acc<Tile, kBlocks>& acc, int block0, T* dst0,
+                                           int64_t ld, int row_lim, uint32_t col_bytes, F f) {
+  through_staging<kBlocks>(
+      block0,
       [&] {
-        for_each_acc_pair<0, Tile::BN / 8>(acc, [&](int half, int row, int col, float v0, float v1) {
+        for_each_acc_pair<0, Tile::BN / 8>(acc, block0, [&](int half, int row, int col, float v0, float v1) {
           f(half, row, col, v0, v1);
           *reinterpret_cast<typename Pair<T>::type*>(staging + row * Tile::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
         });
@@ -211,14 +239,16 @@ __device__ __forceinline__ void store_rows(uint8_t* staging, const float (&acc)[
 // main_grad rows below row_lim += the fp32 tile's columns below col_lim, by bulk reduce-adds (one add
 // per element, so the result is the read-modify-write's). The tile goes through the staging area in
 // two halves of BN / 2 columns: a half row of floats is as long as a 16-bit staged row.
-template <class Tile>
-__device__ __forceinline__ void add_rows_f32(uint8_t* staging, const float (&acc)[Tile::BN / 2], float* dst0, int64_t ld,
-                                             int row_lim, int col_lim) {
+template <class Tile, int kBlocks>
+__device__ __forceinline__ void add_rows_f32(uint8_t* staging, const Acc<Tile, kBlocks>& acc, int block0, float* dst0,
+                                             int64_t ld, int row_lim, int col_lim) {
   constexpr int kHalfCols = Tile::BN / 2, kHalfJ = Tile::BN / 16;  // accumulator pairs per half row
   auto add_half = [&](auto part) {
-    through_staging(
+    through_staging<kBlocks>(
+        block0,
         [&] {
-          for_each_acc_pair<part * kHalfJ, (part + 1) * kHalfJ>(acc, [&](int, int row, int col, float v0, float v1) {
+          for_each_acc_pair<part * kHalfJ, (part + 1) * kHalfJ>(acc, block0, [&](int, int row, int col, float v0,
+                                                                                  float v1) {
             *reinterpret_cast<float2*>(staging + row * Tile::kStagingLd + (col - part * kHalfCols) * 4) =
                 make_float2(v0, v1);
           });
@@ -297,16 +327,17 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
     raster(t, total_mt, tiles_n, mt, nt);
     const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
     const int64_t n0 = static_cast<int64_t>(nt) * BN;
-    float acc[BN / 2];
-    consume<T, Tile, false, kDgrad>(smem, full, empty, pos, ktiles, acc, [](uint8_t*) {});
+    const int wg = threadIdx.x / 128 - 1;  // owns 64-row block wg of the tile
+    Acc<Tile, 1> acc;
+    consume<T, Tile, false, kDgrad, 1>(smem, full, empty, pos, ktiles, wg, acc, [](uint8_t*) {});
     const T* b = bias != nullptr ? bias + static_cast<int64_t>(tile.group) * cols + n0 : nullptr;
     float s[2];  // this thread's rows' bias scales
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = acc_row(half);
+      const int row = acc_row(wg, half);
       s[half] = b != nullptr && p.bias_scale != nullptr && row < tile.data_rows ? p.bias_scale[tile.row0 + row] : 1.0f;
     }
-    store_rows<T, Tile>(staging, acc, c_all + tile.row0 * cols + n0, cols, static_cast<int>(tile.span_rows),
+    store_rows<T, Tile, 1>(staging, acc, wg, c_all + tile.row0 * cols + n0, cols, static_cast<int>(tile.span_rows),
                          static_cast<uint32_t>(min(static_cast<int64_t>(BN), cols - n0) * 2),
                          [&](int half, int row, int col, float& v0, float& v1) {
                            if (row >= tile.data_rows) {
@@ -321,25 +352,88 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
 }
 
 // Zeroes reduction rows [valid, 64) of every operand box of a wgrad stage: those rows lie past the
-// group (another group's rows, or padding that may hold anything). Both consumer warpgroups share
-// the work and meet at a named barrier before their MMAs read the stage.
+// group (another group's rows, or padding that may hold anything). The `threads` consumer threads
+// that read the stage (from consumer thread `first` on) share the work and meet at named barrier
+// `barrier` before their MMAs read it.
 template <class Tile>
-__device__ __forceinline__ void zero_rows_past(uint8_t* stage, int valid) {
+__device__ __forceinline__ void zero_rows_past(uint8_t* stage, int valid, int first, int threads, int barrier) {
   constexpr int kAtoms = (BM + Tile::BN) / 64;
   const int bad = BK - valid, per_atom = bad * 8;  // 16-byte chunks per atom
-  for (int c = threadIdx.x - 128; c < kAtoms * per_atom; c += kConsumerThreads) {
+  for (int c = threadIdx.x - 128 - first; c < kAtoms * per_atom; c += threads) {
     const int atom = c / per_atom, r = c % per_atom;
     *reinterpret_cast<uint4*>(stage + atom * kAtomBytes + (valid + r / 8) * 128 + (r % 8) * 16) = make_uint4(0, 0, 0, 0);
   }
   sm90::fence_proxy_async_smem();
-  sm90::named_barrier(1, kConsumerThreads);
+  sm90::named_barrier(barrier, threads);
+}
+
+// wgrad tiles: (group e, 128 n, BN k) of dW, reduced over the group's rows; virtual tile t walks the
+// groups in order, each group's tiles k-fastest.
+struct WgradTile {
+  int e, rows;
+  int64_t n0, k0, out0;  // out0: the tile's first element in [G, N, K]
+};
+template <class Tile>
+__device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int64_t t, int tiles_k, int64_t per_group) {
+  WgradTile w;
+  w.e = static_cast<int>(t / per_group);
+  const int64_t local = t % per_group;
+  w.n0 = (local / tiles_k) * BM, w.k0 = (local % tiles_k) * Tile::BN;
+  w.rows = static_cast<int>(group_rows(p.splits, p.offsets, w.e));
+  w.out0 = static_cast<int64_t>(w.e) * p.n * p.k + w.n0 * p.k + w.k0;
+  return w;
+}
+
+// The producer of both wgrad kernels: one thread loads every tile's (rows + 63) / 64 stages of dy
+// (128 n) and x (BN k), 64 rows each, in this CTA's tile order.
+template <class Tile>
+__device__ __forceinline__ void produce_wgrad(const WgradTmaParams& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                              int64_t total, int tiles_k, int64_t per_group) {
+  sm90::release_registers<kProducerRegs>();
+  if (threadIdx.x != 0) return;
+  sm90::prefetch_tensor_map(&tp.dy);
+  sm90::prefetch_tensor_map(&tp.x);
+  RingPos pos;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const WgradTile w = wgrad_tile<Tile>(tp.p, t, tiles_k, per_group);
+    const int r0 = static_cast<int>(tp.p.offsets[w.e]);
+    for (int kt = 0; kt < (w.rows + BK - 1) / BK; ++kt) {
+      sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
+      uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
+      uint64_t* bar = &full[pos.stage];
+      sm90::mbar_arrive_expect_tx(bar, Tile::kStageBytes);
+#pragma unroll
+      for (int a = 0; a < BM / 64; ++a)
+        sm90::tma_load_2d(stage + a * kAtomBytes, &tp.dy, bar, static_cast<int>(w.n0) + 64 * a, r0 + kt * BK);
+#pragma unroll
+      for (int b = 0; b < Tile::BN / 64; ++b)
+        sm90::tma_load_2d(stage + kTileBytesA + b * kAtomBytes, &tp.x, bar, static_cast<int>(w.k0) + 64 * b,
+                          r0 + kt * BK);
+      pos.advance<Tile::STAGES>();
+    }
+  }
+}
+
+// A wgrad tile's result, held in kBlocks 64-row blocks from block0: written (empty group: zeros) or
+// added into fp32 main_grad.
+template <class T, class Tile, int kBlocks>
+__device__ __forceinline__ void finish_wgrad_tile(const WgradParams& p, const WgradTile& w, uint8_t* staging,
+                                                  const Acc<Tile, kBlocks>& acc, int block0) {
+  const int row_lim = static_cast<int>(min(int64_t{BM}, p.n - w.n0));
+  const int col_lim = static_cast<int>(min(static_cast<int64_t>(Tile::BN), p.k - w.k0));
+  if (p.main_grad != nullptr)
+    add_rows_f32<Tile, kBlocks>(staging, acc, block0, p.main_grad + w.out0, p.k, row_lim, col_lim);
+  else
+    store_rows<T, Tile, kBlocks>(staging, acc, block0, static_cast<T*>(p.dweight) + w.out0, p.k, row_lim,
+                                 static_cast<uint32_t>(col_lim * 2), [](int, int, int, float&, float&) {});
 }
 
 // dW_e[n][k] = sum over group e's rows r of dy[r][n] x[r][k]: tiles (group, 128 n, BN k), reduced
-// over the group's rows; written (empty group: zeros) or added into fp32 main_grad.
+// over the group's rows; written (empty group: zeros) or added into fp32 main_grad. The two consumer
+// warpgroups share each tile (64 n rows each).
 template <class T, class Tile>
 __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __grid_constant__ WgradTmaParams tp) {
-  constexpr int BN = Tile::BN, STAGES = Tile::STAGES;
+  constexpr int STAGES = Tile::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
   uint8_t* smem = aligned_smem(smem_raw);
@@ -347,67 +441,88 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
   init_ring<Tile>(full, empty);
   __syncthreads();
   const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
-  const int tiles_k = static_cast<int>((p.k + BN - 1) / BN);
+  const int tiles_k = static_cast<int>((p.k + Tile::BN - 1) / Tile::BN);
   const int64_t per_group = static_cast<int64_t>(tiles_n) * tiles_k;
   const int64_t total = per_group * p.num_groups;
-
-  if (threadIdx.x < 128) {
-    sm90::release_registers<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    sm90::prefetch_tensor_map(&tp.dy);
-    sm90::prefetch_tensor_map(&tp.x);
-    RingPos pos;
-    for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-      const int e = static_cast<int>(t / per_group);
-      const int64_t local = t % per_group;
-      const int n0 = static_cast<int>(local / tiles_k) * BM, k0 = static_cast<int>(local % tiles_k) * BN;
-      const int rows = static_cast<int>(group_rows(p.splits, p.offsets, e));
-      const int r0 = static_cast<int>(p.offsets[e]);
-      for (int kt = 0; kt < (rows + BK - 1) / BK; ++kt) {
-        sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
-        uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
-        uint64_t* bar = &full[pos.stage];
-        sm90::mbar_arrive_expect_tx(bar, Tile::kStageBytes);
-#pragma unroll
-        for (int a = 0; a < BM / 64; ++a) sm90::tma_load_2d(stage + a * kAtomBytes, &tp.dy, bar, n0 + 64 * a, r0 + kt * BK);
-#pragma unroll
-        for (int b = 0; b < BN / 64; ++b)
-          sm90::tma_load_2d(stage + kTileBytesA + b * kAtomBytes, &tp.x, bar, k0 + 64 * b, r0 + kt * BK);
-        pos.advance<STAGES>();
-      }
-    }
-    return;
-  }
+  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, total, tiles_k, per_group);
 
   sm90::claim_registers<kConsumerRegs>();
   uint8_t* staging = smem + STAGES * Tile::kStageBytes;
-  T* dweight = static_cast<T*>(p.dweight);
+  const int wg = threadIdx.x / 128 - 1;
   RingPos pos;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const int e = static_cast<int>(t / per_group);
-    const int64_t local = t % per_group;
-    const int64_t n0 = (local / tiles_k) * BM, k0 = (local % tiles_k) * BN;
-    const int rows = static_cast<int>(group_rows(p.splits, p.offsets, e));
-    if (rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
-    const int64_t out0 = static_cast<int64_t>(e) * p.n * p.k + n0 * p.k + k0;
-    float acc[BN / 2];
-    if (rows > 0) {
-      const int tail = rows % BK;
-      consume<T, Tile, true, true>(smem, full, empty, pos, (rows + BK - 1) / BK, acc, [&](uint8_t* stage) {
-        if (tail != 0) zero_rows_past<Tile>(stage, tail);
+    const WgradTile w = wgrad_tile<Tile>(p, t, tiles_k, per_group);
+    if (w.rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
+    Acc<Tile, 1> acc;
+    if (w.rows > 0) {
+      const int tail = w.rows % BK;
+      consume<T, Tile, true, true, 1>(smem, full, empty, pos, (w.rows + BK - 1) / BK, wg, acc, [&](uint8_t* stage) {
+        if (tail != 0) zero_rows_past<Tile>(stage, tail, 0, kConsumerThreads, 1);
       });
     } else {
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;  // an empty group's gradient is zero
+      for (int i = 0; i < Tile::BN / 2; ++i) acc[0][i] = 0.0f;  // an empty group's gradient is zero
     }
-    const int row_lim = static_cast<int>(min(int64_t{BM}, p.n - n0));
-    const int col_lim = static_cast<int>(min(static_cast<int64_t>(BN), p.k - k0));
-    if (p.main_grad != nullptr)
-      add_rows_f32<Tile>(staging, acc, p.main_grad + out0, p.k, row_lim, col_lim);
-    else
-      store_rows<T, Tile>(staging, acc, dweight + out0, p.k, row_lim, static_cast<uint32_t>(col_lim * 2),
-                           [](int, int, int, float&, float&) {});
+    finish_wgrad_tile<T, Tile, 1>(p, w, staging, acc, wg);
   }
+  sm90::bulk_wait();
+}
+
+// The same wgrad with ping-pong consumers, for short reductions (groups of a few hundred rows): the
+// CTA's tiles alternate between the two consumer warpgroups, each owning whole 128 x 128 tiles and its
+// own staging area, so one warpgroup's epilogue and stores run while the other's MMAs do. Each
+// warpgroup steps over the ring positions of the other's tiles. A token passes between them in tile
+// order (named barriers 4 and 5): a warpgroup starts waiting on its tile's stages only once the other
+// has passed all of its previous tile's, so no one waits on a stage's barrier a phase too early (the
+// parity wait could not tell those phases apart) and the MMAs of the two run one tile after the other.
+template <class T>
+__global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(const __grid_constant__ WgradTmaParams tp) {
+  using Tile = TilePingPong;
+  constexpr int STAGES = Tile::STAGES;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* smem = aligned_smem(smem_raw);
+  const WgradParams& p = tp.p;
+  init_ring<Tile>(full, empty, 128);
+  __syncthreads();
+  const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
+  const int tiles_k = static_cast<int>((p.k + Tile::BN - 1) / Tile::BN);
+  const int64_t per_group = static_cast<int64_t>(tiles_n) * tiles_k;
+  const int64_t total = per_group * p.num_groups;
+  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, total, tiles_k, per_group);
+
+  sm90::claim_registers<kConsumerRegs>();
+  const int wg = threadIdx.x / 128 - 1;
+  uint8_t* staging = smem + STAGES * Tile::kStageBytes + wg * Tile::kStagingBytes;
+  const int my_token = 4 + wg, other_token = 5 - wg;  // barrier a warpgroup waits on / signals
+  RingPos pos;
+  int64_t j = 0;  // the tile's place in this CTA's sequence: warpgroup j % 2 owns it
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x, ++j) {
+    const WgradTile w = wgrad_tile<Tile>(p, t, tiles_k, per_group);
+    const int ktiles = (w.rows + BK - 1) / BK;
+    if ((j & 1) != wg) {
+      pos.skip<STAGES>(ktiles);
+      continue;
+    }
+    if (j > 0) sm90::named_barrier(my_token, 256);  // the other warpgroup passed its previous tile
+    const bool skip = w.rows == 0 && p.main_grad != nullptr;  // main_grad stays as it is
+    Acc<Tile, 2> acc;
+    if (w.rows > 0) {
+      const int tail = w.rows % BK;
+      consume<T, Tile, true, true, 2>(smem, full, empty, pos, ktiles, 0, acc, [&](uint8_t* stage) {
+        if (tail != 0) zero_rows_past<Tile>(stage, tail, 128 * wg, 128, 2 + wg);
+      });
+    } else {
+#pragma unroll
+      for (int b = 0; b < 2; ++b)
+#pragma unroll
+        for (int i = 0; i < Tile::BN / 2; ++i) acc[b][i] = 0.0f;  // an empty group's gradient is zero
+    }
+    sm90::named_barrier_arrive(other_token, 256);
+    if (!skip) finish_wgrad_tile<T, Tile, 2>(p, w, staging, acc, 0);
+  }
+  // The last tile's owner signalled the other warpgroup: take that token, so no arrival is left over.
+  if (j > 0 && (j & 1) == wg) sm90::named_barrier(my_token, 256);
   sm90::bulk_wait();
 }
 

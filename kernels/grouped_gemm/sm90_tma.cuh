@@ -98,5 +98,10 @@ __device__ __forceinline__ void claim_registers() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this thread's arrival at named barrier `id` (of `threads` in all) without waiting: a signal
+// to the threads that wait there with named_barrier(id, threads).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace moegraph::kernels::sm90

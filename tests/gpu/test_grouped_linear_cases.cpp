@@ -74,13 +74,20 @@ INSTANTIATE_TEST_SUITE_P(ReferenceKernels, GroupedLinearCase, ::testing::ValuesI
                          [](const auto& info) { return info.param.name; });
 
 // And on every wgmma kernel by name, whatever the heuristics would pick for these shapes: both
-// load pipelines (warp-specialized TMA, cp.async) at both tile widths.
+// load pipelines (warp-specialized TMA, cp.async) at both tile widths, and TMA wgrad with
+// ping-pong consumers.
 std::vector<CaseSpec> pipeline_cases(GemmPipeline pipeline, const std::string& suffix) {
   std::vector<CaseSpec> out;
   for (int tile_n : {128, 256})
     for (CaseSpec c : cases()) {
-      c.tile_n = tile_n, c.pipeline = pipeline;
+      c.tile_n = tile_n, c.pipeline = pipeline, c.wgrad_ping_pong = 0;
       c.name += suffix + std::to_string(tile_n);
+      out.push_back(c);
+    }
+  if (pipeline == GemmPipeline::kTma)
+    for (CaseSpec c : cases()) {
+      c.tile_n = 128, c.pipeline = pipeline, c.wgrad_ping_pong = 1;
+      c.name += suffix + "_wgrad_ping_pong";
       out.push_back(c);
     }
   return out;

@@ -44,9 +44,22 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   const auto big = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 8, 16384, 28672, 4096), {});
   EXPECT_EQ(big.family, GemmFamily::kTma16);
   EXPECT_EQ(big.block_n, 256);
-  const auto small = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096), {});
-  EXPECT_EQ(small.family, GemmFamily::kCpAsync16);
+  // Short wgrad reductions into dW: ping-pong TMA consumers; into fp32 main_grad: cp.async.
+  auto small_problem = problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096);
+  const auto small = kernels::choose_gemm_config(small_problem, {});
+  EXPECT_EQ(small.family, GemmFamily::kTma16);
+  EXPECT_TRUE(small.ping_pong);
   EXPECT_EQ(small.block_n, 128);
+  EXPECT_NE(small.to_string().find("ping-pong consumers"), std::string::npos) << small.to_string();
+  small_problem.main_grad = true;
+  const auto small_mg = kernels::choose_gemm_config(small_problem, {});
+  EXPECT_EQ(small_mg.family, GemmFamily::kCpAsync16);
+  EXPECT_FALSE(small_mg.ping_pong);
+  // Long reductions (large experts) keep the wide shared tiles, whatever the output.
+  const auto big_wgrad = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 16384, 28672, 4096), {});
+  EXPECT_EQ(big_wgrad.family, GemmFamily::kTma16);
+  EXPECT_FALSE(big_wgrad.ping_pong);
+  EXPECT_EQ(big_wgrad.block_n, 256);
   const auto mx = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 1024, 512), {});
   EXPECT_EQ(mx.family, GemmFamily::kMxfp8CpAsync);
   EXPECT_TRUE(mx.ping_pong);
@@ -67,21 +80,39 @@ TEST(GemmHeuristic, OverridesWinAndAreChecked) {
   o = {};
   o.tile_n = 64;
   EXPECT_THROW(kernels::choose_gemm_config(p, o), Error);
+  // Ping-pong consumers are a 128-wide TMA wgrad kernel: forced on, off, or overruled by a forced
+  // wide tile or cp.async.
+  const auto w = problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 16384, 28672, 4096);
+  o = {};
+  o.wgrad_ping_pong = 1;
+  EXPECT_TRUE(kernels::choose_gemm_config(w, o).ping_pong);
+  EXPECT_FALSE(kernels::choose_gemm_config(p, o).ping_pong);  // fprop
+  o.tile_n = 256;
+  EXPECT_FALSE(kernels::choose_gemm_config(w, o).ping_pong);
+  o = {};
+  o.wgrad_ping_pong = 1, o.pipeline = GemmPipeline::kCpAsync;
+  EXPECT_EQ(kernels::choose_gemm_config(w, o).family, GemmFamily::kCpAsync16);
+  o = {};
+  o.wgrad_ping_pong = 0;
+  EXPECT_FALSE(kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096), o).ping_pong);
 }
 
 TEST(GemmHeuristic, EnvironmentFillsOnlyWhatTheCallerLeftOpen) {
   EnvVar tile("MOEGRAPH_TILE_N", "256"), pipeline("MOEGRAPH_GEMM_PIPELINE", "cp_async"),
-      ping("MOEGRAPH_MXFP8_PINGPONG", "0");
+      ping("MOEGRAPH_MXFP8_PINGPONG", "0"), wgrad_ping("MOEGRAPH_WGRAD_PINGPONG", "1");
   const kernels::GemmOverrides from_env = kernels::with_environment({});
   EXPECT_EQ(from_env.tile_n, 256);
   EXPECT_EQ(from_env.pipeline, GemmPipeline::kCpAsync);
   EXPECT_EQ(from_env.mxfp8_ping_pong, 0);
+  EXPECT_EQ(from_env.wgrad_ping_pong, 1);
   kernels::GemmOverrides mine;
   mine.tile_n = 128, mine.pipeline = GemmPipeline::kTma;
   const kernels::GemmOverrides kept = kernels::with_environment(mine);
   EXPECT_EQ(kept.tile_n, 128);
   EXPECT_EQ(kept.pipeline, GemmPipeline::kTma);
   EnvVar bad("MOEGRAPH_TILE_N", "96");
+  EXPECT_THROW(kernels::with_environment({}), Error);
+  EnvVar tile_ok("MOEGRAPH_TILE_N", "128"), bad_ping("MOEGRAPH_WGRAD_PINGPONG", "yes");
   EXPECT_THROW(kernels::with_environment({}), Error);
 }
 

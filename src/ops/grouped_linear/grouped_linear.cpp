@@ -39,9 +39,10 @@ struct GroupedLinear::Scratch {
 
 namespace linear {
 
-kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhase phase) {
+kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhase phase, bool main_grad) {
   kernels::GemmProblem p;
   p.phase = phase;
+  p.main_grad = main_grad;
   p.recipe = o.recipe;
   p.dtype = o.dtype;
   p.groups = o.num_groups;
@@ -53,7 +54,15 @@ kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhas
   forced.reference = o.reference_kernels;
   forced.tile_n = o.tile_n;
   forced.pipeline = o.pipeline;
+  forced.wgrad_ping_pong = o.wgrad_ping_pong;
   return kernels::choose_gemm_config(p, kernels::with_environment(forced));
+}
+
+std::string describe_gemm_configs(const kernels::GemmConfig& fprop, const kernels::GemmConfig& dgrad,
+                                  const kernels::GemmConfig& wgrad, const kernels::GemmConfig& wgrad_main_grad) {
+  std::string s = "fprop: " + fprop.to_string() + " | dgrad: " + dgrad.to_string() + " | wgrad: " + wgrad.to_string();
+  if (wgrad_main_grad.to_string() != wgrad.to_string()) s += " | wgrad into main_grad: " + wgrad_main_grad.to_string();
+  return s;
 }
 
 std::unique_ptr<LinearBackend> make_linear_backend(const GroupedLinearOptions& o) {
@@ -106,6 +115,8 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
            o.tile_n);
+  MG_CHECK(o.wgrad_ping_pong >= -1 && o.wgrad_ping_pong <= 1,
+           "wgrad_ping_pong must be -1 (automatic), 0 or 1, got ", o.wgrad_ping_pong);
   const std::string recipe = recipe_can_implement(o);
   MG_CHECK(recipe.empty(), recipe);
 }
@@ -151,9 +162,9 @@ std::vector<GroupedLinear::WorkspaceBuffer> GroupedLinear::workspace_buffers(con
 std::string GroupedLinear::describe_kernels(const GroupedLinearOptions& options) {
   validate(options);
   using kernels::GemmPhase;
-  return "fprop: " + linear::gemm_config(options, GemmPhase::kFprop).to_string() +
-         " | dgrad: " + linear::gemm_config(options, GemmPhase::kDgrad).to_string() +
-         " | wgrad: " + linear::gemm_config(options, GemmPhase::kWgrad).to_string();
+  return linear::describe_gemm_configs(
+      linear::gemm_config(options, GemmPhase::kFprop), linear::gemm_config(options, GemmPhase::kDgrad),
+      linear::gemm_config(options, GemmPhase::kWgrad), linear::gemm_config(options, GemmPhase::kWgrad, true));
 }
 
 GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : GroupedLinear(options, nullptr) {}

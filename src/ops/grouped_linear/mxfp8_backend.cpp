@@ -39,8 +39,8 @@ class Mxfp8Backend final : public LinearBackend {
     wt_data_ = DeviceBuffer(weight), wt_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
   }
   std::string describe() const override {
-    return "fprop: " + fprop_.config.to_string() + " | dgrad: " + dgrad_.config.to_string() +
-           " | wgrad: " + wgrad_.config.to_string() + " | quantize: row-wise + column-wise from one read";
+    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.config, wgrad_.config) +
+           " | quantize: row-wise + column-wise from one read";
   }
 
   void weights_changed(const void* weight, cudaStream_t stream) override {
