@@ -1,6 +1,7 @@
 #include "tools/bench/roofline.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -23,6 +24,19 @@ std::string Roofline::describe() const {
   std::snprintf(buf, sizeof buf, "roofline (measured in this run): dense bf16 %.0f TFLOP/s (cuBLASLt 8192^3), "
                 "device copy %.0f GB/s (read + write)", dense_tflops, copy_gbps);
   return buf;
+}
+
+double step_bytes(const StepTraffic& t) {
+  const double weights = 3.0 * t.hidden * t.ffn;  // elements of FC1 [2f, h] and FC2 [h, f], one expert
+  const double rows = static_cast<double>(t.io_rows) * t.hidden * t.act_bytes;  // one of x, y, dy, dx
+  if (!t.training) return t.active_experts * weights * t.weight_bytes + 2 * rows;
+  const double grads = t.main_grad_fp32 ? t.active_experts * weights * 8.0 : t.experts * weights * t.act_bytes;
+  return 2 * t.active_experts * weights * t.weight_bytes + grads + 4 * rows;
+}
+
+double expected_active_experts(int experts, int top_k, int64_t tokens) {
+  const double unpicked = 1.0 - static_cast<double>(std::min(top_k, experts)) / experts;  // one token misses an expert
+  return experts * (1.0 - std::pow(unpicked, static_cast<double>(tokens)));
 }
 
 namespace {
