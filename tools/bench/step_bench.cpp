@@ -1,9 +1,9 @@
 // Per bucket: capture time, eager step time, graph replay time (at the configured fill and at 25%),
 // host CPU time per replay, TFLOP/s, the fraction of the step's roofline reached (its FLOPs at the
 // dense cuBLASLt rate or its fewest bytes at the copy bandwidth, both measured in the same run;
-// tools/bench/roofline.hpp) and the ratio to the per-expert cuBLASLt loop. The dense cuBLASLt
-// GEMMs of the same total rows are still timed (JSON "dense_ms"): a ratio to them means nothing
-// for memory-bound layers, so the table leaves it out.
+// tools/bench/roofline.hpp), the ratio to the per-expert cuBLASLt loop and, with --torch, to the
+// same layer in PyTorch. The dense cuBLASLt GEMMs of the same total rows are still timed (JSON
+// "dense_ms"): a ratio to them means nothing for memory-bound layers, so the table leaves it out.
 // A fresh routing before every replay, L2 flushed before every timed run, medians. Whole-layer
 // step: fresh random x (so the router routes anew) and the token count written on the device
 // before each replay; experts only: fresh device splits.
@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "graphs/graph_exec.hpp"
 #include "kernels/elementwise/elementwise.hpp"
@@ -233,6 +234,15 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
               static_cast<long long>(c.layer.hidden), static_cast<long long>(c.layer.ffn), c.layer.top_k,
               std::string(dtype_name(c.precision.dtype)).c_str(),
               c.training.enabled ? (c.training.delay_wgrad ? "training, delayed wgrad" : "training") : "inference");
+  const TorchResults* torch = options.torch ? &*options.torch : nullptr;
+  if (torch) {
+    std::printf("torch: %s (PyTorch %s, %s, graph replay of the whole layer%s)\n", torch->path.c_str(),
+                torch->torch_version.c_str(), torch->grouped_mm.c_str(),
+                c.step == StepKind::kMoeLayer ? "" : "; this config times the experts alone");
+    if (torch->device != prop.name)
+      std::printf("WARNING: the torch results were measured on '%s', this run is on '%s'\n", torch->device.c_str(),
+                  prop.name);
+  }
   cudaStream_t s;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   std::fprintf(stderr, "measuring the roofline...\n");
@@ -294,18 +304,27 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     std::printf("capacity factor %.3g: %llu (token, expert) assignments dropped over all replays\n\n",
                 c.router.capacity_factor, static_cast<unsigned long long>(dropped));
   std::printf("floor = max(FLOPs at the dense rate, fewest bytes at the copy bandwidth) of the step at the configured "
-              "fill (bytes: docs/PERF.md, Method); of roofline = floor / replay ms\n\n");
+              "fill (bytes: docs/PERF.md, Method); of roofline = floor / replay ms%s\n\n",
+              torch ? "; vs torch = torch ms / replay ms (above 1: faster than PyTorch)" : "");
+  // PyTorch's graph replay of a bucket, or nothing where that bucket or its capture failed there.
+  auto torch_ms = [&](const Row& r) { return torch ? torch->at(r.tokens).graph_ms : std::nullopt; };
   for (const Row& r : rows) {
     std::vector<std::string> cells = {
         std::to_string(r.tokens), std::to_string(r.rows), fmt(r.capture_ms, 1), fmt(r.eager_ms, 3),
         fmt(r.replay_ms, 3), fmt(r.replay_quarter_ms, 3), fmt(r.host_us, 1), fmt(r.flops / r.replay_ms / 1e9, 1),
         fmt(roof.floor_ms(r.flops, r.bytes), 3), roof.bound(r.flops, r.bytes),
         fmt(roof.floor_ms(r.flops, r.bytes) / r.replay_ms, 2), fmt(r.legacy_ms, 3), fmt(r.legacy_ms / r.replay_ms, 2)};
+    if (torch) {
+      const std::optional<double> t = torch_ms(r);
+      cells.push_back(t ? fmt(*t, 3) : "failed");
+      cells.push_back(t ? fmt(*t / r.replay_ms, 2) : "-");
+    }
     table.add(cells);
   }
-  const std::vector<std::string> header = {"tokens", "rows", "capture ms", "eager ms", "replay ms", "replay@25% ms",
+  std::vector<std::string> header = {"tokens", "rows", "capture ms", "eager ms", "replay ms", "replay@25% ms",
                                      "host us", "TFLOP/s", "floor ms", "bound", "of roofline", "legacy ms",
                                      "vs legacy"};
+  if (torch) header.insert(header.end(), {"torch ms", "vs torch"});
   table.print(header);
 
   if (!options.json_path.empty()) {
@@ -316,6 +335,9 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     out["replays"] = replays;
     out["arena_bytes"] = step.plan().arena_bytes;
     out["roofline"] = {{"dense_tflops", roof.dense_tflops}, {"copy_gbps", roof.copy_gbps}};
+    if (torch)
+      out["torch"] = {{"file", torch->path}, {"device", torch->device}, {"torch", torch->torch_version},
+                      {"grouped_mm", torch->grouped_mm}};
     for (const Row& r : rows) {
       const double floor = roof.floor_ms(r.flops, r.bytes);
       nlohmann::json jb = {{"tokens", r.tokens}, {"rows", r.rows}, {"capture_ms", r.capture_ms},
@@ -325,6 +347,11 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                            {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped},
                            {"step_bytes", r.bytes}, {"active_experts", r.active_experts}, {"floor_ms", floor},
                            {"bound", roof.bound(r.flops, r.bytes)}, {"of_roofline", floor / r.replay_ms}};
+      if (torch) {
+        const std::optional<double> t = torch_ms(r);
+        jb["torch_ms"] = t ? nlohmann::json(*t) : nlohmann::json(nullptr);
+        jb["vs_torch"] = t ? nlohmann::json(*t / r.replay_ms) : nlohmann::json(nullptr);
+      }
       out["buckets"].push_back(jb);
     }
     out["step"] = std::string(step_kind_name(c.step));
