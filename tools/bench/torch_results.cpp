@@ -96,9 +96,12 @@ TorchResults load_torch_results(const std::string& path, const Config& c) {
     const std::vector<Json>& records = config_detail::array(member(entry, "", "buckets"), "buckets");
     for (std::size_t i = 0; i < records.size(); ++i) {
       const std::string at = "buckets[" + std::to_string(i) + "]";
-      const int64_t bucket = config_detail::integer_in(member(records[i], at, "bucket"), at + ".bucket", 1, int64_t{1} << 40);
+      auto count = [&](const char* key) {
+        return config_detail::integer_in(member(records[i], at, key), at + "." + key, 1, int64_t{1} << 40);
+      };
+      const int64_t bucket = count("bucket");
       TorchBucket b;
-      b.tokens = config_detail::integer_in(member(records[i], at, "tokens"), at + ".tokens", 1, int64_t{1} << 40);
+      b.tokens = count("tokens");
       const Json& ms = member(records[i], at, "graph_ms");  // null: the bucket or its capture failed
       if (!ms.is_null()) {
         b.graph_ms = config_detail::number(ms, at + ".graph_ms");
