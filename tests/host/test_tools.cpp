@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moegraph/config.hpp"
+#include "tools/bench/torch_results.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -256,6 +258,107 @@ TEST(Tools, BenchPlanJsonToAnUnwritablePathFailsWithAReason) {
   const ToolRun r = run_tool("MOEGRAPH_BENCH", "--plan --json /no/such/folder/plan.json");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("cannot write the plan to /no/such/folder/plan.json"), std::string::npos) << r.output;
+}
+
+// ---- moegraph-bench CONFIG --torch T.json ----
+
+// What scripts/torch-moe-bench --json writes for config `c` (its keys and layout), every bucket timed.
+nlohmann::json torch_results_for(const Config& c) {
+  nlohmann::json records = nlohmann::json::array();
+  for (const int64_t bucket : c.buckets) {
+    const int64_t tokens = std::max<int64_t>(1, static_cast<int64_t>(bucket * c.bench.fill));
+    records.push_back({{"bucket", bucket}, {"tokens", tokens}, {"rows", tokens * c.layer.top_k}, {"eager_ms", 2.5},
+                       {"graph_ms", 1.5}, {"capture_ms", 30.0}, {"error", nullptr}, {"graph_error", nullptr}});
+  }
+  const nlohmann::json cfg = {{"name", c.name}, {"step", "moe_layer"}, {"experts", c.layer.experts},
+                              {"hidden", c.layer.hidden}, {"ffn", c.layer.ffn}, {"top_k", c.layer.top_k},
+                              {"dtype", "bf16"}, {"training", c.training.enabled}, {"buckets", c.buckets},
+                              {"fill", c.bench.fill}, {"replays", 10}};
+  const nlohmann::json entry = {{"file", "config.json"}, {"config", cfg}, {"grouped_mm", "torch._grouped_mm"},
+                                {"replays", 10}, {"phase", c.training.enabled ? "train" : "inference"},
+                                {"buckets", records}};
+  return {{"device", "NVIDIA H100 80GB HBM3"}, {"torch", "2.9.0"}, {"configs", nlohmann::json::array({entry})}};
+}
+
+// A matching file gives each bucket's graph replay, and none where PyTorch's bucket failed.
+TEST(Tools, TorchResultsGiveEachBucketsGraphReplay) {
+  Config c = default_config();
+  c.buckets = {1, 64, 256};
+  nlohmann::json t = torch_results_for(c);
+  t["configs"][0]["buckets"][1]["graph_ms"] = 0.75;
+  t["configs"][0]["buckets"][2]["graph_ms"] = nullptr;  // its capture failed
+  t["configs"][0]["buckets"][2]["graph_error"] = "RuntimeError: out of memory";
+  const std::string path = fresh_temp_path("torch-ok.json");
+  std::ofstream(path) << t.dump();
+  const bench::TorchResults r = bench::load_torch_results(path, c);
+  std::filesystem::remove(path);
+  EXPECT_EQ(r.device, "NVIDIA H100 80GB HBM3");
+  EXPECT_EQ(r.torch_version, "2.9.0");
+  EXPECT_EQ(r.grouped_mm, "torch._grouped_mm");
+  ASSERT_EQ(r.buckets.size(), 3u);
+  EXPECT_EQ(r.at(1).graph_ms, 1.5);
+  EXPECT_EQ(r.at(64).graph_ms, 0.75);
+  EXPECT_EQ(r.at(64).tokens, 64);
+  EXPECT_FALSE(r.at(256).graph_ms.has_value());
+}
+
+// The PyTorch results are read and matched to the config before any GPU is touched: a wrong or
+// stale file exits 2 with the reason, on a machine with or without a GPU.
+TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const nlohmann::json patch = {{"name", "torch-pair"}, {"buckets", {64, 256}}, {"bench", {{"fill", 0.5}}}};
+  const std::string config = config_file(patch, "torch-pair");
+  const Config c = load_config(config);
+  using Edit = void (*)(nlohmann::json&);
+  const std::pair<Edit, const char*> cases[] = {
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["name"] = "other"; },
+       "no results of config \"torch-pair\" (it holds \"other\")"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["buckets"] = {64}; },
+       "its buckets are [64], this config's [64, 256]"},
+      {[](nlohmann::json& t) { t["configs"][0]["buckets"].erase(1); }, "no result for the bucket of 256 tokens"},
+      {[](nlohmann::json& t) { t["configs"][0]["buckets"][0]["tokens"] = 64; },
+       "its bucket of 64 tokens routed 64 tokens, this config routes 32 (bench.fill differs)"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["hidden"] = 4096; }, "it was run with layer.hidden 4096"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["training"] = false; },
+       "it timed inference, this config training"},
+      {[](nlohmann::json& t) { t["configs"][0]["buckets"][1]["graph_ms"] = "fast"; },
+       "buckets[1].graph_ms must be a number"},
+      {[](nlohmann::json& t) { t["configs"].push_back(t["configs"][0]); }, "2 results of config \"torch-pair\""},
+      {[](nlohmann::json& t) { t = nlohmann::json::array(); }, "the document must be an object"},
+  };
+  const std::string torch = fresh_temp_path("torch-results.json");
+  for (const auto& [edit, reason] : cases) {
+    nlohmann::json t = torch_results_for(c);
+    edit(t);
+    std::ofstream(torch) << t.dump();
+    const ToolRun r = run_tool("MOEGRAPH_BENCH", config + " --torch " + torch);
+    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
+    EXPECT_NE(r.output.find("--torch: torch results file \"" + torch + "\": " + reason), std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("CUDA"), std::string::npos) << "checked after the GPU: " << r.output;
+  }
+  const std::pair<std::string, const char*> arguments[] = {
+      {config + " --torch /no/such/torch.json",
+       "cannot open torch results file \"/no/such/torch.json\": No such file or directory"},
+      {config + " --torch", "--torch needs a value"},
+      {"--kernels --torch " + torch, "--torch goes with the step bench of a config, not --kernels"},
+      {config + " --plan --torch " + torch, "--torch goes with the step bench, not --plan"},
+  };
+  for (const auto& [args, reason] : arguments) {
+    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
+  }
+  // A file that matches passes the check; without a GPU the run then stops where any run does.
+  std::ofstream(torch) << torch_results_for(c).dump();
+  if (!gpu_present()) {
+    const ToolRun r = run_tool("MOEGRAPH_BENCH", config + " --torch " + torch);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("no CUDA device is available"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("--torch:"), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(torch);
+  std::filesystem::remove(config);
 }
 
 }  // namespace

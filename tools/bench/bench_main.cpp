@@ -1,4 +1,4 @@
-// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R]
+// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] [--torch FILE]
 //                | --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]
 #include <cstdio>
 #include <cstring>
@@ -15,6 +15,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N] [--recipe bf16|mxfp8]\n"
+    "                      [--torch FILE]\n"
     "       moegraph-bench --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
@@ -23,6 +24,10 @@ constexpr const char* kUsage =
     "  --json FILE  also write the results as JSON (scripts/plot-bench draws them); with --plan, the plan\n"
     "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
     "  --recipe R   override precision.recipe (mxfp8 with row_align 1 uses row_align 32)\n"
+    "  --torch FILE the same layer in PyTorch beside each bucket: columns \"torch ms\" (its graph replay)\n"
+    "               and \"vs torch\" (torch ms / replay ms) from FILE, written by scripts/torch-moe-bench\n"
+    "               --json FILE on the same config (name, layer, phase, buckets and fill must match;\n"
+    "               checked before the GPU is touched: exit 2 on a mismatch)\n"
     "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone against their roofline (dense\n"
     "               cuBLASLt rate and device-copy bandwidth, both measured in the same run)\n"
     "  --set S      kernel shapes: presets (default), quick, fine (60-256 experts of 40-500 rows) or all\n"
@@ -42,7 +47,7 @@ int main(int argc, char** argv) {
   bool plan = false, kernels = false;
   moegraph::bench::KernelBenchOptions kernel_options;
   std::vector<std::string> shape_specs;
-  std::string recipe;
+  std::string recipe, torch_path;
   moegraph::bench::StepBenchOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -76,6 +81,10 @@ int main(int argc, char** argv) {
       if (!v) return 2;
       recipe = v;
       if (recipe != "bf16" && recipe != "mxfp8") return usage_error("--recipe must be bf16 or mxfp8, got '" + recipe + "'");
+    } else if (a == "--torch") {
+      const char* v = value("--torch");
+      if (!v) return 2;
+      torch_path = v;
     } else if (a == "--replays") {
       const char* v = value("--replays");
       if (!v) return 2;
@@ -93,6 +102,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (kernels) {
+      if (!torch_path.empty()) return usage_error("--torch goes with the step bench of a config, not --kernels");
       for (const std::string& spec : shape_specs) kernel_options.shapes.push_back(moegraph::bench::parse_kernel_shape(spec));
       kernel_options.json_path = options.json_path;
       kernel_options.replays = options.replays;
@@ -105,7 +115,16 @@ int main(int argc, char** argv) {
       if (recipe == "mxfp8" && config.row_align == 1) config.row_align = 32;
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
     }
+    if (plan && !torch_path.empty()) return usage_error("--torch goes with the step bench, not --plan");
     if (plan) return moegraph::bench::run_plan(config, options.json_path);
+    if (!torch_path.empty()) {  // before the GPU: a wrong file fails at once, with or without one
+      try {
+        options.torch = moegraph::bench::load_torch_results(torch_path, config);
+      } catch (const moegraph::Error& e) {
+        std::fprintf(stderr, "moegraph-bench: --torch: %s\n", e.message().c_str());
+        return 2;
+      }
+    }
     return moegraph::bench::run_step_bench(config, options);
   } catch (const moegraph::ConfigError& e) {
     std::fprintf(stderr, "moegraph-bench: invalid config: %s\n", e.message().c_str());

@@ -1,15 +1,11 @@
+// The roofline model (no GPU here; measure_roofline is in roofline_measure.cu).
 #include "tools/bench/roofline.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
-#include "graphs/graph_exec.hpp"
-#include "kernels/elementwise/elementwise.hpp"
-#include "src/core/device_buffer.hpp"
-#include "src/core/lt_gemm.hpp"
-#include "tools/bench/bench_util.hpp"
-#include "tools/bench/stream_probe.hpp"
 
 namespace moegraph::bench {
 
@@ -27,56 +23,17 @@ std::string Roofline::describe() const {
   return buf;
 }
 
-namespace {
-
-template <class F>
-double replayed_median(cudaStream_t stream, F work, int replays) {
-  work();  // warm-up outside capture (cuBLASLt heuristics, module loading)
-  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
-  GraphExec graph(stream, work);
-  EventTimer timer;
-  std::vector<float> t;
-  for (int i = 0; i < replays; ++i) t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
-  return median(t);
+double step_bytes(const StepTraffic& t) {
+  const double weights = 3.0 * t.hidden * t.ffn;  // elements of FC1 [2f, h] and FC2 [h, f], one expert
+  const double rows = static_cast<double>(t.io_rows) * t.hidden * t.act_bytes;  // one of x, y, dy, dx
+  if (!t.training) return t.active_experts * weights * t.weight_bytes + 2 * rows;
+  const double grads = t.main_grad_fp32 ? t.active_experts * weights * 8.0 : t.experts * weights * t.act_bytes;
+  return 2 * t.active_experts * weights * t.weight_bytes + grads + 4 * rows;
 }
 
-}  // namespace
-
-Roofline measure_roofline(cudaStream_t stream) {
-  Roofline r;
-  {
-    // The best of four streams over 1 GiB (20x the L2): cudaMemcpy, a copy kernel (bytes read +
-    // written), a read-only and a write-only stream. Reads alone stream faster than a copy, so the
-    // best of them is the floor no phase can beat, whatever its mix of reads and writes.
-    const std::size_t bytes = std::size_t{1} << 30;
-    DeviceBuffer src(bytes), dst(bytes);
-    MG_CUDA_CHECK(cudaMemsetAsync(src.get(), 0x3c, bytes, stream));
-    int sms = 0, device = 0;
-    MG_CUDA_CHECK(cudaGetDevice(&device));
-    MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    const int grid = sms * 8;
-    auto gbps = [&](double moved, auto work) { return moved / replayed_median(stream, work, 20) / 1e6; };
-    r.memcpy_gbps = gbps(2.0 * bytes, [&] {
-      MG_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream));
-    });
-    r.copy_kernel_gbps = gbps(2.0 * bytes, [&] { launch_stream(StreamKind::kCopy, dst.get(), src.get(), bytes, grid, stream); });
-    r.read_gbps = gbps(bytes, [&] { launch_stream(StreamKind::kRead, dst.get(), src.get(), bytes, grid, stream); });
-    r.write_gbps = gbps(bytes, [&] { launch_stream(StreamKind::kWrite, dst.get(), nullptr, bytes, grid, stream); });
-    r.copy_gbps = std::max({r.memcpy_gbps, r.copy_kernel_gbps, r.read_gbps, r.write_gbps});
-  }
-  {
-    constexpr int64_t n = 8192;
-    DeviceBuffer a(n * n * 2), b(n * n * 2), c(n * n * 2);
-    kernels::launch_fill_uniform(DType::kBF16, a.get(), n * n, 1.0f, 3, stream);  // random non-zero data
-    kernels::launch_fill_uniform(DType::kBF16, b.get(), n * n, 1.0f, 4, stream);
-    LtGemm lt;
-    RowMajorGemm g;
-    g.trans_b = true, g.m = n, g.n = n, g.k = n;
-    g.a = a.get(), g.lda = n, g.b = b.get(), g.ldb = n, g.c = c.get(), g.ldc = n;
-    const double ms = replayed_median(stream, [&] { lt.run(g, stream); }, 20);
-    r.dense_tflops = 2.0 * n * n * n / ms / 1e9;
-  }
-  return r;
+double expected_active_experts(int experts, int top_k, int64_t tokens) {
+  const double unpicked = 1.0 - static_cast<double>(std::min(top_k, experts)) / experts;  // one token misses an expert
+  return experts * (1.0 - std::pow(unpicked, static_cast<double>(tokens)));
 }
 
 }  // namespace moegraph::bench

@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <string>
 
 namespace moegraph::bench {
@@ -25,6 +26,35 @@ struct Roofline {
   const char* bound(double flops, double bytes) const;
   std::string describe() const;  // one line for the report
 };
+
+// What one step of an expert MLP layer (FC1 [2f, h] -> SwiGLU -> FC2 [h, f] per expert) must move
+// at the least. The model, a floor that any implementation pays (docs/PERF.md, Method):
+//   inference: the weights of the experts that receive rows, read once (3·h·f per expert), and
+//              x read and y written once;
+//   training:  those weights read twice (forward and dgrad); the weight gradients, either the fp32
+//              main_grad of the active experts read and written (8 B per element) or, without it,
+//              every expert's gradient written in the layer's dtype (empty experts get zeros); and
+//              x, y, dy and dx once each.
+// Left out on purpose: the intermediate activations (FC1's output [rows, 2f], SwiGLU's [rows, f]
+// and their gradients), which a fused implementation need not write to memory; the router's weight
+// (E·h, under 1% of the experts' weights for every preset); the gathered copies of x and the
+// scattered rows of y, which the whole layer's dispatch and combine move but a fused one need not.
+struct StepTraffic {
+  int64_t hidden = 0, ffn = 0;
+  int experts = 0;
+  double active_experts = 0;  // experts that receive rows (mean over the routings replayed)
+  int64_t io_rows = 0;        // rows of x and y: tokens for the whole layer, routed rows for experts only
+  double act_bytes = 2;       // element size of x, y, dy, dx and of the weight gradients without main_grad
+  double weight_bytes = 2;    // bytes per weight element the GEMMs read: 2 for bf16, 1 + 1/32 for MXFP8 copies
+  bool training = false;
+  bool main_grad_fp32 = false;
+};
+double step_bytes(const StepTraffic& t);
+
+// The expected number of experts that receive at least one row when each of `tokens` tokens picks
+// `top_k` distinct experts uniformly: E·(1 - (1 - k/E)^tokens). The whole layer's router, on the
+// benchmark's random x, routes about uniformly; for one token it is exactly top_k.
+double expected_active_experts(int experts, int top_k, int64_t tokens);
 
 // Times both on the current device (medians of graph replays; L2 cannot hold the copy's 2 x 1 GiB).
 // Allocates ~2 GiB for the duration of the call.

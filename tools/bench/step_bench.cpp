@@ -1,14 +1,20 @@
 // Per bucket: capture time, eager step time, graph replay time (at the configured fill and at 25%),
-// host CPU time per replay, TFLOP/s, and the ratios to the dense cuBLASLt GEMMs of the same total
-// rows and to the per-expert cuBLASLt loop. A fresh routing before every replay, L2 flushed before
-// every timed run, medians. Whole-layer step: fresh random x (so the router routes anew) and the
-// token count written on the device before each replay; experts only: fresh device splits.
+// host CPU time per replay, TFLOP/s, the fraction of the step's roofline reached (its FLOPs at the
+// dense cuBLASLt rate or its fewest bytes at the copy bandwidth, both measured in the same run;
+// tools/bench/roofline.hpp), the ratio to the per-expert cuBLASLt loop and, with --torch, to the
+// same layer in PyTorch. The dense cuBLASLt GEMMs of the same total rows are still timed (JSON
+// "dense_ms"): a ratio to them means nothing for memory-bound layers, so the table leaves it out.
+// A fresh routing before every replay, L2 flushed before every timed run, medians. Whole-layer
+// step: fresh random x (so the router routes anew) and the token count written on the device
+// before each replay; experts only: fresh device splits.
 #include "tools/bench/step_bench.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "graphs/graph_exec.hpp"
 #include "kernels/elementwise/elementwise.hpp"
@@ -20,6 +26,7 @@
 #include "testing/step_weights.hpp"
 #include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/roofline.hpp"
 
 namespace moegraph::bench {
 namespace {
@@ -37,10 +44,12 @@ struct RoutingPool {
   DeviceBuffer splits;
   int count = 0, experts = 0;
   int64_t rows = 0;
+  double active = 0;  // experts that receive rows, mean over the routings
   RoutingPool(std::mt19937_64& rng, const Config& c, int64_t rows_routed, int n) : count(n), experts(c.layer.experts), rows(rows_routed) {
     std::vector<int32_t> flat;
     for (int i = 0; i < n; ++i) {
       auto r = draw_routing(rng, c, rows_routed);
+      active += static_cast<double>(std::count_if(r.begin(), r.end(), [](int32_t v) { return v > 0; })) / n;
       flat.insert(flat.end(), r.begin(), r.end());
     }
     splits = DeviceBuffer(flat.size() * sizeof(int32_t));
@@ -94,7 +103,24 @@ struct Row {
   int64_t tokens, rows;
   uint64_t dropped;
   double capture_ms, eager_ms, replay_ms, replay_quarter_ms, host_us, dense_ms, legacy_ms, flops;
+  double active_experts, bytes;  // experts that receive rows; the step's fewest bytes (step_bytes)
 };
+
+// The fewest bytes of one step of bucket `tokens` at the routing replayed (tools/bench/roofline.hpp).
+// Experts only: the routings drawn for the replays; the whole layer routes by its router, about
+// uniformly on the benchmark's random x.
+StepTraffic step_traffic(const Config& c, int64_t tokens, double drawn_active) {
+  const bool layer = c.step == StepKind::kMoeLayer;
+  StepTraffic t;
+  t.hidden = c.layer.hidden, t.ffn = c.layer.ffn, t.experts = c.layer.experts;
+  t.active_experts = layer ? expected_active_experts(c.layer.experts, c.layer.top_k, tokens) : drawn_active;
+  t.io_rows = layer ? tokens : tokens * c.layer.top_k;
+  t.act_bytes = static_cast<double>(dtype_size(c.precision.dtype));
+  t.weight_bytes = c.precision.recipe == Recipe::kMXFP8 ? 1.0 + 1.0 / 32 : t.act_bytes;  // the quantized copies
+  t.training = c.training.enabled;
+  t.main_grad_fp32 = c.training.main_grad_fp32;
+  return t;
+}
 
 int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream_t s, DeviceBuffer& l2_flush, Row& row) {
   const BucketIO io = step.io(b);
@@ -159,6 +185,9 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
   step.check_device_errors(s);
   row.dropped = step.read_dropped(s);
   row.flops = (train ? 18.0 : 6.0) * routed_rows * h * f;
+  const StepTraffic traffic = step_traffic(c, full_tokens, full.active);
+  row.active_experts = traffic.active_experts;
+  row.bytes = step_bytes(traffic);
 
   // Baselines on the same total rows.
   Baselines base(c, routed_rows);
@@ -205,9 +234,21 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
               static_cast<long long>(c.layer.hidden), static_cast<long long>(c.layer.ffn), c.layer.top_k,
               std::string(dtype_name(c.precision.dtype)).c_str(),
               c.training.enabled ? (c.training.delay_wgrad ? "training, delayed wgrad" : "training") : "inference");
-  std::fprintf(stderr, "capturing %zu buckets...\n", c.buckets.size());
+  const TorchResults* torch = options.torch ? &*options.torch : nullptr;
+  if (torch) {
+    std::printf("torch: %s (PyTorch %s, %s, graph replay of the whole layer%s)\n", torch->path.c_str(),
+                torch->torch_version.c_str(), torch->grouped_mm.c_str(),
+                c.step == StepKind::kMoeLayer ? "" : "; this config times the experts alone");
+    if (torch->device != prop.name)
+      std::printf("WARNING: the torch results were measured on '%s', this run is on '%s'\n", torch->device.c_str(),
+                  prop.name);
+  }
   cudaStream_t s;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::fprintf(stderr, "measuring the roofline...\n");
+  const Roofline roof = measure_roofline(s);  // before the step's buffers: it borrows ~1.4 GiB
+  std::printf("%s\n", roof.describe().c_str());
+  std::fprintf(stderr, "capturing %zu buckets...\n", c.buckets.size());
   const StepGraphsOptions step_options = step_graphs_options(c);
   const testing::OwnedStepWeights weights = testing::make_step_weights(step_options, s);  // the caller's parameters
   StepGraphs step(step_options, weights.weights);
@@ -262,12 +303,29 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   if (c.router.capacity_factor > 0)
     std::printf("capacity factor %.3g: %llu (token, expert) assignments dropped over all replays\n\n",
                 c.router.capacity_factor, static_cast<unsigned long long>(dropped));
-  for (const Row& r : rows)
-    table.add({std::to_string(r.tokens), std::to_string(r.rows), fmt(r.capture_ms, 1), fmt(r.eager_ms, 3),
-               fmt(r.replay_ms, 3), fmt(r.replay_quarter_ms, 3), fmt(r.host_us, 1), fmt(r.flops / r.replay_ms / 1e9, 1),
-               fmt(r.dense_ms, 3), fmt(r.legacy_ms, 3), fmt(r.dense_ms / r.replay_ms, 2), fmt(r.legacy_ms / r.replay_ms, 2)});
-  table.print({"tokens", "rows", "capture ms", "eager ms", "replay ms", "replay@25% ms", "host us", "TFLOP/s",
-               "dense ms", "legacy ms", "vs dense", "vs legacy"});
+  std::printf("floor = max(FLOPs at the dense rate, fewest bytes at the copy bandwidth) of the step at the configured "
+              "fill (bytes: docs/PERF.md, Method); of roofline = floor / replay ms%s\n\n",
+              torch ? "; vs torch = torch ms / replay ms (above 1: faster than PyTorch)" : "");
+  // PyTorch's graph replay of a bucket, or nothing where that bucket or its capture failed there.
+  auto torch_ms = [&](const Row& r) { return torch ? torch->at(r.tokens).graph_ms : std::nullopt; };
+  for (const Row& r : rows) {
+    std::vector<std::string> cells = {
+        std::to_string(r.tokens), std::to_string(r.rows), fmt(r.capture_ms, 1), fmt(r.eager_ms, 3),
+        fmt(r.replay_ms, 3), fmt(r.replay_quarter_ms, 3), fmt(r.host_us, 1), fmt(r.flops / r.replay_ms / 1e9, 1),
+        fmt(roof.floor_ms(r.flops, r.bytes), 3), roof.bound(r.flops, r.bytes),
+        fmt(roof.floor_ms(r.flops, r.bytes) / r.replay_ms, 2), fmt(r.legacy_ms, 3), fmt(r.legacy_ms / r.replay_ms, 2)};
+    if (torch) {
+      const std::optional<double> t = torch_ms(r);
+      cells.push_back(t ? fmt(*t, 3) : "failed");
+      cells.push_back(t ? fmt(*t / r.replay_ms, 2) : "-");
+    }
+    table.add(cells);
+  }
+  std::vector<std::string> header = {"tokens", "rows", "capture ms", "eager ms", "replay ms", "replay@25% ms",
+                                     "host us", "TFLOP/s", "floor ms", "bound", "of roofline", "legacy ms",
+                                     "vs legacy"};
+  if (torch) header.insert(header.end(), {"torch ms", "vs torch"});
+  table.print(header);
 
   if (!options.json_path.empty()) {
     nlohmann::json out;
@@ -276,12 +334,26 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     out["phase"] = what;
     out["replays"] = replays;
     out["arena_bytes"] = step.plan().arena_bytes;
-    for (const Row& r : rows)
-      out["buckets"].push_back({{"tokens", r.tokens}, {"rows", r.rows}, {"capture_ms", r.capture_ms},
-                                {"eager_ms", r.eager_ms}, {"replay_ms", r.replay_ms},
-                                {"replay_quarter_fill_ms", r.replay_quarter_ms}, {"host_us_per_replay", r.host_us},
-                                {"tflops", r.flops / r.replay_ms / 1e9}, {"dense_ms", r.dense_ms},
-                                {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped}});
+    out["roofline"] = {{"dense_tflops", roof.dense_tflops}, {"copy_gbps", roof.copy_gbps}};
+    if (torch)
+      out["torch"] = {{"file", torch->path}, {"device", torch->device}, {"torch", torch->torch_version},
+                      {"grouped_mm", torch->grouped_mm}};
+    for (const Row& r : rows) {
+      const double floor = roof.floor_ms(r.flops, r.bytes);
+      nlohmann::json jb = {{"tokens", r.tokens}, {"rows", r.rows}, {"capture_ms", r.capture_ms},
+                           {"eager_ms", r.eager_ms}, {"replay_ms", r.replay_ms},
+                           {"replay_quarter_fill_ms", r.replay_quarter_ms}, {"host_us_per_replay", r.host_us},
+                           {"tflops", r.flops / r.replay_ms / 1e9}, {"dense_ms", r.dense_ms},
+                           {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped},
+                           {"step_bytes", r.bytes}, {"active_experts", r.active_experts}, {"floor_ms", floor},
+                           {"bound", roof.bound(r.flops, r.bytes)}, {"of_roofline", floor / r.replay_ms}};
+      if (torch) {
+        const std::optional<double> t = torch_ms(r);
+        jb["torch_ms"] = t ? nlohmann::json(*t) : nlohmann::json(nullptr);
+        jb["vs_torch"] = t ? nlohmann::json(*t / r.replay_ms) : nlohmann::json(nullptr);
+      }
+      out["buckets"].push_back(jb);
+    }
     out["step"] = std::string(step_kind_name(c.step));
     out["recipe"] = std::string(recipe_name(c.precision.recipe));
     std::ofstream f(options.json_path);
