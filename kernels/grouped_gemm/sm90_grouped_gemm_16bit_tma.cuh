@@ -119,6 +119,14 @@ __device__ __forceinline__ constexpr uint32_t kstep_bytes() { return kMnMajor ? 
 template <class Tile, int kBlocks>
 using Acc = float[kBlocks][Tile::BN / 2];
 
+template <class Tile, int kBlocks>
+__device__ __forceinline__ void zero_acc(Acc<Tile, kBlocks>& acc) {
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+    for (int i = 0; i < Tile::BN / 2; ++i) acc[b][i] = 0.0f;
+}
+
 // The consumers' K loop over `ktiles` stages of the ring: acc[b] = A(64-row block a_block0 + b) · B.
 // `zero_tail(stage)` may rewrite the last stage before its MMAs (wgrad's rows past the group).
 template <class T, class Tile, bool kAMn, bool kBMn, int kBlocks, class ZeroTail>
@@ -127,10 +135,7 @@ __device__ __forceinline__ void consume(uint8_t* smem, uint64_t* full, uint64_t*
   int prev = -1;
   // The first MMA ignores acc (scale-d = 0), but the compiler sees the asm read it: zeroing ends the
   // previous tile's accumulators' lives here, so they are not kept (spilled) across its epilogue.
-#pragma unroll
-  for (int b = 0; b < kBlocks; ++b)
-#pragma unroll
-    for (int i = 0; i < Tile::BN / 2; ++i) acc[b][i] = 0.0f;
+  zero_acc<Tile, kBlocks>(acc);
   for (int kt = 0; kt < ktiles; ++kt) {
     sm90::mbar_wait(&full[pos.stage], pos.phase);
     uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
@@ -374,28 +379,36 @@ struct WgradTile {
   int64_t n0, k0, out0;  // out0: the tile's first element in [G, N, K]
 };
 template <class Tile>
-__device__ __forceinline__ WgradTile wgrad_tile(const WgradParams& p, int64_t t, int tiles_k, int64_t per_group) {
-  WgradTile w;
-  w.e = static_cast<int>(t / per_group);
-  const int64_t local = t % per_group;
-  w.n0 = (local / tiles_k) * BM, w.k0 = (local % tiles_k) * Tile::BN;
-  w.rows = static_cast<int>(group_rows(p.splits, p.offsets, w.e));
-  w.out0 = static_cast<int64_t>(w.e) * p.n * p.k + w.n0 * p.k + w.k0;
-  return w;
-}
+struct WgradGrid {
+  int tiles_k;
+  int64_t per_group, total;  // tiles per group, and in all
+  __device__ explicit WgradGrid(const WgradParams& p)
+      : tiles_k(static_cast<int>((p.k + Tile::BN - 1) / Tile::BN)),
+        per_group(static_cast<int64_t>((p.n + BM - 1) / BM) * tiles_k),
+        total(per_group * p.num_groups) {}
+  __device__ WgradTile tile(const WgradParams& p, int64_t t) const {
+    WgradTile w;
+    w.e = static_cast<int>(t / per_group);
+    const int64_t local = t % per_group;
+    w.n0 = (local / tiles_k) * BM, w.k0 = (local % tiles_k) * Tile::BN;
+    w.rows = static_cast<int>(group_rows(p.splits, p.offsets, w.e));
+    w.out0 = static_cast<int64_t>(w.e) * p.n * p.k + w.n0 * p.k + w.k0;
+    return w;
+  }
+};
 
 // The producer of both wgrad kernels: one thread loads every tile's (rows + 63) / 64 stages of dy
 // (128 n) and x (BN k), 64 rows each, in this CTA's tile order.
 template <class Tile>
 __device__ __forceinline__ void produce_wgrad(const WgradTmaParams& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                              int64_t total, int tiles_k, int64_t per_group) {
+                                              const WgradGrid<Tile>& grid) {
   sm90::release_registers<kProducerRegs>();
   if (threadIdx.x != 0) return;
   sm90::prefetch_tensor_map(&tp.dy);
   sm90::prefetch_tensor_map(&tp.x);
   RingPos pos;
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgradTile w = wgrad_tile<Tile>(tp.p, t, tiles_k, per_group);
+  for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x) {
+    const WgradTile w = grid.tile(tp.p, t);
     const int r0 = static_cast<int>(tp.p.offsets[w.e]);
     for (int kt = 0; kt < (w.rows + BK - 1) / BK; ++kt) {
       sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
@@ -440,18 +453,15 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
   const WgradParams& p = tp.p;
   init_ring<Tile>(full, empty);
   __syncthreads();
-  const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
-  const int tiles_k = static_cast<int>((p.k + Tile::BN - 1) / Tile::BN);
-  const int64_t per_group = static_cast<int64_t>(tiles_n) * tiles_k;
-  const int64_t total = per_group * p.num_groups;
-  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, total, tiles_k, per_group);
+  const WgradGrid<Tile> grid(p);
+  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, grid);
 
   sm90::claim_registers<kConsumerRegs>();
   uint8_t* staging = smem + STAGES * Tile::kStageBytes;
   const int wg = threadIdx.x / 128 - 1;
   RingPos pos;
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const WgradTile w = wgrad_tile<Tile>(p, t, tiles_k, per_group);
+  for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x) {
+    const WgradTile w = grid.tile(p, t);
     if (w.rows == 0 && p.main_grad != nullptr) continue;  // accumulating nothing leaves main_grad unchanged
     Acc<Tile, 1> acc;
     if (w.rows > 0) {
@@ -460,8 +470,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
         if (tail != 0) zero_rows_past<Tile>(stage, tail, 0, kConsumerThreads, 1);
       });
     } else {
-#pragma unroll
-      for (int i = 0; i < Tile::BN / 2; ++i) acc[0][i] = 0.0f;  // an empty group's gradient is zero
+      zero_acc<Tile, 1>(acc);  // an empty group's gradient is zero
     }
     finish_wgrad_tile<T, Tile, 1>(p, w, staging, acc, wg);
   }
@@ -485,11 +494,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   const WgradParams& p = tp.p;
   init_ring<Tile>(full, empty, 128);
   __syncthreads();
-  const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
-  const int tiles_k = static_cast<int>((p.k + Tile::BN - 1) / Tile::BN);
-  const int64_t per_group = static_cast<int64_t>(tiles_n) * tiles_k;
-  const int64_t total = per_group * p.num_groups;
-  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, total, tiles_k, per_group);
+  const WgradGrid<Tile> grid(p);
+  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, grid);
 
   sm90::claim_registers<kConsumerRegs>();
   const int wg = threadIdx.x / 128 - 1;
@@ -497,8 +503,8 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   const int my_token = 4 + wg, other_token = 5 - wg;  // barrier a warpgroup waits on / signals
   RingPos pos;
   int64_t j = 0;  // the tile's place in this CTA's sequence: warpgroup j % 2 owns it
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x, ++j) {
-    const WgradTile w = wgrad_tile<Tile>(p, t, tiles_k, per_group);
+  for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x, ++j) {
+    const WgradTile w = grid.tile(p, t);
     const int ktiles = (w.rows + BK - 1) / BK;
     if ((j & 1) != wg) {
       pos.skip<STAGES>(ktiles);
@@ -513,10 +519,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
         if (tail != 0) zero_rows_past<Tile>(stage, tail, 128 * wg, 128, 2 + wg);
       });
     } else {
-#pragma unroll
-      for (int b = 0; b < 2; ++b)
-#pragma unroll
-        for (int i = 0; i < Tile::BN / 2; ++i) acc[b][i] = 0.0f;  // an empty group's gradient is zero
+      zero_acc<Tile, 2>(acc);  // an empty group's gradient is zero
     }
     sm90::named_barrier_arrive(other_token, 256);
     if (!skip) finish_wgrad_tile<T, Tile, 2>(p, w, staging, acc, 0);
