@@ -79,12 +79,11 @@ GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
   return phase == GemmPhase::kWgrad && tile_n == 128 ? GemmPipeline::kCpAsync : GemmPipeline::kTma;
 }
 
-// wgrad whose reductions are short (groups of a few hundred rows) is bound by writing dW: the
-// ping-pong consumers keep one tile's epilogue and stores under the other's MMAs (fine-grained
-// shapes, docs/PERF.md: 0.55-0.71 of the roofline against 0.37-0.52 on cp.async and 0.56-0.65 with
-// shared tiles). Into fp32 main_grad the cp.async kernel's read-modify-write stays ahead (0.77-0.87
-// against 0.59-0.66 with bulk reduce-adds), so there the pipeline rule below decides.
-bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return !p.main_grad && p.expected_rows_per_group < 512; }
+// wgrad whose reductions are short (groups of a few hundred rows) is bound by writing dW or
+// updating main_grad: the ping-pong consumers keep one tile's epilogue and stores under the other's
+// MMAs. Measured on fine-grained shapes (docs/PERF.md, v7): into dW 0.55-0.84 of the roofline
+// against 0.34-0.52 on cp.async; into fp32 main_grad 0.73-0.90 against 0.62-0.86.
+bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return p.expected_rows_per_group < 512; }
 
 }  // namespace
 

@@ -98,7 +98,6 @@ struct GemmProblem {
   int64_t capacity_rows = 0;
   int64_t expected_rows_per_group = 0;  // the routing the layer expects (today: capacity_rows / groups)
   int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
-  bool main_grad = false;               // wgrad: accumulates into fp32 main_grad (else writes dW)
 };
 
 // Choices forced by the caller or, where the caller left them open, by the environment.

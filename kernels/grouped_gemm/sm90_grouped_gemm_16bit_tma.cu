@@ -20,19 +20,21 @@ namespace {
 namespace t = tma_gemm;
 using Encode = PFN_cuTensorMapEncodeTiled_v12000;
 
-// A row-major tensor of 16-bit elements with dims[0] contiguous; strides in elements for dims 1...
+// A row-major tensor of the plan's 16-bit type (or fp32) with dims[0] contiguous; strides in
+// elements for dims 1...
 template <int kRank>
 CUtensorMap encode(const GemmPlan& plan, const void* base, const uint64_t (&dims)[kRank],
-                   const uint64_t (&strides)[kRank - 1], const uint32_t (&box)[kRank]) {
+                   const uint64_t (&strides)[kRank - 1], const uint32_t (&box)[kRank], bool f32 = false) {
   MG_CHECK(plan.encode_tensor_map != nullptr, "the TMA plan was not prepared (prepare_gemm at set-up)");
   MG_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "the TMA grouped GEMM needs 16-byte aligned operands");
   cuuint64_t gdims[kRank], gstrides[kRank > 1 ? kRank - 1 : 1];
   cuuint32_t gbox[kRank], estrides[kRank];
   for (int i = 0; i < kRank; ++i) gdims[i] = dims[i] > 0 ? dims[i] : 1, gbox[i] = box[i], estrides[i] = 1;
-  for (int i = 0; i + 1 < kRank; ++i) gstrides[i] = strides[i] * 2;
+  for (int i = 0; i + 1 < kRank; ++i) gstrides[i] = strides[i] * (f32 ? 4 : 2);
   CUtensorMap map;
-  const auto data_type =
-      plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const auto data_type = f32                                 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                         : plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = reinterpret_cast<Encode>(plan.encode_tensor_map)(
       &map, data_type, kRank, const_cast<void*>(base), gdims, gstrides, gbox, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -45,10 +47,11 @@ CUtensorMap rows_map(const GemmPlan& plan, const void* base, int64_t capacity, i
   return encode<2>(plan, base, {static_cast<uint64_t>(cols), static_cast<uint64_t>(capacity)},
                    {static_cast<uint64_t>(cols)}, {64u, box_rows});
 }
-// W [G][N][K] with a box of 64 K x box_n N x 1.
-CUtensorMap weight_map(const GemmPlan& plan, const void* w, int64_t groups, int64_t n, int64_t k, uint32_t box_n) {
+// W [G][N][K] with a box of box_k K x box_n N x 1 (fp32 elements when f32).
+CUtensorMap weight_map(const GemmPlan& plan, const void* w, int64_t groups, int64_t n, int64_t k, uint32_t box_n,
+                       uint32_t box_k = 64, bool f32 = false) {
   return encode<3>(plan, w, {static_cast<uint64_t>(k), static_cast<uint64_t>(n), static_cast<uint64_t>(groups)},
-                   {static_cast<uint64_t>(k), static_cast<uint64_t>(n * k)}, {64u, box_n, 1u});
+                   {static_cast<uint64_t>(k), static_cast<uint64_t>(n * k)}, {box_k, box_n, 1u}, f32);
 }
 
 // Calls f(T{}, Tile{}) for the plan's 16-bit type and tile shape.
@@ -134,6 +137,9 @@ void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t s
     tp.p = p;
     tp.dy = rows_map(plan, p.dy, p.capacity_rows, p.n, 64);
     tp.x = rows_map(plan, p.x, p.capacity_rows, p.k, 64);
+    // The result in boxes of 64 rows x 128 bytes (store_boxes).
+    tp.out = p.main_grad != nullptr ? weight_map(plan, p.main_grad, p.num_groups, p.n, p.k, t::kBoxRows, 32, true)
+                                    : weight_map(plan, p.dweight, p.num_groups, p.n, p.k, t::kBoxRows);
     if constexpr (kPingPong<Tile>)
       t::grouped_wgrad_pingpong_kernel<T><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
     else t::grouped_wgrad_ws_kernel<T, Tile><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);

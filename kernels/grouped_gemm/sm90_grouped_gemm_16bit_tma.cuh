@@ -2,10 +2,11 @@
 // into a ring of shared-memory stages guarded by mbarriers, and two consumer warpgroups, each owning
 // 64 rows of a 128 x BN tile, issue wgmma from those stages and never wait on each other. The ring
 // runs across tiles (persistent grid, tiles scheduled from the device offsets), so the producer
-// fetches the next tile's operands while the consumers run the epilogue. 16-bit results go through
-// a padded shared-memory staging area to the copy engine (one bulk copy per row, so rows of other
-// groups are never touched) and drain while the next tile computes; main_grad takes the fp32 tile
-// the same way, in two halves of columns, as bulk reduce-adds performed at L2. Tiles land in the
+// fetches the next tile's operands while the consumers run the epilogue. Results go through a
+// shared-memory staging area to the copy engine and drain while the next tile computes: fprop and
+// dgrad rows one bulk copy per row (so rows of other groups are never touched); wgrad tiles, whose
+// edges are the weight's own, as tensor stores of swizzled 64 x 128-byte boxes, and fp32 main_grad
+// as boxes loaded, added to and stored back, in two halves of columns. Tiles land in the
 // same 128-byte-swizzled layouts as the cp.async kernels (sm90_grouped_gemm_wgmma.cuh), so the
 // wgmma descriptors are shared.
 //   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
@@ -32,7 +33,7 @@ constexpr int BM = 128, BK = 64;                      // BK * 2 bytes = one 128-
 constexpr int kConsumerThreads = 256, THREADS = 384;  // warpgroup 0: producer; 1, 2: consumers
 constexpr int kTileBytesA = BM * BK * 2;
 constexpr int kAtomBytes = 64 * BK * 2;  // 64 MN x 64 K: one MN-major box, or a warpgroup's K-major rows
-constexpr int kRasterM = 8;              // row tiles walked together (L2 reuse of both operands)
+constexpr int kRasterM = 16;             // most row tiles walked together (L2 reuse of both operands)
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus kStagings (128, kBN) 16-bit
@@ -62,6 +63,7 @@ struct RaggedTmaParams {
 struct WgradTmaParams {
   CUtensorMap dy;  // [capacity_rows, N] 2-D, box {64, 64}
   CUtensorMap x;   // [capacity_rows, K] 2-D, box {64, 64}
+  CUtensorMap out; // dW [G][N][K] 3-D, box {64, 64, 1}; or fp32 main_grad, box {32, 64, 1}
   WgradParams p;
 };
 
@@ -84,27 +86,38 @@ struct RingPos {
 
 // `releasers`: the consumer threads that arrive on a stage's empty barrier once its MMAs are done
 // (both warpgroups when they share tiles, the owner's 128 threads with ping-pong consumers).
+// `loaded`, when given: the two consumer warpgroups' epilogue barriers (EpilogueLoad).
 template <class Tile>
-__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, uint32_t releasers = kConsumerThreads) {
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, uint32_t releasers = kConsumerThreads,
+                                          uint64_t* loaded = nullptr) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < Tile::STAGES; ++s) {
       sm90::mbar_init(&full[s], 1);  // the producer's arrive.expect_tx
       sm90::mbar_init(&empty[s], releasers);
     }
+    if (loaded != nullptr) sm90::mbar_init(&loaded[0], 1), sm90::mbar_init(&loaded[1], 1);
     sm90::fence_mbarrier_init();
   }
 }
 
-// Row tile mt and column tile nt of virtual tile t: tiles go kRasterM row tiles at a time, column
-// tile by column tile, so the CTAs running together share both their A rows and their B columns.
-__device__ __forceinline__ void raster(int64_t t, int total_mt, int tiles_n, int& mt, int& nt) {
-  const int64_t per_band = static_cast<int64_t>(kRasterM) * tiles_n;
-  const int band = static_cast<int>(t / per_band);
-  const int rem = static_cast<int>(t % per_band);
-  const int band_rows = min(kRasterM, total_mt - band * kRasterM);
-  mt = band * kRasterM + rem % band_rows;
-  nt = rem / band_rows;
+// Row tile mt and column tile nt of virtual tile t. Tiles go group by group (each group's row tiles
+// are prefix[e] .. prefix[e + 1]); a group's row tiles are cut into bands of at most kRasterM, as
+// even as possible, and a band is walked column tile by column tile. The CTAs running together then
+// share a band's A rows and each weight column tile, so an expert's weights are streamed from
+// memory once per band (once for an expert of up to kRasterM row tiles, however the routing falls)
+// and never for a band that straddles two experts.
+__device__ __forceinline__ void raster(int64_t t, const int* prefix, int num_groups, int tiles_n, int& mt, int& nt) {
+  const int e = find_group(prefix, num_groups, static_cast<int>(t / tiles_n));
+  const int h = prefix[e + 1] - prefix[e];              // the group's row tiles
+  const int local_row = static_cast<int>(t / tiles_n) - prefix[e];  // whose band holds virtual tile t
+  const int bands = (h + kRasterM - 1) / kRasterM;
+  const int base = h / bands, extra = h % bands;        // `extra` bands of base + 1 rows, then base
+  const int band = local_row < extra * (base + 1) ? local_row / (base + 1) : extra + (local_row - extra * (base + 1)) / base;
+  const int band_row0 = band * base + min(band, extra), band_rows = base + (band < extra ? 1 : 0);
+  const int64_t rem = t - (static_cast<int64_t>(prefix[e]) + band_row0) * tiles_n;
+  mt = prefix[e] + band_row0 + static_cast<int>(rem % band_rows);
+  nt = static_cast<int>(rem / band_rows);
 }
 
 template <bool kMnMajor>
@@ -190,21 +203,20 @@ struct Pair<__half> {
   static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
 };
 
-// The staging protocol of one consumer warpgroup, which holds the 64-row blocks [block0, block0 +
-// kBlocks) of the tile: wait until the copy engine has read what this warpgroup's threads handed it
-// last time, write the rows with write(), publish them to the async proxy, and let thread r < 64 *
-// kBlocks of the warpgroup issue copy(64 * block0 + r). Returns without waiting for the copies,
-// which drain under the next tile.
-template <int kBlocks, class Write, class Copy>
-__device__ __forceinline__ void through_staging(int block0, Write write, Copy copy) {
+// The staging protocol of one consumer warpgroup: wait until the copy engine has read what this
+// warpgroup's threads handed it last time, write the staging area with write(), publish it to the
+// async proxy, and let threads i < kIssuers of the warpgroup issue copy(i). Returns without waiting
+// for the copies, which drain under the next tile.
+template <int kIssuers, class Write, class Copy>
+__device__ __forceinline__ void through_staging(Write write, Copy copy) {
   const int wg = threadIdx.x / 128 - 1, wtid = threadIdx.x % 128;
   sm90::bulk_wait_read();
   sm90::named_barrier(2 + wg, 128);
   write();
   sm90::fence_proxy_async_smem();
   sm90::named_barrier(2 + wg, 128);
-  if (wtid < 64 * kBlocks) {
-    copy(64 * block0 + wtid);
+  if (wtid < kIssuers) {
+    copy(wtid);
     sm90::bulk_commit();
   }
 }
@@ -223,49 +235,107 @@ __device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kBlocks][kN
         f(half, acc_row(block0 + b, half), acc_col(j), acc[b][4 * j + 2 * half], acc[b][4 * j + 2 * half + 1]);
 }
 
-// Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators, stored in T:
-// col_bytes of each row to dst0 + row * ld.
+// Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators of the warpgroup's
+// 64-row blocks [block0, block0 + kBlocks), stored in T: col_bytes of each row to dst0 + row * ld, one
+// bulk copy per row (rows ragged by group: a row past the span belongs to another group).
 template <class T, class Tile, int kBlocks, class F>
 __device__ __forceinline__ void store_rows(uint8_t* staging, const Acc<Tile, kBlocks>& acc, int block0, T* dst0,
                                            int64_t ld, int row_lim, uint32_t col_bytes, F f) {
-  through_staging<kBlocks>(
-      block0,
+  through_staging<64 * kBlocks>(
       [&] {
         for_each_acc_pair<0, Tile::BN / 8>(acc, block0, [&](int half, int row, int col, float v0, float v1) {
           f(half, row, col, v0, v1);
           *reinterpret_cast<typename Pair<T>::type*>(staging + row * Tile::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
         });
       },
-      [&](int row) {
+      [&](int i) {
+        const int row = 64 * block0 + i;
         if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Tile::kStagingLd, col_bytes);
       });
 }
 
-// main_grad rows below row_lim += the fp32 tile's columns below col_lim, by bulk reduce-adds (one add
-// per element, so the result is the read-modify-write's). The tile goes through the staging area in
-// two halves of BN / 2 columns: a half row of floats is as long as a 16-bit staged row.
-template <class Tile, int kBlocks>
-__device__ __forceinline__ void add_rows_f32(uint8_t* staging, const Acc<Tile, kBlocks>& acc, int block0, float* dst0,
-                                             int64_t ld, int row_lim, int col_lim) {
-  constexpr int kHalfCols = Tile::BN / 2, kHalfJ = Tile::BN / 16;  // accumulator pairs per half row
-  auto add_half = [&](auto part) {
-    through_staging<kBlocks>(
-        block0,
-        [&] {
-          for_each_acc_pair<part * kHalfJ, (part + 1) * kHalfJ>(acc, block0, [&](int, int row, int col, float v0,
-                                                                                  float v1) {
-            *reinterpret_cast<float2*>(staging + row * Tile::kStagingLd + (col - part * kHalfCols) * 4) =
-                make_float2(v0, v1);
-          });
-        },
-        [&](int row) {
-          const int cols = min(kHalfCols, col_lim - part * kHalfCols);
-          if (row < row_lim && cols > 0)
-            sm90::bulk_reduce_add_f32(dst0 + row * ld + part * kHalfCols, staging + row * Tile::kStagingLd, cols * 4);
-        });
+// Boxed staging for tensor stores: the copy engine's boxes of 64 rows x 128 bytes, 128-byte swizzled
+// (16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8 rows x 4 words of accumulator pairs
+// hit 32 distinct banks), box (64-row block, column box cb) at (block * boxes_per_row + cb) * 8 KB.
+constexpr int kBoxRows = 64, kBoxBytes = kBoxRows * 128;
+
+// The mbarrier on which a consumer warpgroup waits for the main_grad boxes it loads, and its phase.
+struct EpilogueLoad {
+  uint64_t* bar;
+  uint32_t phase = 0;
+};
+
+// The warpgroup's 64-row blocks [block0, block0 + kBlocks) of a tile whose element (row, col) is
+// (c0 + col, c1 + row, c2) of `map`, through boxed staging, as kBlocks x kBoxes tensor stores of
+// kBoxCols columns each: the accumulator columns [kJ0 * 8, kJ1 * 8), in T, or (kF32) added to fp32
+// main_grad. main_grad's boxes are loaded into the staging first and the sum is stored back: one
+// read and one write per element at the copy engine's rate, where reduce-adds at L2 reached only
+// ~0.6 of the memory floor (docs/PERF.md, v7). Boxes past the tensor's extent (n, k) are neither
+// loaded nor stored, and overhanging ones are cut by the copy engine (they load zeros there).
+template <class T, class Tile, int kBlocks, int kJ0, int kJ1, bool kF32>
+__device__ __forceinline__ void store_boxes(uint8_t* staging, const Acc<Tile, kBlocks>& acc, int block0,
+                                            const CUtensorMap* map, int64_t c0, int64_t c1, int c2, int64_t k,
+                                            int64_t n, EpilogueLoad* load = nullptr) {
+  constexpr int kElem = kF32 ? 4 : 2, kBoxCols = 128 / kElem;
+  constexpr int kBoxes = (kJ1 - kJ0) * 8 / kBoxCols;
+  static_assert((kJ1 - kJ0) * 8 % kBoxCols == 0 && 2 * kBoxes * kBoxBytes <= Tile::kStagingBytes);
+  // Box i of the warpgroup: its coordinates, and whether any of it lies inside the tensor.
+  auto box = [&](int i, int& x, int& y, const uint8_t*& src) {
+    const int b = i / kBoxes, cb = i % kBoxes;
+    const int64_t bx = c0 + kJ0 * 8 + cb * kBoxCols, by = c1 + 64 * (block0 + b);
+    x = static_cast<int>(bx), y = static_cast<int>(by);
+    src = staging + ((block0 + b) * kBoxes + cb) * kBoxBytes;
+    return bx < k && by < n;
   };
-  add_half(std::integral_constant<int, 0>{});  // compile-time halves: acc is only indexed by constants
-  add_half(std::integral_constant<int, 1>{});
+  through_staging<kBlocks * kBoxes>(
+      [&] {
+        if constexpr (kF32) {  // main_grad's boxes into the staging (it is free: through_staging waited)
+          if (threadIdx.x % 128 == 0) {
+            uint32_t bytes = 0;
+            for (int i = 0; i < kBlocks * kBoxes; ++i) {
+              int x, y;
+              const uint8_t* src;
+              if (box(i, x, y, src)) bytes += kBoxBytes;  // overhanging boxes count whole (zero fill)
+            }
+            sm90::mbar_arrive_expect_tx(load->bar, bytes);
+            for (int i = 0; i < kBlocks * kBoxes; ++i) {
+              int x, y;
+              const uint8_t* src;
+              if (box(i, x, y, src)) sm90::tma_load_3d(const_cast<uint8_t*>(src), map, load->bar, x, y, c2);
+            }
+          }
+          sm90::mbar_wait(load->bar, load->phase);
+          load->phase ^= 1;
+        }
+        // A pair's byte in its row is the column part jb (a multiple of 8 * kElem >= 16) plus this
+        // thread's part (below 8 * kElem), so the swizzled offset is row_off ^ jb, one XOR per store,
+        // with the thread's part and the row's swizzle folded into row_off once per row.
+        const uint32_t lane_bytes = (threadIdx.x % 4) * 2 * kElem;
+#pragma unroll
+        for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = acc_row(block0 + b, half) % kBoxRows;
+            const uint32_t row_off = (block0 + b) * kBoxes * kBoxBytes + r * 128 + (lane_bytes ^ ((r % 8) << 4));
+#pragma unroll
+            for (int j = kJ0; j < kJ1; ++j) {
+              const uint32_t byte = (j - kJ0) * 8 * kElem;  // the pair's column part in the pass
+              uint8_t* at = staging + (row_off ^ (byte % 128)) + (byte / 128) * kBoxBytes;
+              const float v0 = acc[b][4 * j + 2 * half], v1 = acc[b][4 * j + 2 * half + 1];
+              if constexpr (kF32) {
+                const float2 g = *reinterpret_cast<const float2*>(at);
+                *reinterpret_cast<float2*>(at) = make_float2(g.x + v0, g.y + v1);
+              } else {
+                *reinterpret_cast<typename Pair<T>::type*>(at) = Pair<T>::make(v0, v1);
+              }
+            }
+          }
+      },
+      [&](int i) {
+        int x, y;
+        const uint8_t* src;
+        if (box(i, x, y, src)) sm90::tma_store_3d(map, src, x, y, c2);
+      });
 }
 
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
@@ -299,7 +369,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
     RingPos pos;
     for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
       int mt, nt;
-      raster(t, total_mt, tiles_n, mt, nt);
+      raster(t, tile_prefix, p.num_groups, tiles_n, mt, nt);
       const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
       const int n0 = nt * BN, row0 = static_cast<int>(tile.row0);
       for (int kt = 0; kt < ktiles; ++kt) {
@@ -329,7 +399,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
   RingPos pos;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     int mt, nt;
-    raster(t, total_mt, tiles_n, mt, nt);
+    raster(t, tile_prefix, p.num_groups, tiles_n, mt, nt);
     const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
     const int64_t n0 = static_cast<int64_t>(nt) * BN;
     const int wg = threadIdx.x / 128 - 1;  // owns 64-row block wg of the tile
@@ -376,7 +446,7 @@ __device__ __forceinline__ void zero_rows_past(uint8_t* stage, int valid, int fi
 // groups in order, each group's tiles k-fastest.
 struct WgradTile {
   int e, rows;
-  int64_t n0, k0, out0;  // out0: the tile's first element in [G, N, K]
+  int64_t n0, k0;
 };
 template <class Tile>
 struct WgradGrid {
@@ -392,7 +462,6 @@ struct WgradGrid {
     const int64_t local = t % per_group;
     w.n0 = (local / tiles_k) * BM, w.k0 = (local % tiles_k) * Tile::BN;
     w.rows = static_cast<int>(group_rows(p.splits, p.offsets, w.e));
-    w.out0 = static_cast<int64_t>(w.e) * p.n * p.k + w.n0 * p.k + w.k0;
     return w;
   }
 };
@@ -430,15 +499,16 @@ __device__ __forceinline__ void produce_wgrad(const WgradTmaParams& tp, uint8_t*
 // A wgrad tile's result, held in kBlocks 64-row blocks from block0: written (empty group: zeros) or
 // added into fp32 main_grad.
 template <class T, class Tile, int kBlocks>
-__device__ __forceinline__ void finish_wgrad_tile(const WgradParams& p, const WgradTile& w, uint8_t* staging,
-                                                  const Acc<Tile, kBlocks>& acc, int block0) {
-  const int row_lim = static_cast<int>(min(int64_t{BM}, p.n - w.n0));
-  const int col_lim = static_cast<int>(min(static_cast<int64_t>(Tile::BN), p.k - w.k0));
-  if (p.main_grad != nullptr)
-    add_rows_f32<Tile, kBlocks>(staging, acc, block0, p.main_grad + w.out0, p.k, row_lim, col_lim);
-  else
-    store_rows<T, Tile, kBlocks>(staging, acc, block0, static_cast<T*>(p.dweight) + w.out0, p.k, row_lim,
-                                 static_cast<uint32_t>(col_lim * 2), [](int, int, int, float&, float&) {});
+__device__ __forceinline__ void finish_wgrad_tile(const WgradTmaParams& tp, const WgradTile& w, uint8_t* staging,
+                                                  const Acc<Tile, kBlocks>& acc, int block0, EpilogueLoad& load) {
+  constexpr int kJ = Tile::BN / 8;
+  const WgradParams& p = tp.p;
+  if (p.main_grad != nullptr) {  // in two halves of columns: half a row of floats is a 16-bit row's bytes
+    store_boxes<T, Tile, kBlocks, 0, kJ / 2, true>(staging, acc, block0, &tp.out, w.k0, w.n0, w.e, p.k, p.n, &load);
+    store_boxes<T, Tile, kBlocks, kJ / 2, kJ, true>(staging, acc, block0, &tp.out, w.k0, w.n0, w.e, p.k, p.n, &load);
+  } else {
+    store_boxes<T, Tile, kBlocks, 0, kJ, false>(staging, acc, block0, &tp.out, w.k0, w.n0, w.e, p.k, p.n);
+  }
 }
 
 // dW_e[n][k] = sum over group e's rows r of dy[r][n] x[r][k]: tiles (group, 128 n, BN k), reduced
@@ -448,10 +518,10 @@ template <class T, class Tile>
 __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __grid_constant__ WgradTmaParams tp) {
   constexpr int STAGES = Tile::STAGES;
   extern __shared__ uint8_t smem_raw[];
-  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES], loaded[2];
   uint8_t* smem = aligned_smem(smem_raw);
   const WgradParams& p = tp.p;
-  init_ring<Tile>(full, empty);
+  init_ring<Tile>(full, empty, kConsumerThreads, loaded);
   __syncthreads();
   const WgradGrid<Tile> grid(p);
   if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, grid);
@@ -459,6 +529,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
   sm90::claim_registers<kConsumerRegs>();
   uint8_t* staging = smem + STAGES * Tile::kStageBytes;
   const int wg = threadIdx.x / 128 - 1;
+  EpilogueLoad load{&loaded[wg]};
   RingPos pos;
   for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x) {
     const WgradTile w = grid.tile(p, t);
@@ -472,7 +543,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
     } else {
       zero_acc<Tile, 1>(acc);  // an empty group's gradient is zero
     }
-    finish_wgrad_tile<T, Tile, 1>(p, w, staging, acc, wg);
+    finish_wgrad_tile<T, Tile, 1>(tp, w, staging, acc, wg, load);
   }
   sm90::bulk_wait();
 }
@@ -489,10 +560,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   using Tile = TilePingPong;
   constexpr int STAGES = Tile::STAGES;
   extern __shared__ uint8_t smem_raw[];
-  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES], loaded[2];
   uint8_t* smem = aligned_smem(smem_raw);
   const WgradParams& p = tp.p;
-  init_ring<Tile>(full, empty, 128);
+  init_ring<Tile>(full, empty, 128, loaded);
   __syncthreads();
   const WgradGrid<Tile> grid(p);
   if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, grid);
@@ -501,6 +572,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   const int wg = threadIdx.x / 128 - 1;
   uint8_t* staging = smem + STAGES * Tile::kStageBytes + wg * Tile::kStagingBytes;
   const int my_token = 4 + wg, other_token = 5 - wg;  // barrier a warpgroup waits on / signals
+  EpilogueLoad load{&loaded[wg]};
   RingPos pos;
   int64_t j = 0;  // the tile's place in this CTA's sequence: warpgroup j % 2 owns it
   for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x, ++j) {
@@ -522,7 +594,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
       zero_acc<Tile, 2>(acc);  // an empty group's gradient is zero
     }
     sm90::named_barrier_arrive(other_token, 256);
-    if (!skip) finish_wgrad_tile<T, Tile, 2>(p, w, staging, acc, 0);
+    if (!skip) finish_wgrad_tile<T, Tile, 2>(tp, w, staging, acc, 0, load);
   }
   // The last tile's owner signalled the other warpgroup: take that token, so no arrival is left over.
   if (j > 0 && (j & 1) == wg) sm90::named_barrier(my_token, 256);

@@ -64,17 +64,19 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// The box of `map` at (c0, c1, c2) from shared memory at src to global memory (tensor store),
+// tracked in this thread's bulk groups; elements past the tensor's bounds are not written, so a box
+// may overhang its edge.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
 // Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared to global
 // memory by the copy engine, tracked in this thread's bulk groups.
 __device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(reinterpret_cast<uint64_t>(dst)),
-               "r"(smem_addr(src)), "r"(bytes)
-               : "memory");
-}
-// dst[i] += src[i] for `bytes` / 4 floats, performed by the copy engine at L2 (one add per element).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(
-                   reinterpret_cast<uint64_t>(dst)),
                "r"(smem_addr(src)), "r"(bytes)
                : "memory");
 }

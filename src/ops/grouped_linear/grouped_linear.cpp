@@ -39,10 +39,9 @@ struct GroupedLinear::Scratch {
 
 namespace linear {
 
-kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhase phase, bool main_grad) {
+kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhase phase) {
   kernels::GemmProblem p;
   p.phase = phase;
-  p.main_grad = main_grad;
   p.recipe = o.recipe;
   p.dtype = o.dtype;
   p.groups = o.num_groups;
@@ -59,10 +58,8 @@ kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhas
 }
 
 std::string describe_gemm_configs(const kernels::GemmConfig& fprop, const kernels::GemmConfig& dgrad,
-                                  const kernels::GemmConfig& wgrad, const kernels::GemmConfig& wgrad_main_grad) {
-  std::string s = "fprop: " + fprop.to_string() + " | dgrad: " + dgrad.to_string() + " | wgrad: " + wgrad.to_string();
-  if (wgrad_main_grad.to_string() != wgrad.to_string()) s += " | wgrad into main_grad: " + wgrad_main_grad.to_string();
-  return s;
+                                  const kernels::GemmConfig& wgrad) {
+  return "fprop: " + fprop.to_string() + " | dgrad: " + dgrad.to_string() + " | wgrad: " + wgrad.to_string();
 }
 
 std::unique_ptr<LinearBackend> make_linear_backend(const GroupedLinearOptions& o) {
@@ -164,7 +161,7 @@ std::string GroupedLinear::describe_kernels(const GroupedLinearOptions& options)
   using kernels::GemmPhase;
   return linear::describe_gemm_configs(
       linear::gemm_config(options, GemmPhase::kFprop), linear::gemm_config(options, GemmPhase::kDgrad),
-      linear::gemm_config(options, GemmPhase::kWgrad), linear::gemm_config(options, GemmPhase::kWgrad, true));
+      linear::gemm_config(options, GemmPhase::kWgrad));
 }
 
 GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : GroupedLinear(options, nullptr) {}

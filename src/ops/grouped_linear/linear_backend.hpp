@@ -47,12 +47,11 @@ class LinearBackend {
 // The backend of options.recipe (sizing only until prepare()).
 std::unique_ptr<LinearBackend> make_linear_backend(const GroupedLinearOptions& options);
 
-// Each recipe's GEMM configs for these options, from the one heuristic (kernels/grouped_gemm);
-// main_grad: the wgrad that accumulates into fp32 main_grad (it may run another kernel).
-kernels::GemmConfig gemm_config(const GroupedLinearOptions& options, kernels::GemmPhase phase, bool main_grad = false);
-// "fprop: ... | dgrad: ... | wgrad: ..." and, where it differs, " | wgrad into main_grad: ...".
+// Each recipe's GEMM configs for these options, from the one heuristic (kernels/grouped_gemm).
+kernels::GemmConfig gemm_config(const GroupedLinearOptions& options, kernels::GemmPhase phase);
+// "fprop: ... | dgrad: ... | wgrad: ...".
 std::string describe_gemm_configs(const kernels::GemmConfig& fprop, const kernels::GemmConfig& dgrad,
-                                  const kernels::GemmConfig& wgrad, const kernels::GemmConfig& wgrad_main_grad);
+                                  const kernels::GemmConfig& wgrad);
 
 // Per recipe, in its own file: "" when its kernels can run these options, else the reason.
 std::string bf16_can_implement(const GroupedLinearOptions& options);

@@ -39,7 +39,7 @@ class Mxfp8Backend final : public LinearBackend {
     wt_data_ = DeviceBuffer(weight), wt_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
   }
   std::string describe() const override {
-    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.config, wgrad_.config) +
+    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.config) +
            " | quantize: row-wise + column-wise from one read";
   }
 
