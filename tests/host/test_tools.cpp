@@ -343,6 +343,8 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
       {config + " --torch", "--torch needs a value"},
       {"--kernels --torch " + torch, "--torch goes with the step bench of a config, not --kernels"},
       {config + " --plan --torch " + torch, "--torch goes with the step bench, not --plan"},
+      {"--kernels --ops", "--ops goes with the step bench of a config, not --kernels"},
+      {config + " --plan --ops", "--ops goes with the step bench, not --plan"},
   };
   for (const auto& [args, reason] : arguments) {
     const ToolRun r = run_tool("MOEGRAPH_BENCH", args);

@@ -1,4 +1,4 @@
-// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] [--torch FILE]
+// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] [--torch FILE] [--ops]
 //                | --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]
 #include <cstdio>
 #include <cstring>
@@ -15,7 +15,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N] [--recipe bf16|mxfp8]\n"
-    "                      [--torch FILE]\n"
+    "                      [--torch FILE] [--ops]\n"
     "       moegraph-bench --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
@@ -28,6 +28,8 @@ constexpr const char* kUsage =
     "               and \"vs torch\" (torch ms / replay ms) from FILE, written by scripts/torch-moe-bench\n"
     "               --json FILE on the same config (name, layer, phase, buckets and fill must match;\n"
     "               checked before the GPU is touched: exit 2 on a mismatch)\n"
+    "  --ops        also each operator's eager time per phase (forward, backward, wgrad) and its share,\n"
+    "               per bucket (whole-layer configs)\n"
     "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone against their roofline (dense\n"
     "               cuBLASLt rate and device-copy bandwidth, both measured in the same run)\n"
     "  --set S      kernel shapes: presets (default), quick, fine (60-256 experts of 40-500 rows) or all\n"
@@ -57,6 +59,8 @@ int main(int argc, char** argv) {
       return 0;
     } else if (a == "--plan") {
       plan = true;
+    } else if (a == "--ops") {
+      options.ops = true;
     } else if (a == "--kernels") {
       kernels = true;
     } else if (a == "--quick") {
@@ -103,6 +107,7 @@ int main(int argc, char** argv) {
   try {
     if (kernels) {
       if (!torch_path.empty()) return usage_error("--torch goes with the step bench of a config, not --kernels");
+      if (options.ops) return usage_error("--ops goes with the step bench of a config, not --kernels");
       for (const std::string& spec : shape_specs) kernel_options.shapes.push_back(moegraph::bench::parse_kernel_shape(spec));
       kernel_options.json_path = options.json_path;
       kernel_options.replays = options.replays;
@@ -116,6 +121,7 @@ int main(int argc, char** argv) {
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
     }
     if (plan && !torch_path.empty()) return usage_error("--torch goes with the step bench, not --plan");
+    if (plan && options.ops) return usage_error("--ops goes with the step bench, not --plan");
     if (plan) return moegraph::bench::run_plan(config, options.json_path);
     if (!torch_path.empty()) {  // before the GPU: a wrong file fails at once, with or without one
       try {

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -21,6 +22,7 @@
 #include "moegraph/config.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/core/lt_gemm.hpp"
+#include "src/ops/moe/op_events.hpp"
 #include "src/ops/moe/op_spec.hpp"
 #include "testing/legacy_loop.hpp"
 #include "testing/step_weights.hpp"
@@ -99,7 +101,73 @@ struct Baselines {
   }
 };
 
+// One operator's eager time per phase (--ops), medians over the runs.
+struct OpTime {
+  std::string op;
+  double forward_ms = 0, backward_ms = 0, wgrad_ms = 0;
+  double total() const { return forward_ms + backward_ms + wgrad_ms; }
+};
+
+// Records an event after every operator of the layer program (src/ops/moe/op_events.hpp), and
+// collects each (operator, phase)'s time since the event before it, over several eager runs.
+class OpTimer : public layer::OpEventSink {
+ public:
+  OpTimer() { layer::set_op_event_sink(this); }
+  ~OpTimer() override {
+    layer::set_op_event_sink(nullptr);
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+  void start(cudaStream_t s) {
+    used_ = 0, labels_.clear();
+    record({}, s);
+  }
+  void after(const std::string& op, const char* phase, cudaStream_t s) override { record({op, phase}, s); }
+  // After the run's work: each operator's time in this run, added to the samples.
+  void finish() {
+    MG_CUDA_CHECK(cudaEventSynchronize(events_[used_ - 1]));
+    for (std::size_t i = 1; i < used_; ++i) {
+      float ms = 0;
+      MG_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i - 1], events_[i]));
+      if (!samples_.count(labels_[i])) order_.push_back(labels_[i].first);
+      samples_[labels_[i]].push_back(ms);
+    }
+  }
+  std::vector<OpTime> medians() const {
+    std::vector<OpTime> out;
+    for (const std::string& op : order_) {
+      if (std::any_of(out.begin(), out.end(), [&](const OpTime& t) { return t.op == op; })) continue;
+      OpTime t{op};
+      auto get = [&](const char* phase) {
+        const auto it = samples_.find({op, phase});
+        return it == samples_.end() ? 0.0 : median(it->second);
+      };
+      t.forward_ms = get("forward"), t.backward_ms = get("backward"), t.wgrad_ms = get("wgrad");
+      out.push_back(t);
+    }
+    return out;
+  }
+
+ private:
+  using Label = std::pair<std::string, std::string>;
+  void record(Label label, cudaStream_t s) {
+    if (used_ == events_.size()) {
+      events_.emplace_back();
+      MG_CUDA_CHECK(cudaEventCreate(&events_.back()));
+    }
+    MG_CUDA_CHECK(cudaEventRecord(events_[used_++], s));
+    labels_.push_back(std::move(label));
+  }
+  std::vector<cudaEvent_t> events_;
+  std::size_t used_ = 0;
+  std::vector<Label> labels_;
+  std::map<Label, std::vector<float>> samples_;
+  std::vector<std::string> order_;
+};
+
 struct Row {
+  std::vector<OpTime> ops;  // --ops
   int64_t tokens, rows;
   uint64_t dropped;
   double capture_ms, eager_ms, replay_ms, replay_quarter_ms, host_us, dense_ms, legacy_ms, flops;
@@ -122,7 +190,8 @@ StepTraffic step_traffic(const Config& c, int64_t tokens, double drawn_active) {
   return t;
 }
 
-int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream_t s, DeviceBuffer& l2_flush, Row& row) {
+int run_bucket(StepGraphs& step, int b, const Config& c, int replays, bool ops, cudaStream_t s, DeviceBuffer& l2_flush,
+               Row& row) {
   const BucketIO io = step.io(b);
   const bool train = c.training.enabled;
   const bool layer = c.step == StepKind::kMoeLayer;
@@ -182,6 +251,18 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, cudaStream
   row.eager_ms = timed(full, std::min(replays, 10), false, nullptr);
   row.replay_ms = timed(full, replays, true, &row.host_us);
   row.replay_quarter_ms = timed(quarter, replays, true, nullptr);
+  if (ops && layer) {  // each operator, eager, on the same routings as the eager step
+    OpTimer op_timer;
+    for (int i = 0; i < c.bench.warmup + std::min(replays, 10); ++i) {
+      reroute(full, i);
+      flush();
+      op_timer.start(s);
+      step_once(false);
+      if (i >= c.bench.warmup) op_timer.finish();
+      MG_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+    row.ops = op_timer.medians();
+  }
   step.check_device_errors(s);
   row.dropped = step.read_dropped(s);
   row.flops = (train ? 18.0 : 6.0) * routed_rows * h * f;
@@ -256,7 +337,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   std::vector<Row> rows(step.num_buckets());
   for (int b = 0; b < step.num_buckets(); ++b) {
     progress(b, step.num_buckets(), "buckets");
-    run_bucket(step, b, c, replays, s, l2_flush, rows[b]);
+    run_bucket(step, b, c, replays, options.ops, s, l2_flush, rows[b]);
   }
   progress(step.num_buckets(), step.num_buckets(), "buckets");
   std::fprintf(stderr, "\n");
@@ -326,6 +407,19 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                                      "vs legacy"};
   if (torch) header.insert(header.end(), {"torch ms", "vs torch"});
   table.print(header);
+  if (options.ops && c.step != StepKind::kMoeLayer) std::printf("\n--ops: only whole-layer configs run operator by operator\n");
+  for (const Row& r : rows) {
+    if (r.ops.empty()) continue;
+    double sum = 0;
+    for (const OpTime& t : r.ops) sum += t.total();
+    std::printf("\n%lld tokens, per operator (eager, median of %d runs; share of their sum, %.3f ms, against the "
+                "eager step's %.3f ms):\n\n", static_cast<long long>(r.tokens), std::min(replays, 10), sum, r.eager_ms);
+    Table ops_table;
+    for (const OpTime& t : r.ops)
+      ops_table.add({t.op, fmt(t.forward_ms, 3), fmt(t.backward_ms, 3), fmt(t.wgrad_ms, 3), fmt(t.total(), 3),
+                     fmt(100 * t.total() / sum, 1) + "%"});
+    ops_table.print({"operator", "forward ms", "backward ms", "wgrad ms", "total ms", "share"});
+  }
 
   if (!options.json_path.empty()) {
     nlohmann::json out;
@@ -347,6 +441,9 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                            {"legacy_ms", r.legacy_ms}, {"flops", r.flops}, {"dropped_assignments", r.dropped},
                            {"step_bytes", r.bytes}, {"active_experts", r.active_experts}, {"floor_ms", floor},
                            {"bound", roof.bound(r.flops, r.bytes)}, {"of_roofline", floor / r.replay_ms}};
+      for (const OpTime& t : r.ops)
+        jb["ops"].push_back({{"op", t.op}, {"forward_ms", t.forward_ms}, {"backward_ms", t.backward_ms},
+                             {"wgrad_ms", t.wgrad_ms}});
       if (torch) {
         const std::optional<double> t = torch_ms(r);
         jb["torch_ms"] = t ? nlohmann::json(*t) : nlohmann::json(nullptr);

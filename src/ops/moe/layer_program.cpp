@@ -6,6 +6,7 @@
 #include "moegraph/error.hpp"
 #include "src/core/device_info.hpp"
 #include "src/ops/group_layout.hpp"
+#include "src/ops/moe/op_events.hpp"
 
 namespace moegraph::layer {
 namespace {
@@ -67,9 +68,19 @@ std::string LayerProgram::describe() const {
   return s;
 }
 
+namespace {
+OpEventSink* g_sink = nullptr;
+void after(const LayerOp& op, const char* phase, cudaStream_t stream) {
+  if (g_sink != nullptr) g_sink->after(op.name(), phase, stream);
+}
+}  // namespace
+
+void set_op_event_sink(OpEventSink* sink) { g_sink = sink; }
+OpEventSink* op_event_sink() { return g_sink; }
+
 void LayerProgram::run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream) {
   const Phase p{&io, slot, train, WgradMode::kImmediate, &tensors_};
-  for (auto& op : ops_) op->forward(p, stream);
+  for (auto& op : ops_) op->forward(p, stream), after(*op, "forward", stream);
   last_slot_ = slot;
 }
 
@@ -96,7 +107,7 @@ void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
   const int slot = backward_queue_.front();
   const WgradMode mode = options_.delay_wgrad ? WgradMode::kDelayed : WgradMode::kImmediate;
   const Phase p{&io, slot, true, mode, &tensors_};
-  for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->backward(p, stream);
+  for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->backward(p, stream), after(**it, "backward", stream);
   backward_queue_.pop_front();
   if (mode == WgradMode::kDelayed) wgrad_queue_.push_back(slot);
   else free_slots_.push_back(slot);
@@ -104,7 +115,7 @@ void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
 
 void LayerProgram::backward_dw(cudaStream_t stream) {
   MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued weight gradient (delay_wgrad backward first)");
-  for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->wgrad(stream);
+  for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->wgrad(stream), after(**it, "wgrad", stream);
   free_slots_.push_back(wgrad_queue_.front());
   wgrad_queue_.pop_front();
 }

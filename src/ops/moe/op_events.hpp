@@ -1,0 +1,23 @@
+// Per-operator timing of eager runs (moegraph-bench --ops): while a sink is installed, the layer
+// program calls it after each operator's forward, backward and delayed wgrad with the stream, so
+// the sink can record an event there. For eager runs only: the benchmark installs it around them,
+// never while a graph is captured, and from one thread.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+namespace moegraph::layer {
+
+class OpEventSink {
+ public:
+  virtual ~OpEventSink() = default;
+  // `phase`: "forward", "backward" or "wgrad".
+  virtual void after(const std::string& op, const char* phase, cudaStream_t stream) = 0;
+};
+
+void set_op_event_sink(OpEventSink* sink);  // nullptr: none
+OpEventSink* op_event_sink();
+
+}  // namespace moegraph::layer
