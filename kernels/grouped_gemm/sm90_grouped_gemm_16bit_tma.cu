@@ -121,6 +121,7 @@ void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream
     tp.p = p;
     tp.a = rows_map(plan, p.a, p.capacity_rows, dgrad ? p.n : p.k, t::BM);
     tp.b = weight_map(plan, p.w, p.num_groups, p.n, p.k, dgrad ? 64u : static_cast<uint32_t>(Tile::BN));
+    tp.c = rows_map(plan, p.c, p.capacity_rows, dgrad ? p.k : p.n, t::kBoxRows);
     if constexpr (kPingPong<Tile>) MG_FAIL("ping-pong consumers are a wgrad kernel");
     else if (dgrad) t::ragged_gemm_ws_kernel<T, Tile, true><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
     else t::ragged_gemm_ws_kernel<T, Tile, false><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);

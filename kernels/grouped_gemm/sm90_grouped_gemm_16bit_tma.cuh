@@ -58,6 +58,7 @@ using TilePingPong = TileShape<128, 4, 2>;
 struct RaggedTmaParams {
   CUtensorMap a;  // [capacity_rows, red] 2-D, box {64, 128}
   CUtensorMap b;  // W as [G][N][K] 3-D; fprop box {64, BN, 1}, dgrad box {64, 64, 1}
+  CUtensorMap c;  // the output [capacity_rows, cols] 2-D, box {64, 64} (store_ragged_block)
   RaggedGemmParams p;
 };
 struct WgradTmaParams {
@@ -235,29 +236,49 @@ __device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kBlocks][kN
         f(half, acc_row(block0 + b, half), acc_col(j), acc[b][4 * j + 2 * half], acc[b][4 * j + 2 * half + 1]);
 }
 
-// Tile rows below row_lim = f(half, row, col, v0, v1) applied to the accumulators of the warpgroup's
-// 64-row blocks [block0, block0 + kBlocks), stored in T: col_bytes of each row to dst0 + row * ld, one
-// bulk copy per row (rows ragged by group: a row past the span belongs to another group).
-template <class T, class Tile, int kBlocks, class F>
-__device__ __forceinline__ void store_rows(uint8_t* staging, const Acc<Tile, kBlocks>& acc, int block0, T* dst0,
-                                           int64_t ld, int row_lim, uint32_t col_bytes, F f) {
-  through_staging<64 * kBlocks>(
-      [&] {
-        for_each_acc_pair<0, Tile::BN / 8>(acc, block0, [&](int half, int row, int col, float v0, float v1) {
-          f(half, row, col, v0, v1);
-          *reinterpret_cast<typename Pair<T>::type*>(staging + row * Tile::kStagingLd + col * 2) = Pair<T>::make(v0, v1);
-        });
-      },
-      [&](int i) {
-        const int row = 64 * block0 + i;
-        if (row < row_lim) sm90::bulk_store(dst0 + row * ld, staging + row * Tile::kStagingLd, col_bytes);
-      });
-}
-
 // Boxed staging for tensor stores: the copy engine's boxes of 64 rows x 128 bytes, 128-byte swizzled
 // (16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8 rows x 4 words of accumulator pairs
 // hit 32 distinct banks), box (64-row block, column box cb) at (block * boxes_per_row + cb) * 8 KB.
 constexpr int kBoxRows = 64, kBoxBytes = kBoxRows * 128;
+
+// The warpgroup's 64-row block `block` of a row-ragged tile: f(half, row, col, v0, v1) applied to
+// the accumulators, stored in T. A block wholly inside the group's span (rows below row_lim) leaves
+// as BN / 64 tensor stores of swizzled boxes, element (row, col) at (c0 + col, c1 + row) of `map`;
+// the block at the group's end, whose later rows belong to another group, as one bulk copy of
+// col_bytes per row below row_lim to dst0 + row * ld. Each block has its own region of the staging.
+template <class T, class Tile, class F>
+__device__ __forceinline__ void store_ragged_block(uint8_t* staging, const Acc<Tile, 1>& acc, int block,
+                                                   const CUtensorMap* map, int64_t c0, int64_t c1, T* dst0,
+                                                   int64_t ld, int row_lim, uint32_t col_bytes, F f) {
+  constexpr int kBoxes = Tile::BN / 64;
+  uint8_t* region = staging + block * 64 * Tile::kStagingLd;  // 1024-byte aligned, as boxes need
+  const bool boxed = 64 * (block + 1) <= row_lim;
+  through_staging<64>(
+      [&] {
+        const uint32_t lane_bytes = (threadIdx.x % 4) * 4;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = acc_row(block, half), r = row % 64;
+          // Boxed: the swizzled offset is row_off ^ (the pair's column byte in its box), as in store_boxes.
+          const uint32_t row_off = boxed ? r * 128 + (lane_bytes ^ ((r % 8) << 4)) : r * Tile::kStagingLd + lane_bytes;
+#pragma unroll
+          for (int j = 0; j < Tile::BN / 8; ++j) {
+            float v0 = acc[0][4 * j + 2 * half], v1 = acc[0][4 * j + 2 * half + 1];
+            f(half, row, acc_col(j), v0, v1);
+            const uint32_t at = boxed ? (row_off ^ ((j % 8) * 16)) + (j / 8) * kBoxBytes : row_off + j * 16;
+            *reinterpret_cast<typename Pair<T>::type*>(region + at) = Pair<T>::make(v0, v1);
+          }
+        }
+      },
+      [&](int i) {
+        if (boxed) {
+          if (i < kBoxes)
+            sm90::tma_store_2d(map, region + i * kBoxBytes, static_cast<int>(c0 + 64 * i), static_cast<int>(c1 + 64 * block));
+        } else if (const int row = 64 * block + i; row < row_lim) {
+          sm90::bulk_store(dst0 + row * ld, region + i * Tile::kStagingLd, col_bytes);
+        }
+      });
+}
 
 // The mbarrier on which a consumer warpgroup waits for the main_grad boxes it loads, and its phase.
 struct EpilogueLoad {
@@ -412,16 +433,17 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
       const int row = acc_row(wg, half);
       s[half] = b != nullptr && p.bias_scale != nullptr && row < tile.data_rows ? p.bias_scale[tile.row0 + row] : 1.0f;
     }
-    store_rows<T, Tile, 1>(staging, acc, wg, c_all + tile.row0 * cols + n0, cols, static_cast<int>(tile.span_rows),
-                         static_cast<uint32_t>(min(static_cast<int64_t>(BN), cols - n0) * 2),
-                         [&](int half, int row, int col, float& v0, float& v1) {
-                           if (row >= tile.data_rows) {
-                             v0 = v1 = 0.0f;  // alignment gap rows read as zero downstream
-                           } else if (b != nullptr && n0 + col < cols) {
-                             const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
-                             v0 += s[half] * bb.x, v1 += s[half] * bb.y;
-                           }
-                         });
+    store_ragged_block<T, Tile>(staging, acc, wg, &tp.c, n0, tile.row0, c_all + tile.row0 * cols + n0, cols,
+                                static_cast<int>(tile.span_rows),
+                                static_cast<uint32_t>(min(static_cast<int64_t>(BN), cols - n0) * 2),
+                                [&](int half, int row, int col, float& v0, float& v1) {
+                                  if (row >= tile.data_rows) {
+                                    v0 = v1 = 0.0f;  // alignment gap rows read as zero downstream
+                                  } else if (b != nullptr && n0 + col < cols) {
+                                    const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
+                                    v0 += s[half] * bb.x, v1 += s[half] * bb.y;
+                                  }
+                                });
   }
   sm90::bulk_wait();
 }
