@@ -222,20 +222,6 @@ __device__ __forceinline__ void through_staging(Write write, Copy copy) {
   }
 }
 
-// f(half, row, col, v0, v1) for this thread's accumulator pairs in columns [kJ0 * 8, kJ1 * 8) of
-// the tile, for each of the warpgroup's 64-row blocks block0 + b: v0, v1 are the pair at (row, col)
-// and (row, col + 1). Compile-time bounds keep acc in registers.
-template <int kJ0, int kJ1, int kBlocks, int kN, class F>
-__device__ __forceinline__ void for_each_acc_pair(const float (&acc)[kBlocks][kN], int block0, F f) {
-#pragma unroll
-  for (int b = 0; b < kBlocks; ++b)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int j = kJ0; j < kJ1; ++j)
-        f(half, acc_row(block0 + b, half), acc_col(j), acc[b][4 * j + 2 * half], acc[b][4 * j + 2 * half + 1]);
-}
-
 // Boxed staging for tensor stores: the copy engine's boxes of 64 rows x 128 bytes, 128-byte swizzled
 // (16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8 rows x 4 words of accumulator pairs
 // hit 32 distinct banks), box (64-row block, column box cb) at (block * boxes_per_row + cb) * 8 KB.
