@@ -72,9 +72,11 @@ int heuristic_tile_n(const GemmProblem& p) {
   return p.expected_rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
 }
 
-// Measured (docs/PERF.md, v5): TMA wins or ties everywhere except wgrad on the narrow tiles (small
-// experts, e.g. decode: 1.49 against 0.93 ms), whose many short tiles are epilogue-bound; the
-// cp.async kernel runs two CTAs per SM there, so one CTA's epilogue hides under the other's loads.
+// Measured (docs/PERF.md, v5): TMA wins or ties everywhere except wgrad on the narrow tiles with
+// shared consumer tiles, whose short tiles are epilogue-bound; the cp.async kernel runs two CTAs per
+// SM there, so one CTA's epilogue hides under the other's loads. Since v6/v7 short wgrad reductions
+// (under 512 rows per group, e.g. decode) take the ping-pong kernel before this rule is reached, so
+// it decides wgrad of larger groups on narrow outputs and wgrad with ping-pong turned off.
 GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
   return phase == GemmPhase::kWgrad && tile_n == 128 ? GemmPipeline::kCpAsync : GemmPipeline::kTma;
 }

@@ -1,13 +1,16 @@
 // Warp-specialized grouped GEMMs on Hopper (sm_90a): one producer warp drives the copy engine (TMA)
-// into a ring of shared-memory stages guarded by mbarriers, and two consumer warpgroups, each owning
-// 64 rows of a 128 x BN tile, issue wgmma from those stages and never wait on each other. The ring
+// into a ring of shared-memory stages guarded by mbarriers, and two consumer warpgroups issue wgmma
+// from those stages. By default they share each 128 x BN tile (64 rows each) and never wait on each
+// other; the ping-pong wgrad kernel instead gives whole tiles to one warpgroup at a time, a token on
+// named barriers ordering their mainloops, so one's epilogue runs under the other's MMAs. The ring
 // runs across tiles (persistent grid, tiles scheduled from the device offsets), so the producer
 // fetches the next tile's operands while the consumers run the epilogue. Results go through a
 // shared-memory staging area to the copy engine and drain while the next tile computes: fprop and
-// dgrad rows one bulk copy per row (so rows of other groups are never touched); wgrad tiles, whose
-// edges are the weight's own, as tensor stores of swizzled 64 x 128-byte boxes, and fp32 main_grad
-// as boxes loaded, added to and stored back, in two halves of columns. Tiles land in the
-// same 128-byte-swizzled layouts as the cp.async kernels (sm90_grouped_gemm_wgmma.cuh), so the
+// dgrad blocks of 64 rows wholly inside their group as tensor stores of swizzled 64 x 128-byte
+// boxes, the block at a group's end one bulk copy per row (so rows of other groups are never
+// touched); wgrad tiles, whose edges are the weight's own, as boxes, and fp32 main_grad as boxes
+// loaded, added to and stored back, in two halves of columns. Tiles land in the same
+// 128-byte-swizzled layouts as the cp.async kernels (sm90_grouped_gemm_16bit_cp_async.cuh), so the
 // wgmma descriptors are shared.
 //   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
 //   dgrad: dx = dy · W_e      A = dy (K-major box)       B = W_e (MN-major boxes [64 N][64 K])

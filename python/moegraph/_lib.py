@@ -12,8 +12,6 @@ import subprocess
 ABI_MAJOR = 0  # the C ABI these bindings follow: libmoegraph.so.0
 
 c_int, c_int64, c_size_t, c_void_p, c_double = ctypes.c_int, ctypes.c_int64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_double
-c_float_p = ctypes.POINTER(ctypes.c_float)
-c_int32_p = ctypes.POINTER(ctypes.c_int32)
 
 STATUS_NAMES = {0: "MG_OK", 1: "MG_ERR_INVALID_ARGUMENT", 2: "MG_ERR_CUDA", 3: "MG_ERR_LIBRARY",
                 4: "MG_ERR_DEVICE_SPLITS", 5: "MG_ERR_INTERNAL", 6: "MG_ERR_NO_DEVICE",
@@ -21,7 +19,6 @@ STATUS_NAMES = {0: "MG_OK", 1: "MG_ERR_INVALID_ARGUMENT", 2: "MG_ERR_CUDA", 3: "
 DTYPE = {"bf16": 0, "fp16": 1}
 RECIPE = {"bf16": 0, "mxfp8": 1}
 ROUTER_SCORE = {"softmax": 0, "sigmoid": 1}
-PHASE = {"forward": 0, "forward_train": 1, "backward": 2, "wgrad": 3}
 
 
 class MoegraphError(RuntimeError):

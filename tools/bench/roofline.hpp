@@ -1,6 +1,6 @@
 // The roofline every benchmark judges against, measured on this GPU in the same run: the dense
-// cuBLASLt bf16 rate (a large square GEMM) and the device-memory streaming bandwidth (the best of a
-// copy, a read-only and a write-only stream, so no phase can beat it). A phase's floor
+// cuBLASLt bf16 rate (a large square GEMM) and the device-memory streaming bandwidth (the best of
+// cudaMemcpy, a copy kernel, a read-only and a write-only stream, so no phase can beat it). A phase's floor
 // is the larger of its FLOPs at the dense rate and its fewest bytes at the copy bandwidth; the
 // fraction reached is floor / measured time (1.0 = at the roofline). Ratios to a dense GEMM of the
 // same rows mean nothing for a memory-bound MoE layer; this does.

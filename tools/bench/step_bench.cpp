@@ -327,7 +327,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   cudaStream_t s;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   std::fprintf(stderr, "measuring the roofline...\n");
-  const Roofline roof = measure_roofline(s);  // before the step's buffers: it borrows ~1.4 GiB
+  const Roofline roof = measure_roofline(s);  // before the step's buffers: it borrows ~2 GiB
   std::printf("%s\n", roof.describe().c_str());
   std::fprintf(stderr, "capturing %zu buckets...\n", c.buckets.size());
   const StepGraphsOptions step_options = step_graphs_options(c);

@@ -76,7 +76,6 @@ void after(const LayerOp& op, const char* phase, cudaStream_t stream) {
 }  // namespace
 
 void set_op_event_sink(OpEventSink* sink) { g_sink = sink; }
-OpEventSink* op_event_sink() { return g_sink; }
 
 void LayerProgram::run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream) {
   const Phase p{&io, slot, train, WgradMode::kImmediate, &tensors_};

@@ -18,6 +18,5 @@ class OpEventSink {
 };
 
 void set_op_event_sink(OpEventSink* sink);  // nullptr: none
-OpEventSink* op_event_sink();
 
 }  // namespace moegraph::layer
