@@ -36,8 +36,10 @@ class BucketStep {
 // The options of the bucket of `tokens` tokens.
 MoeLayerOptions bucket_layer_options(const StepGraphsOptions& options, int64_t tokens);
 
-// The bucket of `tokens` tokens for options.step: sizes only (create = false) or real operators.
+// The bucket of `tokens` tokens for options.step: sizes only (create = false) or real operators
+// (with expert parallelism, on this rank's communicator `comm`).
 std::unique_ptr<BucketStep> make_bucket_step(const StepGraphsOptions& options, int64_t tokens, LayoutWalker& walk,
-                                             const StepWeights& weights, bool create);
+                                             const StepWeights& weights, bool create,
+                                             std::shared_ptr<EpComm> comm = nullptr);
 
 }  // namespace moegraph

@@ -6,12 +6,12 @@
 namespace moegraph {
 
 MoeLayerBucket::MoeLayerBucket(const StepGraphsOptions& step, int64_t tokens, LayoutWalker& walk, const StepWeights& w,
-                               bool create)
+                               bool create, std::shared_ptr<EpComm> comm)
     : options_(bucket_layer_options(step, tokens)) {
   const std::size_t es = dtype_size(options_.dtype);
   const int64_t h = options_.hidden;
   io_.tokens = tokens;
-  io_.rows = moe_layer_rows(options_);
+  io_.rows = moe_expert_rows(options_);
   io_.x = walk.take("x", tokens, h, es);
   io_.num_tokens = walk.take<int32_t>("num_tokens", sizeof(int32_t));
   io_.y = walk.take("y", tokens, h, es);
@@ -27,7 +27,7 @@ MoeLayerBucket::MoeLayerBucket(const StepGraphsOptions& step, int64_t tokens, La
   lw.w1 = w.w1, lw.b1 = w.b1, lw.w2 = w.w2, lw.b2 = w.b2;
   lw.main_grad_router = w.main_grad_router, lw.main_grad1 = w.main_grad1, lw.main_grad2 = w.main_grad2;
   lw.d_router = w.d_router, lw.dw1 = w.dw1, lw.dw2 = w.dw2, lw.db1 = w.db1, lw.db2 = w.db2;
-  layer_ = std::make_unique<MoeLayer>(options_, lw, workspace);
+  layer_ = std::make_unique<MoeLayer>(options_, lw, workspace, std::move(comm));
 }
 
 MoeLayerIO MoeLayerBucket::layer_io() const {
@@ -66,9 +66,10 @@ MoeLayerOptions bucket_layer_options(const StepGraphsOptions& options, int64_t t
 }
 
 std::unique_ptr<BucketStep> make_bucket_step(const StepGraphsOptions& options, int64_t tokens, LayoutWalker& walk,
-                                             const StepWeights& weights, bool create) {
+                                             const StepWeights& weights, bool create, std::shared_ptr<EpComm> comm) {
   switch (options.step) {
-    case StepKind::kMoeLayer: return std::make_unique<MoeLayerBucket>(options, tokens, walk, weights, create);
+    case StepKind::kMoeLayer:
+      return std::make_unique<MoeLayerBucket>(options, tokens, walk, weights, create, std::move(comm));
     case StepKind::kExperts: return std::make_unique<ExpertMlpBucket>(options, tokens, walk, weights, create);
   }
   MG_FAIL("unknown step kind ", static_cast<int>(options.step));

@@ -12,7 +12,7 @@ namespace moegraph {
 class MoeLayerBucket final : public BucketStep {
  public:
   MoeLayerBucket(const StepGraphsOptions& options, int64_t tokens, LayoutWalker& walk, const StepWeights& weights,
-                 bool create);
+                 bool create, std::shared_ptr<EpComm> comm);
   BucketIO io() const override { return io_; }
   void forward(cudaStream_t stream) override { layer_->forward(layer_io(), stream); }
   void forward_train(int, cudaStream_t stream) override { layer_->forward_train(layer_io(), stream); }

@@ -5,6 +5,7 @@
 #include "graphs/bucket_step.hpp"
 #include "src/core/device_buffer.hpp"
 #include "graphs/graph_exec.hpp"
+#include "moegraph/expert_parallel.hpp"
 #include "src/core/device_info.hpp"
 
 namespace moegraph {
@@ -44,10 +45,13 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
 }
 }  // namespace
 
-StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights)
-    : options_(options), plan_(plan_step(options)), weights_(weights) {
-  MG_CHECK(options_.layer.expert_parallel == 1, "StepGraphs does not run expert parallelism yet (expert_parallel = ",
-           options_.layer.expert_parallel, "): build one MoeLayer per rank with its EpComm (moegraph/expert_parallel.hpp)");
+StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm)
+    : options_(options), plan_(plan_step(options)), weights_(weights), comm_(std::move(comm)) {
+  const int ranks = options_.layer.expert_parallel;
+  MG_CHECK(ranks == 1 || comm_ != nullptr, "expert_parallel = ", ranks,
+           ": StepGraphs needs this rank's communicator (moegraph/nccl_ep.hpp, or moegraph/expert_parallel.hpp)");
+  MG_CHECK(comm_ == nullptr || comm_->ranks() == ranks, "the communicator has ", comm_ ? comm_->ranks() : 0,
+           " ranks but expert_parallel is ", ranks);
   check_weights(options_, weights_);
   require_supported_device();
   memory_ = std::make_unique<Memory>();
@@ -58,7 +62,7 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   const MoeLayerOptions& l = options_.layer;
   for (int64_t tokens : options_.buckets) {
     LayoutWalker walk(static_cast<std::byte*>(memory_->arena.get()));
-    buckets_.push_back(make_bucket_step(options_, tokens, walk, weights_, true));
+    buckets_.push_back(make_bucket_step(options_, tokens, walk, weights_, true, ranks > 1 ? comm_ : nullptr));
   }
   for (int slot = slots_of(l) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
   weights_changed(s);  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold)

@@ -34,6 +34,8 @@ StepGraphsOptions step_graphs_options(const Config& config) {
 
 void validate(const StepGraphsOptions& o) {
   MG_CHECK(!o.buckets.empty(), "buckets must list at least one capacity in tokens");
+  MG_CHECK(o.layer.expert_parallel == 1 || o.step == StepKind::kMoeLayer, "expert_parallel = ",
+           o.layer.expert_parallel, " needs step \"moe_layer\": the experts-only step has no dispatch to exchange rows");
   for (std::size_t b = 0; b < o.buckets.size(); ++b) {
     MG_CHECK(o.buckets[b] >= 1, "buckets[", b, "] must be >= 1, got ", o.buckets[b]);
     MG_CHECK(b == 0 || o.buckets[b] > o.buckets[b - 1], "buckets must be strictly increasing, got ",

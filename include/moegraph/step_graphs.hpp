@@ -139,7 +139,14 @@ class MOEGRAPH_API StepGraphs {
   // for the object's lifetime), warms every bucket up eagerly on zero tokens, then captures each
   // phase of each bucket (per wgrad slot) into a graph. The weights' contents are not read until a
   // replay (MXFP8: call weights_changed once they are written). Host work only here.
-  StepGraphs(const StepGraphsOptions& options, const StepWeights& weights);
+  //
+  // Expert parallelism (options.layer.expert_parallel = R > 1): `comm` is this rank's communicator
+  // of R ranks, and the weights are this rank's experts only ([E/R, ...]; the router stays whole).
+  // Every rank constructs the same StepGraphs (the constructor is collective: each bucket allocates
+  // its window and warms up with the others) and then replays the same sequence of phases of the
+  // same buckets: pick the bucket for the largest token count over the ranks (each rank's count
+  // may be smaller). A rank that falls out of step raises kDeviceErrorPeerTimeout on the others.
+  StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm = nullptr);
   ~StepGraphs();
   StepGraphs(const StepGraphs&) = delete;
   StepGraphs& operator=(const StepGraphs&) = delete;
@@ -182,6 +189,7 @@ class MOEGRAPH_API StepGraphs {
   std::vector<std::unique_ptr<BucketStep>> buckets_;
   std::vector<std::unique_ptr<Graphs>> graphs_;
   StepWeights weights_;
+  std::shared_ptr<EpComm> comm_;
   struct Memory;
   std::unique_ptr<Memory> memory_;
   std::vector<double> capture_ms_;

@@ -1,6 +1,7 @@
 // Set-up errors: unsupported shapes are refused before any GPU work, naming field, value and rule.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -8,6 +9,8 @@
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "moegraph/moegraph.h"
+#include "moegraph/nccl_ep.hpp"
+#include "moegraph/step_graphs.hpp"
 
 namespace moegraph {
 namespace {
@@ -326,5 +329,38 @@ TEST(ExpertParallelOptions, ReceiveRowsAndWindow) {
   EXPECT_THROW(validate(o), Error);
   o.ep_recv_rows = 0;
   o.fuse_weights = true;
+  EXPECT_THROW(validate(o), Error);
+}
+
+// The NCCL transport refuses a process with NVLink multicast enabled, and bad ranks or ids, before it
+// touches NCCL or a GPU; so does a StepGraphs without its communicator.
+TEST(ExpertParallelOptions, NcclCommunicatorInputsAreCheckedFirst) {
+  using namespace moegraph;
+  const char* before = std::getenv("NCCL_NVLS_ENABLE");
+  const std::string saved = before ? before : "";
+  setenv("NCCL_NVLS_ENABLE", "1", 1);
+  try {
+    nccl_ep_comm_init(2, 0, std::string(256, '0'));
+    ADD_FAILURE() << "NCCL_NVLS_ENABLE=1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("NCCL_NVLS_ENABLE=0"), std::string::npos) << e.what();
+  }
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  EXPECT_THROW(nccl_ep_comm_init(0, 0, std::string(256, '0')), Error);
+  EXPECT_THROW(nccl_ep_comm_init(2, 2, std::string(256, '0')), Error);
+  EXPECT_THROW(nccl_ep_comm_init(65, 0, std::string(256, '0')), Error);
+  if (before) setenv("NCCL_NVLS_ENABLE", saved.c_str(), 1); else unsetenv("NCCL_NVLS_ENABLE");
+
+  StepGraphsOptions o;
+  o.layer.experts = 8, o.layer.hidden = 64, o.layer.ffn = 32, o.layer.top_k = 2, o.layer.expert_parallel = 2;
+  o.buckets = {16};
+  EXPECT_NO_THROW(plan_step(o));  // sizes need no communicator
+  try {
+    StepGraphs g(o, StepWeights{});
+    ADD_FAILURE() << "a StepGraphs with expert_parallel = 2 was built without a communicator";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("communicator"), std::string::npos) << e.what();
+  }
+  o.step = StepKind::kExperts;
   EXPECT_THROW(validate(o), Error);
 }

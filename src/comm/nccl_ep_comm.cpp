@@ -1,0 +1,248 @@
+// The NCCL transport of expert parallelism (moegraph/nccl_ep.hpp): windows are NCCL symmetric memory
+// and peers are addressed through their LSA pointers, read once per window at set-up.
+#include "moegraph/nccl_ep.hpp"
+
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "kernels/comm/nccl_window.hpp"
+#include "moegraph/error.hpp"
+#include "src/comm/ep_timeout.hpp"
+#include "src/core/checks.hpp"
+#include "src/core/device_info.hpp"
+
+namespace moegraph {
+
+struct NcclEpComm::State {
+  ncclComm_t comm = nullptr;
+  bool owned = false;
+  int rank = 0, ranks = 0, device = 0;
+  long long timeout_ns = 0;
+  std::vector<int> lsa_rank;
+  ~State() {
+    if (owned && comm != nullptr) ncclCommDestroy(comm);
+  }
+};
+
+namespace {
+
+// Symmetric registration works on whole pages of NCCL's allocation granularity.
+constexpr std::size_t kWindowAlignment = NCCL_WIN_REQUIRED_ALIGNMENT;
+
+class NcclWindow final : public EpWindow {
+ public:
+  NcclWindow(std::shared_ptr<NcclEpComm::State> state, void* memory, ncclWindow_t window, std::vector<void*> peers,
+             std::size_t bytes)
+      : EpWindow(state->rank, std::move(peers), bytes), state_(std::move(state)), memory_(memory), window_(window) {}
+  ~NcclWindow() override {
+    // Collective like the registration: every rank frees the same windows in the same order.
+    ncclCommWindowDeregister(state_->comm, window_);
+    ncclMemFree(memory_);
+  }
+
+ private:
+  std::shared_ptr<NcclEpComm::State> state_;
+  void* memory_;
+  ncclWindow_t window_;
+};
+
+void require_nvls_off() {
+  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
+  MG_CHECK(nvls != nullptr && std::string(nvls) == "0",
+           "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment of every rank (got ",
+           nvls ? std::string("\"") + nvls + "\"" : std::string("unset"),
+           "): moegraph never uses NVLink multicast, and a communicator with it enabled may bind multicast memory to "
+           "every window");
+}
+
+void require_nccl_version() {
+  int version = 0;
+  MG_NCCL_CHECK(ncclGetVersion(&version));
+  MG_CHECK(version >= 22800, "expert parallelism over NCCL needs NCCL 2.28 or newer (symmetric windows and the "
+           "device API), this process runs ", version);
+}
+
+std::shared_ptr<NcclEpComm> make_comm(ncclComm_t comm, bool owned) {
+  auto state = std::make_shared<NcclEpComm::State>();
+  state->comm = comm;
+  state->owned = owned;
+  MG_NCCL_CHECK(ncclCommUserRank(comm, &state->rank));
+  MG_NCCL_CHECK(ncclCommCount(comm, &state->ranks));
+  MG_NCCL_CHECK(ncclCommCuDevice(comm, &state->device));
+  int current = -1;
+  MG_CUDA_CHECK(cudaGetDevice(&current));
+  MG_CHECK(current == state->device, "the NCCL communicator runs on device ", state->device, " but device ", current,
+           " is current");
+  MG_CHECK(state->ranks >= 1 && state->ranks <= kMaxExpertParallel, "an expert-parallel group has 1 to ",
+           kMaxExpertParallel, " ranks, the communicator has ", state->ranks);
+  state->lsa_rank = kernels::nccl_lsa_ranks(comm);
+  state->timeout_ns = comm::barrier_timeout_ns_from_environment();
+  return std::make_shared<NcclEpComm>(std::move(state));
+}
+
+int env_int(const char* name, int lo, int hi, int fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') {
+    MG_CHECK(fallback >= lo, name, " is not set (scripts/launch sets it)");
+    return fallback;
+  }
+  char* end = nullptr;
+  const long v = std::strtol(text, &end, 10);
+  MG_CHECK(end != nullptr && *end == '\0' && v >= lo && v <= hi, name, " must be an integer in [", lo, ", ", hi,
+           "], got \"", text, "\"");
+  return static_cast<int>(v);
+}
+
+std::string to_hex(const ncclUniqueId& id) {
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : std::string(id.internal, sizeof(id.internal))) {
+    out += digits[c >> 4];
+    out += digits[c & 15];
+  }
+  return out;
+}
+
+ncclUniqueId from_hex(const std::string& hex) {
+  ncclUniqueId id{};
+  MG_CHECK(hex.size() == 2 * sizeof(id.internal), "an NCCL unique id is ", 2 * sizeof(id.internal),
+           " hex digits, got ", hex.size());
+  auto nibble = [&](char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    MG_FAIL("an NCCL unique id holds hex digits only, got '", c, "'");
+  };
+  for (std::size_t i = 0; i < sizeof(id.internal); ++i)
+    id.internal[i] = static_cast<char>(nibble(hex[2 * i]) * 16 + nibble(hex[2 * i + 1]));
+  return id;
+}
+
+// Rank 0 writes a fresh id (to a temporary name, then renamed: a reader sees all of it or nothing);
+// the others wait for it. The file must not exist before the launch: a stale id would join the
+// ranks to a communicator that no longer exists.
+std::string id_through_file(const std::string& path, int rank) {
+  namespace fs = std::filesystem;
+  if (rank == 0) {
+    MG_CHECK(!fs::exists(path), "MOEGRAPH_NCCL_ID_FILE ", path, " exists already: give every launch a fresh path");
+    const std::string hex = nccl_unique_id_hex();
+    const std::string tmp = path + ".tmp";
+    {
+      std::ofstream f(tmp);
+      f << hex;
+      MG_CHECK(f.good(), "cannot write the NCCL unique id to ", tmp);
+    }
+    fs::rename(tmp, path);
+    return hex;
+  }
+  const int timeout_ms = env_int("MOEGRAPH_EP_INIT_TIMEOUT_MS", 1, 3600 * 1000, 120000);
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    std::ifstream f(path);
+    std::string hex;
+    if (f && (f >> hex) && hex.size() == 2 * sizeof(ncclUniqueId::internal)) return hex;
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+    MG_CHECK(waited.count() < timeout_ms, "rank ", rank, " waited ", timeout_ms, " ms for rank 0's NCCL unique id in ",
+             path, " (MOEGRAPH_EP_INIT_TIMEOUT_MS)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace
+
+NcclEpComm::NcclEpComm(std::shared_ptr<State> state) : state_(std::move(state)) {}
+NcclEpComm::~NcclEpComm() = default;
+int NcclEpComm::rank() const { return state_->rank; }
+int NcclEpComm::ranks() const { return state_->ranks; }
+int NcclEpComm::device() const { return state_->device; }
+ncclComm_t NcclEpComm::nccl() const { return state_->comm; }
+long long NcclEpComm::barrier_timeout_ns() const { return state_->timeout_ns; }
+std::string NcclEpComm::transport() const { return "nccl device api (symmetric windows, LSA peer pointers)"; }
+
+std::shared_ptr<EpWindow> NcclEpComm::allocate_window(std::size_t bytes) {
+  MG_CHECK(bytes > 0, "an expert-parallel window needs at least one byte");
+  const std::size_t rounded = (bytes + kWindowAlignment - 1) / kWindowAlignment * kWindowAlignment;
+  MG_CHECK(rounded >= bytes, "an expert-parallel window of ", bytes, " bytes overflows");
+  void* memory = nullptr;
+  MG_NCCL_CHECK(ncclMemAlloc(&memory, rounded));
+  ncclWindow_t window = nullptr;
+  try {
+    // Zeroed before the registration: the registration is collective, so no peer can store into
+    // this window (or read its barrier flags) before it is clean.
+    MG_CUDA_CHECK(cudaMemset(memory, 0, rounded));
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    MG_NCCL_CHECK(ncclCommWindowRegister(state_->comm, memory, rounded, &window, NCCL_WIN_COLL_SYMMETRIC));
+    // Every copy, this rank's too, is addressed through NCCL's flat mapping of the team's windows.
+    std::vector<void*> peers = kernels::nccl_window_peer_pointers(window, state_->lsa_rank);
+    return std::make_shared<NcclWindow>(state_, memory, window, std::move(peers), bytes);
+  } catch (...) {
+    if (window != nullptr) ncclCommWindowDeregister(state_->comm, window);
+    ncclMemFree(memory);
+    throw;
+  }
+}
+
+std::string nccl_unique_id_hex() {
+  ncclUniqueId id;
+  MG_NCCL_CHECK(ncclGetUniqueId(&id));
+  return to_hex(id);
+}
+
+std::shared_ptr<NcclEpComm> nccl_ep_comm_init(int ranks, int rank, const std::string& unique_id_hex) {
+  MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "an expert-parallel group has 1 to ", kMaxExpertParallel,
+           " ranks, got ", ranks);
+  MG_CHECK(rank >= 0 && rank < ranks, "rank ", rank, " is outside the group of ", ranks);
+  require_nvls_off();
+  require_nccl_version();
+  require_supported_device();
+  const ncclUniqueId id = from_hex(unique_id_hex);
+  ncclComm_t comm = nullptr;
+  MG_NCCL_CHECK(ncclCommInitRank(&comm, ranks, id, rank));
+  try {
+    return make_comm(comm, true);
+  } catch (...) {
+    ncclCommDestroy(comm);
+    throw;
+  }
+}
+
+bool nccl_ep_environment_present() {
+  const char* ranks = std::getenv("MOEGRAPH_EP_RANKS");
+  return ranks != nullptr && *ranks != '\0';
+}
+
+std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment() {
+  const int ranks = env_int("MOEGRAPH_EP_RANKS", 1, kMaxExpertParallel, -1);
+  const int rank = env_int("MOEGRAPH_EP_RANK", 0, ranks - 1, -1);
+  int devices = 0;
+  MG_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  const int device = env_int("MOEGRAPH_EP_DEVICE", 0, devices - 1, rank < devices ? rank : -1);
+  MG_CUDA_CHECK(cudaSetDevice(device));
+  std::string hex;
+  if (const char* id = std::getenv("MOEGRAPH_NCCL_ID"); id != nullptr && *id != '\0') {
+    hex = id;
+  } else {
+    const char* file = std::getenv("MOEGRAPH_NCCL_ID_FILE");
+    MG_CHECK(file != nullptr && *file != '\0', "expert parallelism over NCCL needs the unique id: set "
+             "MOEGRAPH_NCCL_ID (hex) or MOEGRAPH_NCCL_ID_FILE (scripts/launch does)");
+    hex = id_through_file(file, rank);
+  }
+  return nccl_ep_comm_init(ranks, rank, hex);
+}
+
+std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm) {
+  MG_CHECK(comm != nullptr, "nccl_ep_comm_wrap: the communicator is null");
+  require_nvls_off();
+  require_nccl_version();
+  require_supported_device();
+  return make_comm(comm, false);
+}
+
+}  // namespace moegraph
