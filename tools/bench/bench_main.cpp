@@ -1,4 +1,5 @@
 // moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] [--torch FILE] [--ops]
+//                [--expert-parallel R]
 //                | --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]
 #include <cstdio>
 #include <cstring>
@@ -7,6 +8,7 @@
 
 #include "moegraph/config.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/ep_bench.hpp"
 #include "tools/bench/kernel_bench.hpp"
 #include "tools/bench/plan_report.hpp"
 #include "tools/bench/step_bench.hpp"
@@ -15,7 +17,7 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N] [--recipe bf16|mxfp8]\n"
-    "                      [--torch FILE] [--ops]\n"
+    "                      [--torch FILE] [--ops] [--expert-parallel R]\n"
     "       moegraph-bench --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
@@ -30,6 +32,10 @@ constexpr const char* kUsage =
     "               checked before the GPU is touched: exit 2 on a mismatch)\n"
     "  --ops        also each operator's eager time per phase (forward, backward, wgrad) and its share,\n"
     "               per bucket (whole-layer configs)\n"
+    "  --expert-parallel R  override parallel.expert_parallel. An expert-parallel config runs one process\n"
+    "               per GPU: scripts/launch -n R -- moegraph-bench CONFIG; rank 0 prints the step and its\n"
+    "               dispatch and combine against NCCL's all-to-all of the same bytes (R = 1 given here:\n"
+    "               the same bench as a group of one)\n"
     "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone against their roofline (dense\n"
     "               cuBLASLt rate and device-copy bandwidth, both measured in the same run)\n"
     "  --set S      kernel shapes: presets (default), quick, fine (60-256 experts of 40-500 rows) or all\n"
@@ -50,6 +56,7 @@ int main(int argc, char** argv) {
   moegraph::bench::KernelBenchOptions kernel_options;
   std::vector<std::string> shape_specs;
   std::string recipe, torch_path;
+  int expert_parallel = 0;  // --expert-parallel R: 0 keeps the config's
   moegraph::bench::StepBenchOptions options;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -85,6 +92,13 @@ int main(int argc, char** argv) {
       if (!v) return 2;
       recipe = v;
       if (recipe != "bf16" && recipe != "mxfp8") return usage_error("--recipe must be bf16 or mxfp8, got '" + recipe + "'");
+    } else if (a == "--expert-parallel") {
+      const char* v = value("--expert-parallel");
+      if (!v) return 2;
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (*end != '\0' || n < 1 || n > 64) return usage_error("--expert-parallel needs an integer in [1, 64], got '" + std::string(v) + "'");
+      expert_parallel = static_cast<int>(n);
     } else if (a == "--torch") {
       const char* v = value("--torch");
       if (!v) return 2;
@@ -120,16 +134,25 @@ int main(int argc, char** argv) {
       if (recipe == "mxfp8" && config.row_align == 1) config.row_align = 32;
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
     }
+    if (expert_parallel > 0) {
+      config.parallel.expert_parallel = expert_parallel;
+      config = moegraph::parse_config(moegraph::to_json(config), "--expert-parallel " + std::to_string(expert_parallel));
+    }
     if (plan && !torch_path.empty()) return usage_error("--torch goes with the step bench, not --plan");
     if (plan && options.ops) return usage_error("--ops goes with the step bench, not --plan");
     if (plan) return moegraph::bench::run_plan(config, options.json_path);
-    if (!torch_path.empty()) {  // before the GPU: a wrong file fails at once, with or without one
+    if (!torch_path.empty() && config.parallel.expert_parallel == 1 && expert_parallel == 0) {  // before the GPU: a wrong file fails at once, with or without one
       try {
         options.torch = moegraph::bench::load_torch_results(torch_path, config);
       } catch (const moegraph::Error& e) {
         std::fprintf(stderr, "moegraph-bench: --torch: %s\n", e.message().c_str());
         return 2;
       }
+    }
+    if (config.parallel.expert_parallel > 1 || expert_parallel > 0) {  // --expert-parallel 1: a group of one
+      if (options.ops) return usage_error("--ops: an expert-parallel config always times its dispatch and combine");
+      if (!torch_path.empty()) return usage_error("--torch: the PyTorch EP layer is scripts/torch-ep-bench's own table");
+      return moegraph::bench::run_ep_bench(config, options);
     }
     return moegraph::bench::run_step_bench(config, options);
   } catch (const moegraph::ConfigError& e) {

@@ -1,0 +1,211 @@
+// moegraph-bench CONFIG for an expert-parallel config (parallel.expert_parallel = R > 1): one process
+// per GPU under scripts/launch, each running its rank of the captured step; rank 0 prints. Per bucket
+// (tokens per rank): the step's graph replay and eager times (rank 0's median and the slowest rank's
+// median), the dispatch and combine alone (eager, events around each operator, forward and
+// backward) with the bytes each rank stores into windows and their rate, and, in the same run,
+// NCCL's own all-to-all of the same bytes per rank (ncclAlltoAll), the ceiling the exchanges are
+// judged against. Each rank draws its own tokens (so the routing differs per rank and per replay);
+// the ranks meet on a small all-reduce before every timed run, outside the timing, and L2 is
+// flushed before it.
+#include "tools/bench/ep_bench.hpp"
+
+#include <nccl.h>
+
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "kernels/elementwise/elementwise.hpp"
+#include "moegraph/nccl_ep.hpp"
+#include "moegraph/step_graphs.hpp"
+#include "src/core/checks.hpp"
+#include "src/core/device_buffer.hpp"
+#include "testing/step_weights.hpp"
+#include "tools/bench/bench_util.hpp"
+#include "tools/bench/op_timer.hpp"
+
+namespace moegraph::bench {
+namespace {
+
+struct EpRow {
+  int64_t tokens = 0, rows = 0;  // per rank: capacity, and the (token, expert) rows it sends
+  double replay_ms = 0, replay_max_ms = 0, eager_ms = 0;
+  double dispatch_fwd_ms = 0, combine_fwd_ms = 0, dispatch_bwd_ms = 0, combine_bwd_ms = 0;
+  double exchange_bytes = 0;  // per rank and exchange: every row it sends, once
+  double alltoall_ms = 0;
+  double gbps(double ms) const { return ms > 0 ? exchange_bytes / ms / 1e6 : 0.0; }
+};
+
+class Group {
+ public:
+  explicit Group(std::shared_ptr<NcclEpComm> comm) : comm_(std::move(comm)), scratch_(sizeof(double)) {}
+  int rank() const { return comm_->rank(); }
+  // Every rank has reached this point (the host waits for a tiny all-reduce).
+  void meet(cudaStream_t s) {
+    MG_NCCL_CHECK(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat64, ncclSum, comm_->nccl(), s));
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  double max(double v, cudaStream_t s) {
+    MG_CUDA_CHECK(cudaMemcpyAsync(scratch_.get(), &v, sizeof v, cudaMemcpyHostToDevice, s));
+    MG_NCCL_CHECK(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat64, ncclMax, comm_->nccl(), s));
+    MG_CUDA_CHECK(cudaMemcpyAsync(&v, scratch_.get(), sizeof v, cudaMemcpyDeviceToHost, s));
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));
+    return v;
+  }
+  ncclComm_t nccl() const { return comm_->nccl(); }
+
+ private:
+  std::shared_ptr<NcclEpComm> comm_;
+  DeviceBuffer scratch_;
+};
+
+void run_bucket(StepGraphs& step, int b, const Config& c, int replays, Group& group, cudaStream_t s,
+                DeviceBuffer& l2_flush, EpRow& row) {
+  const BucketIO io = step.io(b);
+  const bool train = c.training.enabled;
+  const int64_t h = c.layer.hidden;
+  const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(io.tokens * c.bench.fill));
+  const int32_t n32 = static_cast<int32_t>(n);
+  MG_CUDA_CHECK(cudaMemcpy(io.num_tokens, &n32, sizeof n32, cudaMemcpyHostToDevice));
+  if (train) kernels::launch_fill_uniform(c.precision.dtype, io.dy, io.tokens * h, 1.0f, 13 + b, s);
+  const uint64_t seed = 1000 + 17 * b + 7919 * static_cast<uint64_t>(group.rank());
+  auto step_once = [&](bool graph) {
+    if (!train) return graph ? step.forward(b, s) : step.run_eager(b, StepPhase::kForward, s);
+    graph ? step.forward_train(b, s) : step.run_eager(b, StepPhase::kForwardTrain, s);
+    graph ? step.backward(b, s) : step.run_eager(b, StepPhase::kBackward, s);
+    if (c.training.delay_wgrad) graph ? step.wgrad(b, s) : step.run_eager(b, StepPhase::kWgrad, s);
+  };
+  // Before each run: new tokens on this rank (a new routing), L2 flushed, the ranks together.
+  auto prepare = [&](int i) {
+    kernels::launch_fill_uniform(c.precision.dtype, io.x, io.tokens * h, 1.0f, seed + i, s);
+    MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
+    group.meet(s);
+  };
+  EventTimer timer;
+  auto timed = [&](int count, bool graph) {
+    std::vector<float> t;
+    for (int i = 0; i < c.bench.warmup + count; ++i) {
+      prepare(i);
+      const float ms = timer.time(s, [&] { step_once(graph); });
+      if (i >= c.bench.warmup) t.push_back(ms);
+    }
+    return median(t);
+  };
+  row.tokens = io.tokens;
+  row.rows = n * c.layer.top_k;
+  row.exchange_bytes = static_cast<double>(row.rows) * h * dtype_size(c.precision.dtype);
+  row.eager_ms = timed(std::min(replays, 10), false);
+  row.replay_ms = timed(replays, true);
+  row.replay_max_ms = group.max(row.replay_ms, s);
+  {
+    OpTimer ops;
+    for (int i = 0; i < c.bench.warmup + std::min(replays, 10); ++i) {
+      prepare(i);
+      ops.start(s);
+      step_once(false);
+      if (i >= c.bench.warmup) ops.finish();
+      MG_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+    for (const OpTime& t : ops.medians()) {
+      if (t.op == "dispatch") row.dispatch_fwd_ms = t.forward_ms, row.dispatch_bwd_ms = t.backward_ms;
+      if (t.op == "combine") row.combine_fwd_ms = t.forward_ms, row.combine_bwd_ms = t.backward_ms;
+    }
+  }
+  step.check_device_errors(s);
+  // NCCL's all-to-all of the same bytes per rank: an equal share to every rank.
+  const int ranks = std::max(1, c.parallel.expert_parallel);
+  const std::size_t per_peer = static_cast<std::size_t>(row.exchange_bytes) / ranks;
+  DeviceBuffer send(per_peer * ranks + 1), recv(per_peer * ranks + 1);
+  std::vector<float> t;
+  for (int i = 0; i < c.bench.warmup + replays; ++i) {
+    MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
+    group.meet(s);
+    const float ms = timer.time(s, [&] {
+      MG_NCCL_CHECK(ncclAlltoAll(send.get(), recv.get(), per_peer, ncclChar, group.nccl(), s));
+    });
+    if (i >= c.bench.warmup) t.push_back(ms);
+  }
+  row.alltoall_ms = median(t);
+}
+
+}  // namespace
+
+int run_ep_bench(const Config& c, const StepBenchOptions& options) {
+  const int ranks = c.parallel.expert_parallel;
+  MG_CHECK(nccl_ep_environment_present(), "the config spreads its experts over ", ranks,
+           " rank(s): run one process per GPU, e.g. scripts/launch -n ", ranks, " -- moegraph-bench CONFIG");
+  MG_CHECK(c.step == StepKind::kMoeLayer, "expert parallelism needs step \"moe_layer\"");
+  const std::shared_ptr<NcclEpComm> comm = nccl_ep_comm_from_environment();
+  MG_CHECK(comm->ranks() == ranks, "the launch has ", comm->ranks(), " ranks but parallel.expert_parallel is ", ranks);
+  const bool lead = comm->rank() == 0;
+  const int replays = options.replays > 0 ? options.replays : c.bench.replays;
+  cudaDeviceProp prop{};
+  MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, comm->device()));
+  if (lead)
+    std::printf("device: %s x %d ranks, %s\nconfig: %s (%d experts, %d per rank, hidden %lld, ffn %lld, top-%d, %s)\n",
+                prop.name, ranks, comm->transport().c_str(), c.name.c_str(), c.layer.experts, c.layer.experts / ranks,
+                static_cast<long long>(c.layer.hidden), static_cast<long long>(c.layer.ffn), c.layer.top_k,
+                c.training.enabled ? "training" : "inference");
+  cudaStream_t s = nullptr;
+  MG_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  const StepGraphsOptions step_options = step_graphs_options(c);
+  const testing::OwnedStepWeights weights = testing::make_step_weights(step_options, s);
+  if (lead) std::fprintf(stderr, "capturing %zu buckets on every rank...\n", c.buckets.size());
+  StepGraphs step(step_options, weights.weights, comm);
+  Group group(comm);
+  DeviceBuffer l2_flush(2 * static_cast<std::size_t>(prop.l2CacheSize));
+  std::vector<EpRow> rows(step.num_buckets());
+  for (int b = 0; b < step.num_buckets(); ++b) {
+    if (lead) progress(b, step.num_buckets(), "buckets");
+    run_bucket(step, b, c, replays, group, s, l2_flush, rows[b]);
+  }
+  if (lead) progress(step.num_buckets(), step.num_buckets(), "buckets"), std::fprintf(stderr, "\n");
+  MG_CUDA_CHECK(cudaStreamDestroy(s));
+  if (!lead) return 0;
+
+  std::printf("median of %d replays (eager and exchanges: %d), fill %.2f; every rank draws its own tokens anew "
+              "before each run\nexchange bytes: each rank's routed rows x hidden x %zu bytes, stored once into the "
+              "owners' windows (its own rows included); all-to-all: ncclAlltoAll of the same bytes per rank\n\n",
+              replays, std::min(replays, 10), c.bench.fill, dtype_size(c.precision.dtype));
+  Table table;
+  for (const EpRow& r : rows) {
+    const double a2a = r.gbps(r.alltoall_ms);
+    auto vs = [&](double ms) { return a2a > 0 && ms > 0 ? fmt(r.gbps(ms) / a2a, 2) : std::string("-"); };
+    table.add({std::to_string(r.tokens), fmt(r.replay_ms, 3), fmt(r.replay_max_ms, 3), fmt(r.eager_ms, 3),
+               fmt(r.exchange_bytes / 1e6, 2), fmt(r.dispatch_fwd_ms, 3), fmt(r.gbps(r.dispatch_fwd_ms), 0),
+               fmt(r.combine_fwd_ms, 3), fmt(r.gbps(r.combine_fwd_ms), 0), fmt(r.alltoall_ms, 3), fmt(a2a, 0),
+               vs(r.dispatch_fwd_ms), vs(r.combine_fwd_ms)});
+  }
+  table.print({"tokens/rank", "replay ms", "slowest rank", "eager ms", "MB/rank", "dispatch ms", "GB/s",
+               "combine ms", "GB/s", "all-to-all ms", "GB/s", "dispatch/a2a", "combine/a2a"});
+  if (c.training.enabled) {
+    std::printf("\nbackward exchanges (the combine's backward is a dispatch of dy rows, the dispatch's a combine):\n");
+    Table back;
+    for (const EpRow& r : rows)
+      back.add({std::to_string(r.tokens), fmt(r.combine_bwd_ms, 3), fmt(r.gbps(r.combine_bwd_ms), 0),
+                fmt(r.dispatch_bwd_ms, 3), fmt(r.gbps(r.dispatch_bwd_ms), 0)});
+    back.print({"tokens/rank", "combine bwd ms", "GB/s", "dispatch bwd ms", "GB/s"});
+  }
+  if (!options.json_path.empty()) {
+    nlohmann::json out;
+    out["config"] = nlohmann::json::parse(to_json(c));
+    out["device"] = prop.name;
+    out["ranks"] = ranks;
+    out["transport"] = comm->transport();
+    out["replays"] = replays;
+    for (const EpRow& r : rows)
+      out["buckets"].push_back({{"tokens_per_rank", r.tokens}, {"rows_per_rank", r.rows},
+                                {"replay_ms", r.replay_ms}, {"replay_ms_slowest_rank", r.replay_max_ms},
+                                {"eager_ms", r.eager_ms}, {"exchange_bytes_per_rank", r.exchange_bytes},
+                                {"dispatch_forward_ms", r.dispatch_fwd_ms}, {"combine_forward_ms", r.combine_fwd_ms},
+                                {"dispatch_backward_ms", r.dispatch_bwd_ms}, {"combine_backward_ms", r.combine_bwd_ms},
+                                {"alltoall_ms", r.alltoall_ms}});
+    std::ofstream f(options.json_path);
+    f << out.dump(2) << "\n";
+    MG_CHECK(f.good(), "cannot write ", options.json_path);
+    std::printf("\nresults written to %s\n", options.json_path.c_str());
+  }
+  return 0;
+}
+
+}  // namespace moegraph::bench
