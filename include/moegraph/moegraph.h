@@ -1,6 +1,6 @@
 /* moegraph C ABI: a thin layer over moegraph::GroupedLinear (mg_grouped_linear_*), moegraph::MoeLayer
- * (mg_moe_layer_*) and the capture-and-replay runtime moegraph::StepGraphs (mg_config_*,
- * mg_step_graphs_*).
+ * (mg_moe_layer_*), the capture-and-replay runtime moegraph::StepGraphs (mg_config_*,
+ * mg_step_graphs_*) and the expert-parallel communicators moegraph::EpComm (mg_ep_comm_*).
  *
  * Conventions
  * - No exception crosses it: every call returns a status; mg_status_string() names a status and
@@ -9,7 +9,8 @@
  *   built against older headers: zero it and set struct_size = sizeof(the struct) (the *_init
  *   functions do), e.g. `mg_forward_args a = {0}; a.struct_size = sizeof(a);`. The library reads
  *   only the fields a caller's size covers (later ones take their defaults) and refuses a struct
- *   larger than it knows unless the unknown tail is zero.
+ *   larger than it knows unless the unknown tail is zero. Fields are only ever appended, and a
+ *   field's zero value is its default wherever that can be (expert_parallel 0 means 1).
  * - Handles are checked: a null handle, or one already destroyed, gives MG_ERR_INVALID_HANDLE (a
  *   destroyed handle's address may be reused by a later create, which then owns it).
  * - Enqueue calls (forward, backward, backward_dw, weights_changed, replay, run_eager) are
@@ -137,6 +138,71 @@ MOEGRAPH_API mg_status mg_grouped_linear_weights_changed(mg_grouped_linear* op, 
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if invalid splits were seen since the last check. */
 MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStream_t stream);
 
+/* ---- Expert parallelism (moegraph::EpComm): the ranks a MoE layer spreads its experts over ----
+ *
+ * With R ranks, rank r holds experts [r * E/R, (r + 1) * E/R): its layer's or step's w1, b1, w2, b2
+ * (and their gradients) are those E/R experts only, while the router stays whole (its gradient is
+ * this rank's tokens' share: sum it over the ranks as for any replicated parameter). Each rank
+ * routes its own tokens (max_tokens is per rank), sends every chosen (token, expert) row to the rank
+ * owning the expert, and receives the results back, through windows: memory laid out identically on
+ * every rank, allocated on the communicator, that the exchange kernels store into directly.
+ * - Collective: creating a communicator, and creating a layer or step on one (each allocates its
+ *   window on it), are collective: every rank of the group makes the same calls with the same
+ *   options in the same order. Steps are too: every rank runs the same sequence of forward,
+ *   backward and backward_dw calls (or replays of the same bucket and phase); the token counts may
+ *   differ. A rank that falls out of step makes the others' device barriers time out after
+ *   MOEGRAPH_EP_TIMEOUT_MS (default 20000) milliseconds, which check_device_errors reports.
+ * - Transports: NCCL (one process per GPU of one host's NVLink domain: NCCL 2.28 or newer, and
+ *   NCCL_NVLS_ENABLE=0 in every rank's environment, else creation is refused with
+ *   MG_ERR_INVALID_ARGUMENT), or emulated ranks in one process on one GPU (for tests).
+ * - A communicator is bound to the device current when it is created; the layers and steps made
+ *   with it keep what they need of it alive, so it may be destroyed before them.
+ * - Each rank is driven by its own host thread (NCCL: its own process): the ranks wait for each
+ *   other on the device while their steps run. */
+
+typedef struct mg_ep_comm mg_ep_comm;
+
+/* Writes a fresh NCCL unique id, 256 hex digits and a NUL, into out[0..257): size must be at least
+ * 257, else MG_ERR_INVALID_ARGUMENT. One rank makes it and hands it to every rank of the group
+ * (for mg_ep_comm_create_nccl, or in MOEGRAPH_NCCL_ID). NCCL's bootstrap picks a network interface
+ * here (MG_ERR_LIBRARY when it finds none); no GPU is touched. */
+MOEGRAPH_API mg_status mg_nccl_unique_id(char* out, size_t size);
+/* This process as rank `rank` (0..ranks - 1) of a group of `ranks` (1..64) over NCCL, on the
+ * current device, joined by `unique_id_hex` (mg_nccl_unique_id's digits, the same on every rank).
+ * Collective: blocks until every rank has called it (ncclCommInitRank). Checked in this order: the
+ * arguments (MG_ERR_INVALID_ARGUMENT naming the argument), the environment and NCCL
+ * (MG_ERR_INVALID_ARGUMENT without NCCL_NVLS_ENABLE=0 or with NCCL older than 2.28), the device
+ * (MG_ERR_NO_DEVICE, MG_ERR_UNSUPPORTED_DEVICE); a failed NCCL call is MG_ERR_LIBRARY. Every rank
+ * must reach every other by load/store (one host's NVLink domain), else MG_ERR_INVALID_ARGUMENT. */
+MOEGRAPH_API mg_status mg_ep_comm_create_nccl(int ranks, int rank, const char* unique_id_hex, mg_ep_comm** out);
+/* The same from a launcher's environment (scripts/launch): MOEGRAPH_EP_RANKS, MOEGRAPH_EP_RANK,
+ * MOEGRAPH_EP_DEVICE (default: the rank; made the current device here), and the unique id in
+ * MOEGRAPH_NCCL_ID (hex) or in the file MOEGRAPH_NCCL_ID_FILE, which rank 0 creates (it must not
+ * exist yet) and the other ranks wait for (at most MOEGRAPH_EP_INIT_TIMEOUT_MS, default 120000).
+ * Collective, as mg_ep_comm_create_nccl; a missing or malformed variable is MG_ERR_INVALID_ARGUMENT
+ * naming it. */
+MOEGRAPH_API mg_status mg_ep_comm_create_from_environment(mg_ep_comm** out);
+/* The caller's NCCL communicator (an ncclComm_t passed as void*), with its current device current
+ * (the communicator's). Not destroyed by moegraph: destroy it only after every mg_ep_comm made from
+ * it and every layer and step made with those (their windows are deregistered on it). Collective
+ * (every rank wraps its communicator, then creates the same layers and steps); the same checks as
+ * mg_ep_comm_create_nccl. */
+MOEGRAPH_API mg_status mg_ep_comm_wrap_nccl(void* nccl_comm, mg_ep_comm** out);
+/* `ranks` (1..64) emulated ranks in this process on the current device, for tests: out_array[r]
+ * (the caller's array of `ranks` handles) is rank r, destroyed separately; on failure every entry
+ * is NULL. Each rank's layer or step runs on its own stream, driven by its own host thread. With
+ * more than one rank the process needs CUDA_MODULE_LOADING=EAGER (set before CUDA initializes:
+ * a kernel loaded lazily mid-step would stall its waiting peers), else MG_ERR_INVALID_ARGUMENT.
+ * The ranks' layers may be created by one thread, one after the other; their steps not
+ * (mg_step_graphs_create warms up with the other ranks): each on its rank's thread, with
+ * thread_local_capture. */
+MOEGRAPH_API mg_status mg_ep_emulated_group_create(int ranks, mg_ep_comm** out_array);
+/* NULL or a destroyed handle: nothing happens. Layers and steps made with it keep working. */
+MOEGRAPH_API void mg_ep_comm_destroy(mg_ep_comm* comm);
+/* This rank (0..ranks - 1) and the group's size. */
+MOEGRAPH_API mg_status mg_ep_comm_rank(const mg_ep_comm* comm, int* out);
+MOEGRAPH_API mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out);
+
 /* ---- MoE layer (moegraph::MoeLayer): router -> dispatch -> FC1 -> SwiGLU -> FC2 -> combine ---- */
 
 typedef struct mg_moe_layer mg_moe_layer;
@@ -168,10 +234,20 @@ typedef struct {
   int delay_wgrad;         /* bool: backward queues the weight gradients for mg_moe_layer_backward_dw */
   int main_grad_fp32;      /* bool: weight gradients accumulate into fp32 main_grad_* (else d* written) */
   mg_recipe recipe;
+  /* Expert parallelism (appended: a caller's older struct_size leaves both at their defaults). */
+  int expert_parallel;     /* R, the ranks the experts are spread over: 1 (or 0) none, else 2..64 dividing
+                              experts (mg_moe_layer_create_ep); max_tokens is per rank. Not yet with
+                              capacity_factor or fuse_weights */
+  int64_t ep_recv_rows;    /* rows of each rank's receive buffer: 0 for the worst case (every rank's
+                              max_tokens * top_k rows to one rank, so none is ever dropped), else a
+                              bound, a multiple of row_align; rows past it are dropped, counted on their
+                              source rank (read_dropped) and contribute zero. 0 without expert parallelism */
 } mg_moe_layer_options;
 
 /* Parameters and their gradients (device). The gradient set follows main_grad_fp32; biases only
- * with options.bias. */
+ * with options.bias. With expert parallelism E is this rank's experts (options.experts /
+ * expert_parallel) in every expert tensor and gradient; the router and its gradient stay [experts,
+ * hidden]. */
 typedef struct {
   size_t struct_size;  /* sizeof(mg_moe_layer_weights) */
   const void* router;  /* [E, hidden] */
@@ -202,16 +278,30 @@ typedef struct {
 } mg_moe_layer_io;
 
 /* Fills *options with the defaults (struct_size set; top_k 1, softmax, no renormalization, no aux
- * loss, dropless, row_align 1, bf16, training, one slot, no delay, fp32 main_grad); experts, hidden,
- * ffn and max_tokens are 0 and must be set. */
+ * loss, dropless, row_align 1, bf16, training, one slot, no delay, fp32 main_grad, no expert
+ * parallelism: expert_parallel 1, ep_recv_rows 0); experts, hidden, ffn and max_tokens are 0 and must
+ * be set. */
 MOEGRAPH_API void mg_moe_layer_options_init(mg_moe_layer_options* options);
 /* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
  * failure *out is 0 and mg_last_error names the field, its value and the limit. */
 MOEGRAPH_API mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* options, size_t* out);
+/* Expert parallelism: the bytes of the window each rank allocates on its communicator when the
+ * layer is created (outside the workspace), 0 without expert parallelism. Validates as
+ * mg_moe_layer_workspace_bytes; touches no GPU. */
+MOEGRAPH_API mg_status mg_moe_layer_window_bytes(const mg_moe_layer_options* options, size_t* out);
 /* workspace: device memory of mg_moe_layer_workspace_bytes(options) bytes, 256-byte aligned, or NULL
- * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture. */
+ * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture.
+ * Refuses expert_parallel > 1 (use mg_moe_layer_create_ep). */
 MOEGRAPH_API mg_status mg_moe_layer_create(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
                                            void* workspace, mg_moe_layer** out);
+/* mg_moe_layer_create for one rank of an expert-parallel group: `comm` is this rank's communicator
+ * of options->expert_parallel ranks (it may be NULL only when expert_parallel is 1), the expert
+ * tensors of `weights` are this rank's E/R experts. Collective (see Expert parallelism): every rank
+ * creates its layer with the same options in the same order; the layer allocates its window
+ * (mg_moe_layer_window_bytes) on the communicator, which may synchronize the device, and keeps
+ * the communicator alive. The options and the communicator are checked before any CUDA call. */
+MOEGRAPH_API mg_status mg_moe_layer_create_ep(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
+                                              void* workspace, mg_ep_comm* comm, mg_moe_layer** out);
 /* NULL or a destroyed handle: nothing happens. */
 MOEGRAPH_API void mg_moe_layer_destroy(mg_moe_layer* layer);
 /* train != 0 saves the context for backward into the next free slot (forward_train). */
@@ -222,8 +312,9 @@ MOEGRAPH_API mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_l
 MOEGRAPH_API mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream);
 /* The weights changed: the MXFP8 recipe re-quantizes its copies (nothing for bf16). Enqueued. */
 MOEGRAPH_API mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream);
-/* Synchronizes the stream; *out = the (token, expert) assignments dropped by the capacity factor
- * since the last call (the counter is reset); 0 when dropless. */
+/* Synchronizes the stream; *out = this rank's (token, expert) assignments dropped by the capacity
+ * factor or by a receive bound (ep_recv_rows) since the last call (the counter is reset); 0 when
+ * dropless. */
 MOEGRAPH_API mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, uint64_t* out);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if an invalid token count or invalid splits were
  * seen since the last check. */
@@ -243,7 +334,8 @@ MOEGRAPH_API void mg_config_destroy(mg_config* config);
 
 /* What a caller needs to allocate a config's weights: [experts, hidden] router, [experts, 2 * ffn,
  * hidden] w1, [experts, hidden, ffn] w2 (biases [experts, 2 * ffn] and [experts, hidden] with bias),
- * in dtype; gradients as the training fields say. */
+ * in dtype; gradients as the training fields say. With expert_parallel R > 1 every rank holds
+ * experts / R of them in w1, w2, the biases and their gradients (the router stays whole). */
 typedef struct {
   size_t struct_size;  /* sizeof(mg_config_shape) */
   int whole_layer;     /* 1: the MoE layer (x, num_tokens -> y); 0: the expert MLP on grouped rows (x, splits -> y) */
@@ -258,7 +350,8 @@ typedef struct {
   int delay_wgrad;
   int main_grad_fp32;  /* gradients accumulate into fp32 main_grad_* (else d* are written) */
   int num_buckets;
-  int64_t max_tokens;  /* the largest bucket's capacity */
+  int64_t max_tokens;  /* the largest bucket's capacity (per rank with expert parallelism) */
+  int expert_parallel; /* parallel.expert_parallel: R ranks (1: none). Appended: an older struct_size leaves it unwritten */
 } mg_config_shape;
 
 /* Fills *out (the caller sets out->struct_size). */
@@ -303,8 +396,12 @@ typedef struct {
   size_t struct_size;        /* sizeof(mg_step_graphs_options) */
   /* 0: capture in cudaStreamCaptureModeGlobal, which proves that no enqueue path synchronizes or
    * allocates anywhere in the process but forbids other threads to do either meanwhile; 1: capture
-   * thread-locally, so other threads may set up and synchronize while this one creates. */
+   * thread-locally, so other threads may set up and synchronize while this one creates. Emulated
+   * expert-parallel ranks in one process need 1 (another rank's thread sets up meanwhile). */
   int thread_local_capture;
+  /* Expert parallelism (appended: an older struct_size means NULL): this rank's communicator, of the
+   * config's parallel.expert_parallel ranks; NULL when that is 1. The step keeps it alive. */
+  mg_ep_comm* comm;
 } mg_step_graphs_options;
 
 /* A bucket's device buffers (moegraph::BucketIO). Whole layer: write x [tokens, hidden] and
@@ -325,7 +422,12 @@ typedef struct {
 
 /* Allocates the arena, binds the weights, warms up and captures every bucket's phases (host work;
  * MXFP8: call mg_step_graphs_weights_changed once the weights are written). options may be NULL.
- * The step keeps no reference to `config`: it may be destroyed right after. */
+ * The step keeps no reference to `config`: it may be destroyed right after.
+ * Expert parallelism (the config's parallel.expert_parallel R > 1): options->comm is this rank's
+ * communicator of R ranks and the weights are this rank's experts (mg_config_shape). Collective:
+ * every rank creates the same step (each bucket allocates its window on the communicator and warms
+ * up with the other ranks), then every rank replays the same phases of the same buckets: pick the
+ * bucket for the largest token count over the ranks (each rank's own count may be smaller). */
 MOEGRAPH_API mg_status mg_step_graphs_create(const mg_config* config, const mg_step_weights* weights,
                                              const mg_step_graphs_options* options, mg_step_graphs** out);
 /* NULL or a destroyed handle: nothing happens. */
@@ -348,7 +450,8 @@ MOEGRAPH_API mg_status mg_step_graphs_weights_changed(mg_step_graphs* step, cuda
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if any bucket saw invalid device inputs (a token
  * count over the bucket's capacity, invalid splits) since the last check. */
 MOEGRAPH_API mg_status mg_step_graphs_check_device_errors(mg_step_graphs* step, cudaStream_t stream);
-/* Synchronizes the stream; *out = assignments dropped by the capacity factor since the last call. */
+/* Synchronizes the stream; *out = this rank's assignments dropped by the capacity factor or by a
+ * receive bound (parallel.recv_rows) since the last call. */
 MOEGRAPH_API mg_status mg_step_graphs_read_dropped(mg_step_graphs* step, cudaStream_t stream, uint64_t* out);
 
 #ifdef __cplusplus

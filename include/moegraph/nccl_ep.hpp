@@ -53,7 +53,8 @@ MOEGRAPH_API std::string nccl_unique_id_hex();
 // Creates a communicator of `ranks` with this process as `rank` on the current device.
 MOEGRAPH_API std::shared_ptr<NcclEpComm> nccl_ep_comm_init(int ranks, int rank, const std::string& unique_id_hex);
 // From the launcher's environment (see above); sets the current device to MOEGRAPH_EP_DEVICE
-// (default: the rank). Waits at most MOEGRAPH_EP_TIMEOUT_MS (default 20 s) for the id file.
+// (default: the rank). Ranks other than 0 wait at most MOEGRAPH_EP_INIT_TIMEOUT_MS (default 120 s)
+// for the id file.
 MOEGRAPH_API std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment();
 // Whether the launcher's environment is present (MOEGRAPH_EP_RANKS is set).
 MOEGRAPH_API bool nccl_ep_environment_present();

@@ -59,7 +59,8 @@ class MoeLayerOptions(_Sized):
                 ("top_k", c_int), ("bias", c_int), ("score", c_int), ("renormalize", c_int),
                 ("aux_loss_coef", c_double), ("capacity_factor", c_double), ("fuse_weights", c_int),
                 ("max_tokens", c_int64), ("row_align", c_int), ("dtype", c_int), ("training", c_int),
-                ("wgrad_slots", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("recipe", c_int)]
+                ("wgrad_slots", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("recipe", c_int),
+                ("expert_parallel", c_int), ("ep_recv_rows", c_int64)]
 
 
 class MoeLayerWeights(_Sized):
@@ -78,7 +79,7 @@ class ConfigShape(_Sized):
     _fields_ = [("struct_size", c_size_t), ("whole_layer", c_int), ("experts", c_int), ("hidden", c_int64),
                 ("ffn", c_int64), ("top_k", c_int), ("bias", c_int), ("dtype", c_int), ("recipe", c_int),
                 ("training", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("num_buckets", c_int),
-                ("max_tokens", c_int64)]
+                ("max_tokens", c_int64), ("expert_parallel", c_int)]
 
 
 class StepWeights(_Sized):
@@ -89,7 +90,7 @@ class StepWeights(_Sized):
 
 
 class StepGraphsOptions(_Sized):
-    _fields_ = [("struct_size", c_size_t), ("thread_local_capture", c_int)]
+    _fields_ = [("struct_size", c_size_t), ("thread_local_capture", c_int), ("comm", c_void_p)]
 
 
 class BucketIO(_Sized):
@@ -120,9 +121,19 @@ SIGNATURES = {
     "mg_grouped_linear_backward_dw": (c_int, [_h, c_void_p]),
     "mg_grouped_linear_weights_changed": (c_int, [_h, c_void_p, c_void_p]),
     "mg_grouped_linear_check_device_errors": (c_int, [_h, c_void_p]),
+    "mg_nccl_unique_id": (c_int, [ctypes.c_char_p, c_size_t]),
+    "mg_ep_comm_create_nccl": (c_int, [c_int, c_int, ctypes.c_char_p, P(_h)]),
+    "mg_ep_comm_create_from_environment": (c_int, [P(_h)]),
+    "mg_ep_comm_wrap_nccl": (c_int, [c_void_p, P(_h)]),
+    "mg_ep_emulated_group_create": (c_int, [c_int, P(_h)]),
+    "mg_ep_comm_destroy": (None, [_h]),
+    "mg_ep_comm_rank": (c_int, [_h, P(c_int)]),
+    "mg_ep_comm_ranks": (c_int, [_h, P(c_int)]),
     "mg_moe_layer_options_init": (None, [P(MoeLayerOptions)]),
     "mg_moe_layer_workspace_bytes": (c_int, [P(MoeLayerOptions), P(c_size_t)]),
+    "mg_moe_layer_window_bytes": (c_int, [P(MoeLayerOptions), P(c_size_t)]),
     "mg_moe_layer_create": (c_int, [P(MoeLayerOptions), P(MoeLayerWeights), c_void_p, P(_h)]),
+    "mg_moe_layer_create_ep": (c_int, [P(MoeLayerOptions), P(MoeLayerWeights), c_void_p, _h, P(_h)]),
     "mg_moe_layer_destroy": (None, [_h]),
     "mg_moe_layer_forward": (c_int, [_h, P(MoeLayerIO), c_int, c_void_p]),
     "mg_moe_layer_backward": (c_int, [_h, P(MoeLayerIO), c_void_p]),

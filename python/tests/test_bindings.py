@@ -67,6 +67,30 @@ class LibraryWithoutAGpu(unittest.TestCase):
             _lib.call("mg_grouped_linear_workspace_bytes", ctypes.byref(o), ctypes.byref(size))
         self.assertEqual(e.exception.status_name, "MG_ERR_INVALID_ARGUMENT")
 
+    def test_expert_parallel_fields_and_calls(self):
+        o = _lib.MoeLayerOptions()
+        _lib.lib().mg_moe_layer_options_init(ctypes.byref(o))
+        self.assertEqual((o.struct_size, o.expert_parallel, o.ep_recv_rows), (ctypes.sizeof(o), 1, 0))
+        o.experts, o.hidden, o.ffn, o.top_k, o.max_tokens = 8, 256, 256, 2, 64
+        size = ctypes.c_size_t()
+        _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(size))
+        self.assertEqual(size.value, 0)
+        o.expert_parallel = 2
+        _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(size))
+        self.assertGreater(size.value, 0)
+        o.expert_parallel = 3
+        with self.assertRaises(_lib.MoegraphError) as e:
+            _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(size))
+        self.assertIn("expert_parallel", str(e.exception))
+        short = ctypes.create_string_buffer(256)
+        with self.assertRaises(_lib.MoegraphError) as e:
+            _lib.call("mg_nccl_unique_id", short, len(short))
+        self.assertEqual(e.exception.status_name, "MG_ERR_INVALID_ARGUMENT")
+        import moegraph
+        shape = moegraph.Config.parse('{"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2}, '
+                                      '"parallel": {"expert_parallel": 2}, "buckets": [64]}').shape()
+        self.assertEqual(shape["expert_parallel"], 2)
+
     def test_config_shape_and_errors(self):
         import moegraph
         c = moegraph.Config.parse('{"layer": {"experts": 16, "hidden": 512, "ffn": 256, "top_k": 2}, "buckets": [64]}')

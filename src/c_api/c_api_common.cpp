@@ -8,6 +8,15 @@
 #include "moegraph/version.h"
 
 namespace moegraph::c_api {
+
+// The first releases' layouts (on LP64): where each grown struct's appended fields begin. A field
+// inserted before them, rather than appended, would move these and break older callers.
+static_assert(sizeof(void*) != 8 || kFirstSize<mg_moe_layer_options> == 108,
+              "mg_moe_layer_options: fields may only be appended");
+static_assert(sizeof(void*) != 8 || kFirstSize<mg_config_shape> == 72, "mg_config_shape: fields may only be appended");
+static_assert(sizeof(void*) != 8 || kFirstSize<mg_step_graphs_options> == 16,
+              "mg_step_graphs_options: fields may only be appended");
+
 namespace {
 
 thread_local std::string g_last_error;

@@ -4,12 +4,17 @@
 
 #include <cstddef>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
 #include "moegraph/error.hpp"
 #include "moegraph/moegraph.h"
 #include "moegraph/types.hpp"
+
+namespace moegraph {
+class EpComm;  // moegraph/expert_parallel.hpp
+}
 
 namespace moegraph::c_api {
 
@@ -28,20 +33,32 @@ mg_status guarded(F&& f) noexcept {
 
 // Handles are checked against a process-wide set of live ones, so a call on a destroyed handle is
 // refused instead of touching freed memory (a mutex: create and destroy are rare, lookups short).
-enum class HandleKind { kGroupedLinear, kMoeLayer, kConfig, kStepGraphs };
+enum class HandleKind { kGroupedLinear, kMoeLayer, kConfig, kStepGraphs, kEpComm };
 void register_handle(const void* handle, HandleKind kind);
 // False when `handle` is not a live handle of that kind (then nothing is unregistered).
 bool unregister_handle(const void* handle, HandleKind kind);
 // Throws InvalidHandle naming `type` unless `handle` is live and of that kind.
 void check_handle(const void* handle, HandleKind kind, const char* type);
 
-// The size a struct had in its first release: a caller's struct_size may not be smaller. When a
-// field is appended to a struct, specialize this to the old sizeof so older callers keep working.
+// The smallest struct_size accepted: sizeof(T) while the struct has not grown. When fields are
+// appended, specialize it to the offset of the first appended field (at most the old sizeof), so
+// older callers keep working. A caller whose struct_size is below sizeof(T) then predates the
+// appended fields: read_struct takes the first release's fields only, and the appended ones keep
+// their defaults even where they lie in the old struct's tail padding (an older caller's sizeof
+// covers those bytes, but to it they are padding, not fields). Every struct so far has grown once
+// at most; a second growth needs the end of each release here.
 template <class T>
 inline constexpr std::size_t kFirstSize = sizeof(T);
+template <>
+inline constexpr std::size_t kFirstSize<mg_moe_layer_options> = offsetof(mg_moe_layer_options, expert_parallel);
+template <>
+inline constexpr std::size_t kFirstSize<mg_config_shape> = offsetof(mg_config_shape, expert_parallel);
+template <>
+inline constexpr std::size_t kFirstSize<mg_step_graphs_options> = offsetof(mg_step_graphs_options, comm);
 
-// Reads a caller's struct into `value` (already holding the defaults): the fields the caller's size
-// covers are taken, later ones keep their defaults, and an unknown tail must be zero.
+// Reads a caller's struct into `value` (already holding the defaults): the fields of the caller's
+// release are taken (all, or the first release's: see kFirstSize), later ones keep their defaults,
+// and an unknown tail must be zero.
 template <class T>
 T read_struct(const T* in, const char* type, T value) {
   MG_CHECK(in != nullptr, "null ", type);
@@ -54,7 +71,7 @@ T read_struct(const T* in, const char* type, T value) {
       MG_CHECK(tail[i] == 0, type, " of ", size, " bytes has fields this library (", sizeof(T),
                " bytes) does not know set at byte ", sizeof(T) + i, ": built against newer headers?");
   }
-  std::memcpy(static_cast<void*>(&value), in, size < sizeof(T) ? size : sizeof(T));
+  std::memcpy(static_cast<void*>(&value), in, size < sizeof(T) ? kFirstSize<T> : sizeof(T));
   value.struct_size = sizeof(T);
   return value;
 }
@@ -70,6 +87,9 @@ void write_struct(T* out, const char* type, const T& value) {
   out->struct_size = size;
   if (size > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(out) + sizeof(T), 0, size - sizeof(T));
 }
+
+// The communicator behind a live mg_ep_comm handle (InvalidHandle otherwise); c_api_ep.cpp.
+std::shared_ptr<EpComm> ep_comm_of(const mg_ep_comm* comm);
 
 // The C enums span every int32: these refuse values other than the named ones.
 moegraph::DType dtype_of(mg_dtype dtype);

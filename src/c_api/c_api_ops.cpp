@@ -3,6 +3,7 @@
 #include <type_traits>
 
 #include "moegraph/error.hpp"
+#include "moegraph/expert_parallel.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "moegraph/moegraph.h"
@@ -13,6 +14,7 @@ struct mg_grouped_linear {
 };
 
 struct mg_moe_layer {
+  std::shared_ptr<moegraph::EpComm> comm;  // expert parallelism: kept alive with the layer (declared first, freed last)
   std::unique_ptr<moegraph::MoeLayer> layer;
 };
 
@@ -55,6 +57,8 @@ MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, capacity_factor);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, max_tokens);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, row_align);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, wgrad_slots);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, expert_parallel);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, ep_recv_rows);
 #undef MG_SAME_FIELD_TYPE
 
 mg_grouped_linear_options default_linear_options() {
@@ -76,6 +80,8 @@ mg_moe_layer_options default_moe_options() {
   o.training = 1;
   o.wgrad_slots = 1;
   o.main_grad_fp32 = 1;
+  o.expert_parallel = 1;
+  o.ep_recv_rows = 0;
   return o;
 }
 
@@ -121,8 +127,60 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options* in) {
   opts.delay_wgrad = o.delay_wgrad != 0;
   opts.main_grad_fp32 = o.main_grad_fp32 != 0;
   opts.recipe = recipe_of(o.recipe);
+  // 0 is the zeroed struct's value of the appended field: no expert parallelism, as 1.
+  opts.expert_parallel = o.expert_parallel == 0 ? 1 : o.expert_parallel;
+  opts.ep_recv_rows = o.ep_recv_rows;
   moegraph::validate(opts);
   return opts;
+}
+
+moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
+  const mg_moe_layer_weights w = read_struct(in, "mg_moe_layer_weights", mg_moe_layer_weights{});
+  moegraph::MoeLayerWeights weights;
+  weights.router = w.router;
+  weights.w1 = w.w1;
+  weights.b1 = w.b1;
+  weights.w2 = w.w2;
+  weights.b2 = w.b2;
+  weights.main_grad_router = w.main_grad_router;
+  weights.main_grad1 = w.main_grad1;
+  weights.main_grad2 = w.main_grad2;
+  weights.d_router = w.d_router;
+  weights.dw1 = w.dw1;
+  weights.dw2 = w.dw2;
+  weights.db1 = w.db1;
+  weights.db2 = w.db2;
+  return weights;
+}
+
+// mg_moe_layer_create and mg_moe_layer_create_ep (`call` names the entry point in messages; `ep`:
+// the caller may pass a communicator).
+mg_status create_layer(const char* call, bool ep, const mg_moe_layer_options* o, const mg_moe_layer_weights* in,
+                       void* workspace, mg_ep_comm* comm, mg_moe_layer** out) {
+  return guarded([&] {
+    MG_CHECK(out != nullptr, call, " needs an output handle");
+    *out = nullptr;
+    // The options, the weights struct and the communicator are refused before the layer looks for a
+    // device, so bad ones fail the same with or without a GPU.
+    const moegraph::MoeLayerOptions opts = moe_options_of(o);
+    const moegraph::MoeLayerWeights weights = layer_weights_of(in);
+    const int ranks = opts.expert_parallel;
+    MG_CHECK(ep || ranks == 1, call, ": expert_parallel = ", ranks,
+             " needs this rank's communicator: create the layer with mg_moe_layer_create_ep");
+    std::shared_ptr<moegraph::EpComm> shared;
+    if (comm != nullptr) {
+      shared = moegraph::c_api::ep_comm_of(comm);
+      MG_CHECK(shared->ranks() == ranks, call, ": comm has ", shared->ranks(), " ranks but expert_parallel is ",
+               ranks);
+    }
+    MG_CHECK(ranks == 1 || shared != nullptr, call, ": expert_parallel = ", ranks,
+             " needs this rank's communicator, got comm NULL (mg_ep_comm_create_nccl, ...)");
+    auto handle = std::make_unique<mg_moe_layer>();
+    if (ranks > 1) handle->comm = shared;  // a group of one has nothing to exchange: the layer runs alone
+    handle->layer = std::make_unique<moegraph::MoeLayer>(opts, weights, workspace, handle->comm);
+    moegraph::c_api::register_handle(handle.get(), HandleKind::kMoeLayer);
+    *out = handle.release();
+  });
 }
 
 moegraph::MoeLayerIO io_of(const mg_moe_layer_io* in) {
@@ -202,32 +260,12 @@ void mg_moe_layer_options_init(mg_moe_layer_options* o) {
 
 mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_weights* in, void* workspace,
                               mg_moe_layer** out) {
-  return guarded([&] {
-    MG_CHECK(out != nullptr, "mg_moe_layer_create needs an output handle");
-    *out = nullptr;
-    // The layer validates and sizes before it looks for a device, so bad options are refused the
-    // same with or without a GPU.
-    const moegraph::MoeLayerOptions opts = moe_options_of(o);
-    const mg_moe_layer_weights w = read_struct(in, "mg_moe_layer_weights", mg_moe_layer_weights{});
-    moegraph::MoeLayerWeights weights;
-    weights.router = w.router;
-    weights.w1 = w.w1;
-    weights.b1 = w.b1;
-    weights.w2 = w.w2;
-    weights.b2 = w.b2;
-    weights.main_grad_router = w.main_grad_router;
-    weights.main_grad1 = w.main_grad1;
-    weights.main_grad2 = w.main_grad2;
-    weights.d_router = w.d_router;
-    weights.dw1 = w.dw1;
-    weights.dw2 = w.dw2;
-    weights.db1 = w.db1;
-    weights.db2 = w.db2;
-    auto handle = std::make_unique<mg_moe_layer>();
-    handle->layer = std::make_unique<moegraph::MoeLayer>(opts, weights, workspace);
-    moegraph::c_api::register_handle(handle.get(), HandleKind::kMoeLayer);
-    *out = handle.release();
-  });
+  return create_layer("mg_moe_layer_create", /*ep=*/false, o, in, workspace, nullptr, out);
+}
+
+mg_status mg_moe_layer_create_ep(const mg_moe_layer_options* o, const mg_moe_layer_weights* in, void* workspace,
+                                 mg_ep_comm* comm, mg_moe_layer** out) {
+  return create_layer("mg_moe_layer_create_ep", /*ep=*/true, o, in, workspace, comm, out);
 }
 
 mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* o, size_t* out) {
@@ -235,6 +273,14 @@ mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* o, size_t* ou
     MG_CHECK(out != nullptr, "mg_moe_layer_workspace_bytes needs an output");
     *out = 0;
     *out = moegraph::MoeLayer::workspace_bytes(moe_options_of(o));
+  });
+}
+
+mg_status mg_moe_layer_window_bytes(const mg_moe_layer_options* o, size_t* out) {
+  return guarded([&] {
+    MG_CHECK(out != nullptr, "mg_moe_layer_window_bytes needs an output");
+    *out = 0;
+    *out = moegraph::MoeLayer::window_bytes(moe_options_of(o));
   });
 }
 

@@ -3,6 +3,7 @@
 
 #include "moegraph/config.hpp"
 #include "moegraph/error.hpp"
+#include "moegraph/expert_parallel.hpp"
 #include "moegraph/moegraph.h"
 #include "moegraph/step_graphs.hpp"
 #include "src/c_api/c_api_common.hpp"
@@ -12,6 +13,7 @@ struct mg_config {
 };
 
 struct mg_step_graphs {
+  std::shared_ptr<moegraph::EpComm> comm;  // expert parallelism: kept alive with the step (declared first, freed last)
   std::unique_ptr<moegraph::StepGraphs> step;
 };
 
@@ -124,6 +126,7 @@ mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out) {
     s.main_grad_fp32 = c.training.main_grad_fp32;
     s.num_buckets = static_cast<int>(c.buckets.size());
     s.max_tokens = c.buckets.empty() ? 0 : c.buckets.back();
+    s.expert_parallel = c.parallel.expert_parallel;
     write_struct(out, "mg_config_shape", s);
   });
 }
@@ -142,12 +145,22 @@ mg_status mg_step_graphs_create(const mg_config* config, const mg_step_weights* 
     *out = nullptr;
     moegraph::StepGraphsOptions opts = moegraph::step_graphs_options(unwrap(config));
     const moegraph::StepWeights w = weights_of(weights);
+    std::shared_ptr<moegraph::EpComm> comm;
     if (options != nullptr) {
       const mg_step_graphs_options o = read_struct(options, "mg_step_graphs_options", mg_step_graphs_options{});
       if (o.thread_local_capture) opts.capture_mode = cudaStreamCaptureModeThreadLocal;
+      if (o.comm != nullptr) comm = moegraph::c_api::ep_comm_of(o.comm);
     }
+    // Refused here, naming the C fields, before the step looks for a device.
+    const int ranks = opts.layer.expert_parallel;
+    MG_CHECK(ranks == 1 || comm != nullptr, "mg_step_graphs_create: the config's parallel.expert_parallel = ", ranks,
+             " needs this rank's communicator in mg_step_graphs_options.comm, got ",
+             options == nullptr ? "no options" : "comm NULL");
+    MG_CHECK(comm == nullptr || comm->ranks() == ranks, "mg_step_graphs_create: mg_step_graphs_options.comm has ",
+             comm ? comm->ranks() : 0, " ranks but the config's parallel.expert_parallel is ", ranks);
     auto handle = std::make_unique<mg_step_graphs>();
-    handle->step = std::make_unique<moegraph::StepGraphs>(opts, w);
+    if (ranks > 1) handle->comm = std::move(comm);  // a group of one has nothing to exchange
+    handle->step = std::make_unique<moegraph::StepGraphs>(opts, w, handle->comm);
     moegraph::c_api::register_handle(handle.get(), HandleKind::kStepGraphs);
     *out = handle.release();
   });

@@ -3,8 +3,10 @@
 // (mg_*_options_init) after its struct_size, so short inputs change only the first fields.
 //   selector bit 0 clear: mg_moe_layer_workspace_bytes. MG_OK must give the C++ API's size, and the
 //     workspace's named buffers must be 256-byte aligned, in order, disjoint and inside that size
-//     (a wrapped size computation shows up here); otherwise MG_ERR_INVALID_ARGUMENT with a message,
-//     and mg_moe_layer_create must refuse the same options with the same message.
+//     (a wrapped size computation shows up here), and so must the expert-parallel window's
+//     (mg_moe_layer_window_bytes); otherwise MG_ERR_INVALID_ARGUMENT with a message, and
+//     mg_moe_layer_create, mg_moe_layer_create_ep and mg_moe_layer_window_bytes must refuse the same
+//     options with the same message.
 //   selector bit 0 set: mg_grouped_linear_create has no size query and allocates on the GPU for valid
 //     options, so the options are first converted as the ABI documents and checked with the C++ API
 //     (validate, then the workspace size, which refuses layouts too large). Refused ones go through
@@ -86,6 +88,8 @@ moegraph::MoeLayerOptions cpp_options(const mg_moe_layer_options& o) {
   c.delay_wgrad = o.delay_wgrad != 0;
   c.main_grad_fp32 = o.main_grad_fp32 != 0;
   c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
+  c.expert_parallel = o.expert_parallel == 0 ? 1 : o.expert_parallel;  // 0: the zeroed field's default
+  c.ep_recv_rows = o.ep_recv_rows;
   return c;
 }
 
@@ -107,12 +111,42 @@ void fuzz_moe_layer(const uint8_t* data, size_t size) {
     if (layer != nullptr) finding("mg_moe_layer_create refused but left a handle");
     if (expected != mg_last_error())
       finding("mg_moe_layer_create and mg_moe_layer_workspace_bytes disagree: " + expected + " vs " + mg_last_error());
+    layer = kNotNullLayer;
+    const mg_status created_ep = mg_moe_layer_create_ep(&o, &weights, nullptr, nullptr, &layer);
+    if (created_ep == MG_OK) mg_moe_layer_destroy(layer);
+    expect_refused(created_ep, "mg_moe_layer_create_ep");
+    if (layer != nullptr) finding("mg_moe_layer_create_ep refused but left a handle");
+    if (expected != mg_last_error())
+      finding("mg_moe_layer_create_ep and mg_moe_layer_workspace_bytes disagree: " + expected + " vs " +
+              mg_last_error());
+    std::size_t window = 1;
+    expect_refused(mg_moe_layer_window_bytes(&o, &window), "mg_moe_layer_window_bytes");
+    if (window != 0) finding("mg_moe_layer_window_bytes refused but left a size");
+    if (expected != mg_last_error())
+      finding("mg_moe_layer_window_bytes and mg_moe_layer_workspace_bytes disagree: " + expected + " vs " +
+              mg_last_error());
     return;
   }
   if (mg_last_error()[0] != '\0') finding("mg_moe_layer_workspace_bytes succeeded but left an error message");
   const moegraph::MoeLayerOptions c = cpp_options(o);
   if (moegraph::MoeLayer::workspace_bytes(c) != bytes) finding("C ABI and C++ workspace sizes differ");
   check_layout("moe layer", moegraph::MoeLayer::workspace_buffers(c), bytes);
+  std::size_t window = 1;
+  if (mg_moe_layer_window_bytes(&o, &window) != MG_OK)
+    finding(std::string("mg_moe_layer_window_bytes refused options the workspace query took: ") + mg_last_error());
+  if (moegraph::MoeLayer::window_bytes(c) != window) finding("C ABI and C++ window sizes differ");
+  if ((c.expert_parallel > 1) != (window > 0)) finding("a window exactly with expert parallelism");
+  check_layout("moe layer window", moegraph::MoeLayer::window_buffers(c), window);
+  if (c.expert_parallel > 1) {
+    // Valid options, no communicator: refused before any device is looked for.
+    mg_moe_layer_weights weights{};
+    weights.struct_size = sizeof(weights);
+    mg_moe_layer* layer = kNotNullLayer;
+    const mg_status created = mg_moe_layer_create_ep(&o, &weights, nullptr, nullptr, &layer);
+    if (created == MG_OK) mg_moe_layer_destroy(layer);
+    expect_refused(created, "mg_moe_layer_create_ep(expert_parallel > 1, comm NULL)");
+    if (layer != nullptr) finding("mg_moe_layer_create_ep refused but left a handle");
+  }
 }
 
 void fuzz_grouped_linear(const uint8_t* data, size_t size) {
@@ -181,6 +215,18 @@ void null_arguments() {
                  MG_ERR_INVALID_HANDLE);
   expect_refused(mg_grouped_linear_backward_dw(nullptr, nullptr), "mg_grouped_linear_backward_dw(null op)",
                  MG_ERR_INVALID_HANDLE);
+  expect_refused(mg_moe_layer_window_bytes(nullptr, &bytes), "mg_moe_layer_window_bytes(null options)");
+  expect_refused(mg_moe_layer_window_bytes(&mo, nullptr), "mg_moe_layer_window_bytes(null output)");
+  expect_refused(mg_moe_layer_create_ep(nullptr, nullptr, nullptr, nullptr, &layer),
+                 "mg_moe_layer_create_ep(null options)");
+  expect_refused(mg_nccl_unique_id(nullptr, 0), "mg_nccl_unique_id(null output)");
+  mg_ep_comm* comm = nullptr;
+  expect_refused(mg_ep_comm_create_nccl(0, 0, nullptr, &comm), "mg_ep_comm_create_nccl(no ranks)");
+  expect_refused(mg_ep_comm_wrap_nccl(nullptr, &comm), "mg_ep_comm_wrap_nccl(null communicator)");
+  expect_refused(mg_ep_emulated_group_create(1, nullptr), "mg_ep_emulated_group_create(null array)");
+  int rank = 0;
+  expect_refused(mg_ep_comm_rank(nullptr, &rank), "mg_ep_comm_rank(null comm)", MG_ERR_INVALID_HANDLE);
+  mg_ep_comm_destroy(nullptr);
 }
 
 }  // namespace
