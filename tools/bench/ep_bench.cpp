@@ -167,6 +167,9 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
               "before each run\nexchange bytes: each rank's routed rows x hidden x %zu bytes, stored once into the "
               "owners' windows (its own rows included); all-to-all: ncclAlltoAll of the same bytes per rank\n\n",
               replays, std::min(replays, 10), c.bench.fill, dtype_size(c.precision.dtype));
+  if (ranks == 1)
+    std::printf("a group of one: the layer runs without expert parallelism, so \"dispatch\" and \"combine\" are the "
+                "single-GPU operators (no window exchange); this checks the benchmark's plumbing, not an exchange\n\n");
   Table table;
   for (const EpRow& r : rows) {
     const double a2a = r.gbps(r.alltoall_ms);
