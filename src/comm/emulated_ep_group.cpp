@@ -7,7 +7,7 @@
 
 #include "moegraph/error.hpp"
 #include "moegraph/expert_parallel.hpp"
-#include "src/comm/ep_timeout.hpp"
+#include "src/comm/ep_environment.hpp"
 #include "src/core/device_buffer.hpp"
 #include "src/core/device_info.hpp"
 

@@ -14,7 +14,7 @@
 
 #include "kernels/comm/nccl_window.hpp"
 #include "moegraph/error.hpp"
-#include "src/comm/ep_timeout.hpp"
+#include "src/comm/ep_environment.hpp"
 #include "src/core/checks.hpp"
 #include "src/core/device_info.hpp"
 
@@ -88,16 +88,7 @@ std::shared_ptr<NcclEpComm> make_comm(ncclComm_t comm, bool owned) {
 }
 
 int env_int(const char* name, int lo, int hi, int fallback) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') {
-    MG_CHECK(fallback >= lo, name, " is not set (scripts/launch sets it)");
-    return fallback;
-  }
-  char* end = nullptr;
-  const long v = std::strtol(text, &end, 10);
-  MG_CHECK(end != nullptr && *end == '\0' && v >= lo && v <= hi, name, " must be an integer in [", lo, ", ", hi,
-           "], got \"", text, "\"");
-  return static_cast<int>(v);
+  return static_cast<int>(comm::env_integer(name, lo, hi, fallback));
 }
 
 std::string to_hex(const ncclUniqueId& id) {
@@ -110,18 +101,23 @@ std::string to_hex(const ncclUniqueId& id) {
   return out;
 }
 
+// The id's form is checked before NCCL, CUDA or the environment is consulted, so a bad argument is
+// refused by name on any machine (the C ABI relies on it).
 ncclUniqueId from_hex(const std::string& hex) {
   ncclUniqueId id{};
-  MG_CHECK(hex.size() == 2 * sizeof(id.internal), "an NCCL unique id is ", 2 * sizeof(id.internal),
-           " hex digits, got ", hex.size());
-  auto nibble = [&](char c) {
+  const std::size_t digits = 2 * sizeof(id.internal);
+  MG_CHECK(hex.size() == digits, "unique_id_hex must be ", digits, " hex digits (mg_nccl_unique_id), got ",
+           hex.size(), " characters");
+  auto nibble = [&](std::size_t i) {
+    const char c = hex[i];
     if (c >= '0' && c <= '9') return c - '0';
     if (c >= 'a' && c <= 'f') return c - 'a' + 10;
     if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    MG_FAIL("an NCCL unique id holds hex digits only, got '", c, "'");
+    MG_FAIL("unique_id_hex must hold hex digits only, got character ", static_cast<int>(static_cast<unsigned char>(c)),
+            " at position ", i);
   };
   for (std::size_t i = 0; i < sizeof(id.internal); ++i)
-    id.internal[i] = static_cast<char>(nibble(hex[2 * i]) * 16 + nibble(hex[2 * i + 1]));
+    id.internal[i] = static_cast<char>(nibble(2 * i) * 16 + nibble(2 * i + 1));
   return id;
 }
 
@@ -196,13 +192,12 @@ std::string nccl_unique_id_hex() {
 }
 
 std::shared_ptr<NcclEpComm> nccl_ep_comm_init(int ranks, int rank, const std::string& unique_id_hex) {
-  MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "an expert-parallel group has 1 to ", kMaxExpertParallel,
-           " ranks, got ", ranks);
-  MG_CHECK(rank >= 0 && rank < ranks, "rank ", rank, " is outside the group of ", ranks);
+  MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "ranks must be in [1, ", kMaxExpertParallel, "], got ", ranks);
+  MG_CHECK(rank >= 0 && rank < ranks, "rank must be in [0, ranks - 1 = ", ranks - 1, "], got ", rank);
+  const ncclUniqueId id = from_hex(unique_id_hex);
   require_nvls_off();
   require_nccl_version();
   require_supported_device();
-  const ncclUniqueId id = from_hex(unique_id_hex);
   ncclComm_t comm = nullptr;
   MG_NCCL_CHECK(ncclCommInitRank(&comm, ranks, id, rank));
   try {
