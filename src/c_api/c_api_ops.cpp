@@ -163,6 +163,9 @@ mg_status create_layer(const char* call, bool ep, const mg_moe_layer_options* o,
     // The options, the weights struct and the communicator are refused before the layer looks for a
     // device, so bad ones fail the same with or without a GPU.
     const moegraph::MoeLayerOptions opts = moe_options_of(o);
+    // Sizing validates the options; doing it first makes a bad shape fail with the same message as
+    // mg_moe_layer_workspace_bytes, whatever the communicator.
+    (void)moegraph::MoeLayer::workspace_bytes(opts);
     const moegraph::MoeLayerWeights weights = layer_weights_of(in);
     const int ranks = opts.expert_parallel;
     MG_CHECK(ep || ranks == 1, call, ": expert_parallel = ", ranks,

@@ -508,6 +508,19 @@ TEST(CAbiEp, LayerCreateNeedsACommunicatorForExpertParallelism) {
   EXPECT_EQ(mg_moe_layer_create_ep(&o, &w, nullptr, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has("must be divisible by expert_parallel (3)")) << mg_last_error();
 
+  // A shape too large to lay out is refused for its size before the missing communicator, by both
+  // entry points, with the message of the size query (a fuzz finding).
+  mg_moe_layer_options huge = small_moe();
+  huge.experts = 64, huge.hidden = 1 << 18, huge.ffn = 1 << 17, huge.max_tokens = 1 << 24, huge.expert_parallel = 8;
+  size_t bytes = 1;
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&huge, &bytes), MG_ERR_INVALID_ARGUMENT);
+  const std::string sizing = mg_last_error();
+  EXPECT_NE(sizing.find("layout maximum"), std::string::npos) << sizing;
+  EXPECT_EQ(mg_moe_layer_create(&huge, &w, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sizing, mg_last_error());
+  EXPECT_EQ(mg_moe_layer_create_ep(&huge, &w, nullptr, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(sizing, mg_last_error());
+
   // A handle that is not a live communicator.
   mg_config* c = nullptr;
   ASSERT_EQ(mg_config_default(&c), MG_OK);
