@@ -25,8 +25,6 @@ class BucketStep {
   virtual void backward(int slot, cudaStream_t stream) = 0;
   virtual void wgrad(cudaStream_t stream) = 0;
   virtual void check_device_errors(cudaStream_t stream) = 0;
-  // The weights were updated: MXFP8 re-quantizes its copies (enqueued).
-  virtual void weights_changed(cudaStream_t stream) = 0;
   // (token, expert) assignments dropped by a capacity factor since the last call (synchronizes).
   virtual uint64_t read_dropped(cudaStream_t /*stream*/) { return 0; }
   // Named sub-buffers of `buffer` (an operator's workspace) for --plan; empty if none.

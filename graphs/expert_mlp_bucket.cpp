@@ -56,8 +56,8 @@ void ExpertMlpBucket::plan_layout(const Layout& layout, cudaStream_t stream) {
 }
 
 void ExpertMlpBucket::run_forward(const Layout& layout, void* h1, bool train, cudaStream_t stream) {
-  ForwardArgs f1{io_.x, layout.splits, weights_.w1, weights_.b1, nullptr, h1, layout.offsets};
-  ForwardArgs f2{a_, layout.splits, weights_.w2, weights_.b2, nullptr, io_.y, layout.offsets};
+  ForwardArgs f1{io_.x, layout.splits, weights_.w1, weights_.b1, nullptr, h1, layout.offsets, weights_.w1_mxfp8};
+  ForwardArgs f2{a_, layout.splits, weights_.w2, weights_.b2, nullptr, io_.y, layout.offsets, weights_.w2_mxfp8};
   if (train) fc1_->forward_train(f1, stream);
   else fc1_->forward(f1, stream);
   kernels::launch_swiglu_forward(options_.dtype, h1, a_, options_.ffn, layout.offsets, options_.experts, grid_, stream);
@@ -80,18 +80,13 @@ void ExpertMlpBucket::backward(int slot, cudaStream_t stream) {
   const WgradMode mode = options_.delay_wgrad ? WgradMode::kDelayed : WgradMode::kImmediate;
   const bool fp32 = options_.main_grad_fp32;
   BackwardArgs b2{io_.dy, weights_.w2, weights_.b2, da_, weights_.db2, nullptr,
-                  fp32 ? nullptr : weights_.dw2, fp32 ? weights_.main_grad2 : nullptr};
+                  fp32 ? nullptr : weights_.dw2, fp32 ? weights_.main_grad2 : nullptr, weights_.w2_mxfp8};
   fc2_->backward(b2, mode, stream);
   kernels::launch_swiglu_backward(options_.dtype, h1_[slot], da_, dh1_, options_.ffn, layouts_[slot].offsets,
                                   options_.experts, grid_, stream);
   BackwardArgs b1{dh1_, weights_.w1, weights_.b1, io_.dx, weights_.db1, nullptr,
-                  fp32 ? nullptr : weights_.dw1, fp32 ? weights_.main_grad1 : nullptr};
+                  fp32 ? nullptr : weights_.dw1, fp32 ? weights_.main_grad1 : nullptr, weights_.w1_mxfp8};
   fc1_->backward(b1, mode, stream);
-}
-
-void ExpertMlpBucket::weights_changed(cudaStream_t stream) {
-  fc1_->weights_changed(weights_.w1, stream);
-  fc2_->weights_changed(weights_.w2, stream);
 }
 
 void ExpertMlpBucket::wgrad(cudaStream_t stream) {

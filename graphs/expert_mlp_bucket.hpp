@@ -34,7 +34,6 @@ class ExpertMlpBucket final : public BucketStep {
   // The queued wgrads of the oldest backward (FC2 then FC1).
   void wgrad(cudaStream_t stream) override;
   void check_device_errors(cudaStream_t stream) override;
-  void weights_changed(cudaStream_t stream) override;
   std::vector<PlannedBuffer> sub_buffers(const LayoutWalker::Entry& buffer) const override;
 
  private:

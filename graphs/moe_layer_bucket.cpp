@@ -27,6 +27,7 @@ MoeLayerBucket::MoeLayerBucket(const StepGraphsOptions& step, int64_t tokens, La
   lw.w1 = w.w1, lw.b1 = w.b1, lw.w2 = w.w2, lw.b2 = w.b2;
   lw.main_grad_router = w.main_grad_router, lw.main_grad1 = w.main_grad1, lw.main_grad2 = w.main_grad2;
   lw.d_router = w.d_router, lw.dw1 = w.dw1, lw.dw2 = w.dw2, lw.db1 = w.db1, lw.db2 = w.db2;
+  lw.w1_mxfp8 = w.w1_mxfp8, lw.w2_mxfp8 = w.w2_mxfp8;
   layer_ = std::make_unique<MoeLayer>(options_, lw, workspace, std::move(comm));
 }
 
@@ -62,6 +63,8 @@ std::vector<PlannedBuffer> MoeLayerBucket::sub_buffers(const LayoutWalker::Entry
 MoeLayerOptions bucket_layer_options(const StepGraphsOptions& options, int64_t tokens) {
   MoeLayerOptions o = options.layer;
   o.max_tokens = tokens;
+  // The mxfp8 recipe's buckets read one set of MXFP8 weights: the caller's, or the step's shared copies.
+  o.prequantized_weights = o.recipe == Recipe::kMXFP8;
   return o;
 }
 

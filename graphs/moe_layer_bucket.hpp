@@ -18,7 +18,6 @@ class MoeLayerBucket final : public BucketStep {
   void forward_train(int, cudaStream_t stream) override { layer_->forward_train(layer_io(), stream); }
   void backward(int, cudaStream_t stream) override { layer_->backward(layer_io(), stream); }
   void wgrad(cudaStream_t stream) override { layer_->backward_dw(stream); }
-  void weights_changed(cudaStream_t stream) override { layer_->weights_changed(stream); }
   void check_device_errors(cudaStream_t stream) override;
   uint64_t read_dropped(cudaStream_t stream) override { return layer_->read_dropped(stream); }
   std::vector<PlannedBuffer> sub_buffers(const LayoutWalker::Entry& buffer) const override;

@@ -1,8 +1,10 @@
 #include "moegraph/step_graphs.hpp"
 
 #include <chrono>
+#include <utility>
 
 #include "graphs/bucket_step.hpp"
+#include "graphs/step_weights.hpp"
 #include "src/core/device_buffer.hpp"
 #include "graphs/graph_exec.hpp"
 #include "moegraph/expert_parallel.hpp"
@@ -17,6 +19,7 @@ struct StepGraphs::Graphs {
 
 struct StepGraphs::Memory {
   DeviceBuffer arena;
+  DeviceBuffer mxfp8;  // the mxfp8 recipe's weight copies, shared by the buckets (step_owns_mxfp8_weights)
   cudaStream_t stream = nullptr;  // set-up work: warm-up and capture
   ~Memory() {
     if (stream != nullptr) cudaStreamDestroy(stream);
@@ -30,7 +33,16 @@ int slots_of(const MoeLayerOptions& o) { return o.training ? o.wgrad_slots : 1; 
 void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
   const MoeLayerOptions& l = o.layer;
   const bool layer = o.step == StepKind::kMoeLayer;
-  MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "StepWeights needs w1 and w2");
+  if (l.prequantized_weights) {
+    for (const auto& [name, m] : {std::pair{"w1_mxfp8", &w.w1_mxfp8}, std::pair{"w2_mxfp8", &w.w2_mxfp8}}) {
+      MG_CHECK(m->data != nullptr && m->scales != nullptr, "StepWeights needs ", name,
+               ".data and .scales (prequantized_weights)");
+      MG_CHECK(!l.training || (m->data_t != nullptr && m->scales_t != nullptr), "StepWeights needs ", name,
+               ".data_t and .scales_t for training (dgrad reads them)");
+    }
+  } else {
+    MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "StepWeights needs w1 and w2");
+  }
   MG_CHECK(!layer || w.router != nullptr, "StepWeights needs the router weight for the whole-layer step");
   MG_CHECK(!l.bias || (w.b1 != nullptr && w.b2 != nullptr), "StepWeights needs b1 and b2 (layer.bias)");
   if (!l.training) return;
@@ -60,9 +72,16 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   memory_->arena = DeviceBuffer(plan_.arena_bytes);
   MG_CUDA_CHECK(cudaMemsetAsync(memory_->arena.get(), 0, plan_.arena_bytes, s));
   const MoeLayerOptions& l = options_.layer;
+  bucket_weights_ = weights_;
+  if (step_owns_mxfp8_weights(l)) {
+    // One quantized copy for every bucket: the buckets' layers read it as prequantized weights.
+    memory_->mxfp8 = DeviceBuffer(plan_.mxfp8_copy_bytes);
+    LayoutWalker walk(static_cast<std::byte*>(memory_->mxfp8.get()));
+    lay_out_mxfp8_pair(options_, walk, bucket_weights_);
+  }
   for (int64_t tokens : options_.buckets) {
     LayoutWalker walk(static_cast<std::byte*>(memory_->arena.get()));
-    buckets_.push_back(make_bucket_step(options_, tokens, walk, weights_, true, ranks > 1 ? comm_ : nullptr));
+    buckets_.push_back(make_bucket_step(options_, tokens, walk, bucket_weights_, true, ranks > 1 ? comm_ : nullptr));
   }
   for (int slot = slots_of(l) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
   weights_changed(s);  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold)
@@ -188,7 +207,11 @@ void StepGraphs::check_device_errors(cudaStream_t stream) {
 }
 
 void StepGraphs::weights_changed(cudaStream_t stream) {
-  for (auto& b : buckets_) b->weights_changed(stream);
+  const MoeLayerOptions& l = options_.layer;
+  if (!step_owns_mxfp8_weights(l)) return;
+  const int g = moe_local_experts(l);
+  quantize_mxfp8_weights(l.dtype, weights_.w1, g, 2 * l.ffn, l.hidden, bucket_weights_.w1_mxfp8, stream);
+  quantize_mxfp8_weights(l.dtype, weights_.w2, g, l.hidden, l.ffn, bucket_weights_.w2_mxfp8, stream);
 }
 
 uint64_t StepGraphs::read_dropped(cudaStream_t stream) {

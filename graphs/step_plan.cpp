@@ -71,6 +71,12 @@ StepPlan plan_step(const StepGraphsOptions& options) {
   LayoutWalker weights;
   lay_out_weights(options, weights);
   plan.weight_bytes = weights.bytes();
+  if (step_owns_mxfp8_weights(options.layer)) {
+    LayoutWalker copies;
+    StepWeights unused;
+    lay_out_mxfp8_pair(options, copies, unused);
+    plan.mxfp8_copy_bytes = copies.bytes();
+  }
   const MoeLayerOptions first = bucket_layer_options(options, options.buckets.front());
   if (options.step == StepKind::kMoeLayer) {
     std::vector<layer::OpSpec> ops = layer::moe_layer_ops(first);
@@ -90,6 +96,11 @@ StepPlan plan_step(const StepGraphsOptions& options) {
       plan.kernels.push_back(detail::concat("bucket ", b.tokens, " fc", fc, ": ",
                                             GroupedLinear::describe_kernels(layer::expert_linear_options(o, fc, b.rows))));
   }
+  if (first.recipe == Recipe::kMXFP8)
+    plan.kernels.push_back(options.layer.prequantized_weights
+                               ? "mxfp8 weights: the caller's (prequantized_weights), read by every bucket"
+                               : "mxfp8 weights: quantized from w1, w2 by weights_changed into one copy that every "
+                                 "bucket reads");
   plan.kernels.push_back("swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (first.training) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
@@ -97,12 +108,12 @@ StepPlan plan_step(const StepGraphsOptions& options) {
 }
 
 std::size_t StepPlan::device_bytes() const {
-  return checked_add("device bytes of the step", arena_bytes, weight_bytes, window_bytes);
+  return checked_add("device bytes of the step", arena_bytes, weight_bytes, mxfp8_copy_bytes, window_bytes);
 }
 
 std::size_t StepPlan::bucket_device_bytes(std::size_t b) const {
   const BucketPlan& bucket = buckets.at(b);
-  return checked_add("device bytes of one bucket", bucket.bytes, weight_bytes, bucket.window_bytes);
+  return checked_add("device bytes of one bucket", bucket.bytes, weight_bytes, mxfp8_copy_bytes, bucket.window_bytes);
 }
 
 namespace {
@@ -138,10 +149,12 @@ std::string StepPlan::to_string() const {
   os << "arena (shared by all buckets, = the largest): " << human_bytes(arena_bytes) << "  (separate buckets would take "
      << human_bytes(sum_of_buckets) << ")\n";
   os << "weights and gradients (outside the arena): " << human_bytes(weight_bytes) << "\n";
+  if (mxfp8_copy_bytes > 0)
+    os << "mxfp8 weight copies (outside the arena, shared by all buckets): " << human_bytes(mxfp8_copy_bytes) << "\n";
   if (windows)
     os << "expert-parallel windows (outside the arena, one per bucket): " << human_bytes(window_bytes) << "\n";
   os << "device memory total: " << human_bytes(device_bytes()) << " (arena + weights and gradients"
-     << (windows ? " + windows, per rank" : "") << ")\n";
+     << (mxfp8_copy_bytes > 0 ? " + mxfp8 copies" : "") << (windows ? " + windows, per rank" : "") << ")\n";
   return os.str();
 }
 

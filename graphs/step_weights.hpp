@@ -1,13 +1,45 @@
 // The weights, biases and gradients a step's options need, as one walk: sized for --plan, and
-// laid out by callers that keep them in one block (the benchmark, the tests).
+// laid out by callers that keep them in one block (the benchmark, the tests); and the MXFP8 weight
+// copies a StepGraphs shares among its buckets.
 #pragma once
 
+#include <string>
+
+#include "moegraph/mxfp8_weights.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/core/checked.hpp"
 #include "src/core/layout.hpp"
 
 namespace moegraph {
 
+// MXFP8 weights [g, n, k] in the layouts of moegraph/mxfp8_weights.hpp: data and scales, and with
+// `transposed` (training: dgrad reads W_e^T) data_t and scales_t.
+inline Mxfp8Weights lay_out_mxfp8_weights(LayoutWalker& walk, const std::string& name, int64_t g, int64_t n,
+                                          int64_t k, bool transposed) {
+  const int groups = static_cast<int>(g);  // validated options: at most kMaxGroups
+  const std::size_t data = mxfp8_weight_data_bytes(groups, n, k), scales = mxfp8_weight_scale_bytes(groups, n, k);
+  Mxfp8Weights w;
+  w.data = walk.take<uint8_t>(name + ".mxfp8", data);
+  w.scales = walk.take<uint8_t>(name + ".mxfp8.scales", scales);
+  if (!transposed) return w;
+  w.data_t = walk.take<uint8_t>(name + "_t.mxfp8", data);
+  w.scales_t = walk.take<uint8_t>(name + "_t.mxfp8.scales", scales);
+  return w;
+}
+
+// The MXFP8 copies of w1 and w2 that a StepGraphs of the mxfp8 recipe quantizes once per weight
+// update and shares with all its buckets (none when the caller gives them: prequantized_weights).
+inline bool step_owns_mxfp8_weights(const MoeLayerOptions& l) {
+  return l.recipe == Recipe::kMXFP8 && !l.prequantized_weights;
+}
+inline void lay_out_mxfp8_pair(const StepGraphsOptions& options, LayoutWalker& walk, StepWeights& w) {
+  const MoeLayerOptions& l = options.layer;
+  const int64_t g = moe_local_experts(l), f2 = checked_mul("2 * ffn", 2, l.ffn);
+  w.w1_mxfp8 = lay_out_mxfp8_weights(walk, "w1", g, f2, l.hidden, l.training);
+  w.w2_mxfp8 = lay_out_mxfp8_weights(walk, "w2", g, l.hidden, l.ffn, l.training);
+}
+
+// The caller's parameters: with prequantized_weights the expert weights are MXFP8 (no 16-bit w1, w2).
 inline StepWeights lay_out_weights(const StepGraphsOptions& options, LayoutWalker& walk) {
   const MoeLayerOptions& l = options.layer;
   const std::size_t es = dtype_size(l.dtype), fp32 = sizeof(float);
@@ -17,8 +49,12 @@ inline StepWeights lay_out_weights(const StepGraphsOptions& options, LayoutWalke
   StepWeights w;
   const bool layer = options.step == StepKind::kMoeLayer;
   if (layer) w.router = walk.take("router", router_rows, h, es);
-  w.w1 = walk.take("w1", g, f2, h, es);
-  w.w2 = walk.take("w2", g, h, f, es);
+  if (l.prequantized_weights) {
+    lay_out_mxfp8_pair(options, walk, w);
+  } else {
+    w.w1 = walk.take("w1", g, f2, h, es);
+    w.w2 = walk.take("w2", g, h, f, es);
+  }
   if (l.bias) {
     w.b1 = walk.take("b1", g, f2, es);
     w.b2 = walk.take("b2", g, h, es);

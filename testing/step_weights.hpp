@@ -16,7 +16,8 @@ struct OwnedStepWeights {
 
 // Allocates and fills (enqueued on `stream`): w1, w2 ~ U(+-1/sqrt(fan_in)), router rows of norm
 // about 1 (logits spread about 1 against unit-variance x: a realistic routing), biases U(+-0.1),
-// gradients zero. Synchronizes `stream` before it returns (set-up).
+// gradients zero. With layer.prequantized_weights, w1 and w2 are those values quantized into
+// w1_mxfp8 and w2_mxfp8 (no 16-bit copy kept). Synchronizes `stream` before it returns (set-up).
 OwnedStepWeights make_step_weights(const StepGraphsOptions& options, cudaStream_t stream);
 
 }  // namespace moegraph::testing

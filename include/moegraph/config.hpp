@@ -34,6 +34,7 @@ struct LayerConfig {
 struct PrecisionConfig {
   Recipe recipe = Recipe::kBF16;      // "bf16" or "mxfp8"
   DType dtype = DType::kBF16;         // "bf16" or "fp16"
+  bool prequantized_weights = false;  // mxfp8: the caller gives the expert weights as MXFP8 (no 16-bit copy)
 };
 
 struct TrainingConfig {

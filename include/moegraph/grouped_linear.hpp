@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "moegraph/mxfp8_weights.hpp"
 #include "moegraph/types.hpp"
 
 namespace moegraph {
@@ -54,6 +55,10 @@ struct GroupedLinearOptions {
   // are kept as MXFP8 column-wise copies instead of a 16-bit copy; the weights are quantized by
   // weights_changed()). Needs K and N multiples of 128 and row_align 32 or 128.
   Recipe recipe = Recipe::kBF16;
+  // kMXFP8 only: the GEMMs read the caller's MXFP8 weights (ForwardArgs / BackwardArgs::
+  // mxfp8_weights, moegraph/mxfp8_weights.hpp) and the operator keeps no copy of its own; the
+  // 16-bit weight is then neither needed nor read, and weights_changed() is refused.
+  bool prequantized_weights = false;
 };
 
 // Throws moegraph::Error naming the field, its value and the rule (the recipe's own rules
@@ -79,6 +84,8 @@ struct ForwardArgs {
   // forward_train then keeps pointers to splits and offsets instead of copies: both must stay
   // unchanged until the micro-batch's backward (and delayed wgrad) has run.
   const int64_t* offsets = nullptr;
+  // options.prequantized_weights: W as MXFP8 (data and scales; `weight` may be null).
+  Mxfp8Weights mxfp8_weights;
 };
 
 struct BackwardArgs {
@@ -90,6 +97,8 @@ struct BackwardArgs {
   float* dbias_scale = nullptr;    // [capacity_rows]: ds_r = <dy_r, b_e>
   void* dweight = nullptr;         // [G, N, K] written (an empty group gets zeros), or
   float* main_grad = nullptr;      // [G, N, K] fp32 accumulated into (an empty group: unchanged)
+  // options.prequantized_weights: W as MXFP8; dx reads data_t and scales_t (`weight` may be null).
+  Mxfp8Weights mxfp8_weights;
 };
 
 class MOEGRAPH_API GroupedLinear {
@@ -119,7 +128,8 @@ class MOEGRAPH_API GroupedLinear {
   // The kernel each GEMM (fprop, dgrad, wgrad) of these options runs, as describe() prints them;
   // the same heuristic and overrides as set-up. Touches no GPU (--plan).
   static std::string describe_kernels(const GroupedLinearOptions& options);
-  // Device bytes this operator uses (workspace and error record).
+  // Device bytes this operator uses (workspace, error record, and the mxfp8 recipe's own weight
+  // copies unless prequantized_weights).
   std::size_t device_bytes() const;
 
   // Inference: y = x W^T (+ s b). Saves nothing.
@@ -134,7 +144,8 @@ class MOEGRAPH_API GroupedLinear {
   void backward_dw(cudaStream_t stream);
   // The weights [G, N, K] changed: the recipe prepares what its GEMMs read (MXFP8: the row-wise
   // copy for fprop and the transposed copy W_e^T blocked along N for dgrad; bf16: nothing). An
-  // enqueue path: call it before the first forward and after every weight update.
+  // enqueue path: call it before the first forward and after every weight update. Refused with
+  // prequantized_weights (the caller keeps its MXFP8 weights current: quantize_mxfp8_weights).
   void weights_changed(const void* weight, cudaStream_t stream);
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }

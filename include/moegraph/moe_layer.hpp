@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "moegraph/mxfp8_weights.hpp"
 #include "moegraph/types.hpp"
 
 namespace moegraph {
@@ -47,6 +48,10 @@ struct MoeLayerOptions {
   int row_align = 1;                // 1, 16, 32, 128
   DType dtype = DType::kBF16;
   Recipe recipe = Recipe::kBF16;    // kMXFP8: FC1 and FC2 on MXFP8 copies (row_align 32 or 128)
+  // kMXFP8 only: FC1 and FC2 read the caller's MXFP8 weights (MoeLayerWeights::w1_mxfp8, w2_mxfp8)
+  // and the layer keeps no copy; w1 and w2 are then not needed (serving from an MXFP8 checkpoint,
+  // or one quantized copy shared by several layers).
+  bool prequantized_weights = false;
   bool training = true;             // reserve what forward_train / backward need
   int wgrad_slots = 1;              // forward_train contexts in flight at once
   bool delay_wgrad = false;         // backward queues the weight gradients for backward_dw()
@@ -90,6 +95,9 @@ struct MoeLayerWeights {
   float* main_grad_router = nullptr, *main_grad1 = nullptr, *main_grad2 = nullptr;
   void* d_router = nullptr, *dw1 = nullptr, *dw2 = nullptr;
   void* db1 = nullptr, *db2 = nullptr;
+  // options.prequantized_weights: w1 and w2 as MXFP8 (moegraph/mxfp8_weights.hpp); data and scales
+  // always, data_t and scales_t for training (dgrad reads them).
+  Mxfp8Weights w1_mxfp8, w2_mxfp8;
 };
 
 // One step's activations (device). Rows at or past *num_tokens are neither read nor written,
@@ -143,7 +151,8 @@ class MOEGRAPH_API MoeLayer {
   void backward(const MoeLayerIO& io, cudaStream_t stream);
   void backward_dw(cudaStream_t stream);                          // the oldest queued weight gradients
   // The weights were updated: the MXFP8 recipe re-quantizes FC1's and FC2's copies (nothing to do
-  // for bf16). Enqueued; run it before the first forward and after every weight update.
+  // for bf16, or with prequantized_weights: the caller keeps its copies current). Enqueued; run it
+  // before the first forward and after every weight update.
   void weights_changed(cudaStream_t stream);
   int queued_wgrads() const;
   int pending_backwards() const;

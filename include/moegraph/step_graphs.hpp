@@ -87,10 +87,13 @@ struct MOEGRAPH_API StepPlan {
   std::size_t arena_bytes = 0;     // the largest bucket: buckets share one arena
   std::size_t sum_of_buckets = 0;  // what one allocation per bucket would take
   std::size_t weight_bytes = 0;    // weights, biases and their gradients (outside the arena)
+  // The mxfp8 recipe's weight copies, one set shared by all buckets (outside the arena; 0 for bf16
+  // and with prequantized_weights, whose MXFP8 weights count in weight_bytes).
+  std::size_t mxfp8_copy_bytes = 0;
   std::size_t window_bytes = 0;    // every bucket's expert-parallel window
   std::vector<std::string> kernels;
-  // Device memory the step allocates (arena, weights and gradients, windows): what must fit the
-  // GPU, before the CUDA context and the caller's own buffers.
+  // Device memory the step needs (arena, weights and gradients, MXFP8 copies, windows): what must
+  // fit the GPU, before the CUDA context and the caller's own buffers.
   std::size_t device_bytes() const;
   // The same for a step configured with bucket `b` alone: which buckets fit when all do not.
   std::size_t bucket_device_bytes(std::size_t b) const;
@@ -129,6 +132,10 @@ struct StepWeights {
   float* main_grad1 = nullptr, *main_grad2 = nullptr;  // fp32, accumulated (training.main_grad_fp32), or
   void* dw1 = nullptr, *dw2 = nullptr;                  // written in the activation dtype
   void* db1 = nullptr, *db2 = nullptr;
+  // layer.prequantized_weights (recipe mxfp8): the expert weights as MXFP8 instead of w1 and w2
+  // (moegraph/mxfp8_weights.hpp; data_t and scales_t for training). Without it, a step of the
+  // mxfp8 recipe quantizes w1 and w2 itself into one set of copies that all buckets read.
+  Mxfp8Weights w1_mxfp8, w2_mxfp8;
 };
 
 class BucketStep;  // graphs/bucket_step.hpp
@@ -138,7 +145,7 @@ class MOEGRAPH_API StepGraphs {
   // Allocates one arena (the largest bucket), binds the caller's weights (they must stay valid
   // for the object's lifetime), warms every bucket up eagerly on zero tokens, then captures each
   // phase of each bucket (per wgrad slot) into a graph. The weights' contents are not read until a
-  // replay (MXFP8: call weights_changed once they are written). Host work only here.
+  // replay (MXFP8 from 16-bit weights: call weights_changed once they are written). Host work only here.
   //
   // Expert parallelism (options.layer.expert_parallel = R > 1): `comm` is this rank's communicator
   // of R ranks, and the weights are this rank's experts only ([E/R, ...]; the router stays whole).
@@ -170,8 +177,9 @@ class MOEGRAPH_API StepGraphs {
   void wgrad(int bucket, cudaStream_t stream);  // needs training.delay_wgrad
   // The same phases enqueued without graphs (same ordering rules), for checks and timing.
   void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
-  // The weights were updated (e.g. by the optimizer): with precision.recipe "mxfp8" every bucket
-  // re-quantizes its weight copies; nothing to do for bf16. Enqueued on `stream`.
+  // The weights were updated (e.g. by the optimizer): with precision.recipe "mxfp8" the step
+  // re-quantizes w1 and w2 into the copies all buckets share; nothing to do for bf16 or with
+  // prequantized_weights (the caller keeps its MXFP8 weights current). Enqueued on `stream`.
   void weights_changed(cudaStream_t stream);
   // Synchronizes `stream` and reports invalid device splits seen by any bucket (clears them).
   void check_device_errors(cudaStream_t stream);
@@ -189,6 +197,7 @@ class MOEGRAPH_API StepGraphs {
   std::vector<std::unique_ptr<BucketStep>> buckets_;
   std::vector<std::unique_ptr<Graphs>> graphs_;
   StepWeights weights_;
+  StepWeights bucket_weights_;  // weights_, with the shared MXFP8 copies of the mxfp8 recipe
   std::shared_ptr<EpComm> comm_;
   struct Memory;
   std::unique_ptr<Memory> memory_;

@@ -229,7 +229,7 @@ mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_forward_args a = read_struct(in, "mg_forward_args", mg_forward_args{});
-    moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets};
+    moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets, {}};
     if (train) l.forward_train(args, stream);
     else l.forward(args, stream);
   });
@@ -240,7 +240,7 @@ mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_ar
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_backward_args a = read_struct(in, "mg_backward_args", mg_backward_args{});
-    moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad};
+    moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad, {}};
     l.backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
   });
 }

@@ -93,7 +93,7 @@ RouterConfig read_router(const Json& value) {
 }
 
 PrecisionConfig read_precision(const Json& value) {
-  const JsonObject o(value, "precision", {"recipe", "dtype"});
+  const JsonObject o(value, "precision", {"recipe", "dtype", "prequantized_weights"});
   PrecisionConfig precision;
   if (const Json* v = o.find("recipe")) {
     const std::string recipe = config_detail::string(*v, o.path("recipe"));
@@ -107,6 +107,11 @@ PrecisionConfig read_precision(const Json& value) {
                     config_detail::quoted_excerpt(dtype));
     precision.dtype = dtype == "bf16" ? DType::kBF16 : DType::kFP16;
   }
+  if (const Json* v = o.find("prequantized_weights"))
+    precision.prequantized_weights = config_detail::boolean(*v, o.path("prequantized_weights"));
+  MG_CONFIG_CHECK(!precision.prequantized_weights || precision.recipe == Recipe::kMXFP8,
+                  "precision.prequantized_weights needs precision.recipe \"mxfp8\" (the weights it reads are MXFP8), "
+                  "got recipe \"", recipe_name(precision.recipe), "\"");
   return precision;
 }
 
@@ -312,7 +317,8 @@ std::string to_json(const Config& c) {
         {"aux_loss_coef", c.router.aux_loss_coef},
         {"capacity_factor", c.router.capacity_factor},
         {"fuse_weights", c.router.fuse_weights}}},
-      {"precision", {{"recipe", std::string(recipe_name(c.precision.recipe))}, {"dtype", std::string(dtype_name(c.precision.dtype))}}},
+      {"precision", {{"recipe", std::string(recipe_name(c.precision.recipe))}, {"dtype", std::string(dtype_name(c.precision.dtype))},
+                     {"prequantized_weights", c.precision.prequantized_weights}}},
       {"training",
        {{"enabled", c.training.enabled},
         {"delay_wgrad", c.training.delay_wgrad},

@@ -29,6 +29,7 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.row_align = c.row_align;
   o.dtype = c.precision.dtype;
   o.recipe = c.precision.recipe;
+  o.prequantized_weights = c.precision.prequantized_weights;
   o.training = c.training.enabled;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
@@ -57,6 +58,9 @@ void validate(const MoeLayerOptions& o) {
   MG_CHECK(o.dtype == DType::kBF16 || o.dtype == DType::kFP16, "dtype must be bf16 or fp16, got ", dtype_name(o.dtype));
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(!o.delay_wgrad || o.training, "delay_wgrad needs training");
+  MG_CHECK(!o.prequantized_weights || o.recipe == Recipe::kMXFP8,
+           "prequantized_weights needs the mxfp8 recipe (the weights it reads are MXFP8), got recipe ",
+           recipe_name(o.recipe));
   const int64_t rows = moe_layer_rows(o);
   MG_CHECK(rows <= kMaxCapacityRows, "max_tokens * top_k (plus alignment padding) = ", rows,
            " rows must stay below 2^31");

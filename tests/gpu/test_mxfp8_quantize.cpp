@@ -356,9 +356,9 @@ struct WeightCase {
   Layouts layouts;
 };
 
-class Mxfp8Weights : public ::testing::TestWithParam<WeightCase> {};
+class Mxfp8WeightQuantizer : public ::testing::TestWithParam<WeightCase> {};
 
-TEST_P(Mxfp8Weights, MatchReference) {
+TEST_P(Mxfp8WeightQuantizer, MatchReference) {
   const WeightCase wc = GetParam();
   std::mt19937_64 rng(test_seed(detail::concat("mxfp8_weights_", dtype_name(wc.dtype), "_", wc.groups, "x", wc.n, "x", wc.k)));
   std::vector<double> w = mixed_values(rng, wc.groups * wc.n, wc.k, wc.dtype);
@@ -385,7 +385,7 @@ std::string weight_case_name(const ::testing::TestParamInfo<WeightCase>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Shapes, Mxfp8Weights,
+    Shapes, Mxfp8WeightQuantizer,
     ::testing::Values(WeightCase{DType::kBF16, 3, 96, 160, Layouts::kBoth}, WeightCase{DType::kFP16, 3, 96, 160, Layouts::kBoth},
                       WeightCase{DType::kBF16, 5, 64, 256, Layouts::kRow}, WeightCase{DType::kBF16, 2, 64, 48, Layouts::kCol},
                       WeightCase{DType::kFP16, 1, 32, 32, Layouts::kBoth}),

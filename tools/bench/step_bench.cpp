@@ -294,6 +294,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     // and FC2) against the same layer in bf16, and the whole bucket.
     Config bf16 = c;
     bf16.precision.recipe = Recipe::kBF16;
+    bf16.precision.prequantized_weights = false;
     auto saved = [](const Config& cfg, int64_t rows) {
       std::size_t bytes = 0;
       const MoeLayerOptions o = moe_layer_options(cfg, 1);
@@ -303,13 +304,16 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
       return bytes;
     };
     const StepPlan mx_plan = plan_step(step_graphs_options(c)), bf_plan = plan_step(step_graphs_options(bf16));
-    std::printf("recipe mxfp8 (row_align %d), per bucket: experts' saved tensors mxfp8 / bf16 MiB, bucket arena mxfp8 / "
-                "bf16 MiB:\n", c.row_align);
+    std::printf("recipe mxfp8 (row_align %d, weights %s), per bucket, mxfp8 / bf16 MiB: the experts' saved tensors, "
+                "the bucket's arena, and the device memory of the bucket alone (arena, weights and gradients, mxfp8 "
+                "copies):\n", c.row_align,
+                c.precision.prequantized_weights ? "prequantized by the caller" : "quantized by the step, one shared copy");
     for (std::size_t b = 0; b < mx_plan.buckets.size(); ++b)
-      std::printf("  %lld tokens: saved %.1f / %.1f, arena %.1f / %.1f\n",
+      std::printf("  %lld tokens: saved %.1f / %.1f, arena %.1f / %.1f, device %.1f / %.1f\n",
                   static_cast<long long>(mx_plan.buckets[b].tokens), saved(c, mx_plan.buckets[b].rows) / 1048576.0,
                   saved(bf16, bf_plan.buckets[b].rows) / 1048576.0, mx_plan.buckets[b].bytes / 1048576.0,
-                  bf_plan.buckets[b].bytes / 1048576.0);
+                  bf_plan.buckets[b].bytes / 1048576.0, mx_plan.bucket_device_bytes(b) / 1048576.0,
+                  bf_plan.bucket_device_bytes(b) / 1048576.0);
   }
   std::printf("%s, median of %d replays (eager and legacy: %d), fill %.2f, arena %.1f MiB for %d graphs\n\n", what,
               replays, std::min(replays, 10), c.bench.fill, step.plan().arena_bytes / 1048576.0, step.graph_count());

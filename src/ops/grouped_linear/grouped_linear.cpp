@@ -114,6 +114,9 @@ void validate(const GroupedLinearOptions& o) {
            o.tile_n);
   MG_CHECK(o.wgrad_ping_pong >= -1 && o.wgrad_ping_pong <= 1,
            "wgrad_ping_pong must be -1 (automatic), 0 or 1, got ", o.wgrad_ping_pong);
+  MG_CHECK(!o.prequantized_weights || o.recipe == Recipe::kMXFP8,
+           "prequantized_weights needs the mxfp8 recipe (the weights it reads are MXFP8), got recipe ",
+           recipe_name(o.recipe));
   const std::string recipe = recipe_can_implement(o);
   MG_CHECK(recipe.empty(), recipe);
 }
@@ -200,13 +203,17 @@ std::string GroupedLinear::describe() const {
 }
 
 std::size_t GroupedLinear::device_bytes() const {
-  return scratch_->workspace_bytes + scratch_->error.bytes();
+  return scratch_->workspace_bytes + scratch_->error.bytes() + backend_->weight_copy_bytes();
 }
 
 namespace {
 void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
-  MG_CHECK(a.x != nullptr && a.splits != nullptr && a.weight != nullptr && a.y != nullptr,
-           "forward needs x, splits, weight and y");
+  MG_CHECK(a.x != nullptr && a.splits != nullptr && a.y != nullptr, "forward needs x, splits and y");
+  if (o.prequantized_weights)
+    MG_CHECK(a.mxfp8_weights.data != nullptr && a.mxfp8_weights.scales != nullptr,
+             "forward needs mxfp8_weights.data and .scales (prequantized_weights)");
+  else
+    MG_CHECK(a.weight != nullptr, "forward needs the weight");
   MG_CHECK(a.bias == nullptr || o.bias, "a bias was given but the layer was built without bias");
   MG_CHECK(a.bias_scale == nullptr || a.bias != nullptr, "bias_scale needs a bias");
 }
@@ -256,7 +263,11 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
 void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStream_t stream) {
   MG_CHECK(!backward_queue_.empty(), "backward without a pending forward_train");
   MG_CHECK(args.dy != nullptr, "backward needs dy");
-  MG_CHECK(args.dx == nullptr || args.weight != nullptr, "dx needs the weight");
+  if (options_.prequantized_weights)
+    MG_CHECK(args.dx == nullptr || (args.mxfp8_weights.data_t != nullptr && args.mxfp8_weights.scales_t != nullptr),
+             "dx needs mxfp8_weights.data_t and .scales_t (prequantized_weights)");
+  else
+    MG_CHECK(args.dx == nullptr || args.weight != nullptr, "dx needs the weight");
   MG_CHECK((args.dweight == nullptr) != (args.main_grad == nullptr),
            "backward needs exactly one of dweight (written) and main_grad (accumulated)");
   MG_CHECK((args.dbias == nullptr && args.dbias_scale == nullptr) || options_.bias,

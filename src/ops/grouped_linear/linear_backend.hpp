@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -32,6 +33,8 @@ class LinearBackend {
   // Set-up on the current device, after the layout on real memory: GEMM plans, weight copies.
   virtual void prepare(int sm_count) = 0;
   virtual std::string describe() const = 0;
+  // Device bytes the backend keeps outside the workspace (the mxfp8 recipe's weight copies).
+  virtual std::size_t weight_copy_bytes() const { return 0; }
 
   // The weights changed (an enqueue path).
   virtual void weights_changed(const void* weight, cudaStream_t stream) = 0;

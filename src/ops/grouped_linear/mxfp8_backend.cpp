@@ -1,11 +1,13 @@
 // The mxfp8 recipe (docs/mxfp8.md): x and dy are quantized on the fly into MXFP8 copies (row-wise
 // for fprop and dgrad, column-wise for wgrad); a slot keeps the column-wise copies instead of a
-// 16-bit x; the weights are quantized once per update into copies outside the workspace.
+// 16-bit x; the weights are quantized once per update into copies outside the workspace, or
+// arrive already quantized from the caller (prequantized_weights).
 #include <algorithm>
 #include <vector>
 
 #include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/error.hpp"
+#include "moegraph/mxfp8_weights.hpp"
 #include "src/core/checked.hpp"
 #include "src/core/device_buffer.hpp"
 #include "src/ops/grouped_linear/linear_backend.hpp"
@@ -34,33 +36,39 @@ class Mxfp8Backend final : public LinearBackend {
     fprop_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kFprop), sm_count);
     dgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kDgrad), sm_count);
     wgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kWgrad), sm_count);
-    const std::size_t weight = checked_mul("mxfp8 weight copy", o_.num_groups, o_.out_features, o_.in_features);
-    w_data_ = DeviceBuffer(weight), w_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
-    wt_data_ = DeviceBuffer(weight), wt_scales_ = DeviceBuffer(weight / kernels::kMxBlock);
+    if (o_.prequantized_weights) return;  // the caller's MXFP8 weights arrive with each call
+    const std::size_t data = mxfp8_weight_data_bytes(o_.num_groups, o_.out_features, o_.in_features);
+    const std::size_t scales = mxfp8_weight_scale_bytes(o_.num_groups, o_.out_features, o_.in_features);
+    w_data_ = DeviceBuffer(data), w_scales_ = DeviceBuffer(scales);
+    wt_data_ = DeviceBuffer(data), wt_scales_ = DeviceBuffer(scales);
+    own_ = {w_data_.as<uint8_t>(), w_scales_.as<uint8_t>(), wt_data_.as<uint8_t>(), wt_scales_.as<uint8_t>()};
   }
   std::string describe() const override {
     return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.config) +
-           " | quantize: row-wise + column-wise from one read";
+           " | quantize: row-wise + column-wise from one read" +
+           (o_.prequantized_weights ? " | weights: the caller's MXFP8" : " | weights: own MXFP8 copies");
+  }
+  std::size_t weight_copy_bytes() const override {
+    return w_data_.bytes() + w_scales_.bytes() + wt_data_.bytes() + wt_scales_.bytes();
   }
 
   void weights_changed(const void* weight, cudaStream_t stream) override {
+    MG_CHECK(!o_.prequantized_weights, "weights_changed: this operator reads the caller's MXFP8 weights "
+             "(prequantized_weights); re-quantize them with quantize_mxfp8_weights instead");
     MG_CHECK(weight != nullptr, "weights_changed needs the weight");
-    const kernels::Mxfp8Rowwise row{w_data_.as<uint8_t>(), w_scales_.as<uint8_t>()};
-    const kernels::Mxfp8Colwise col{wt_data_.as<uint8_t>(), wt_scales_.as<uint8_t>()};
-    kernels::launch_quantize_mxfp8_weights(o_.dtype, weight, o_.num_groups, o_.out_features, o_.in_features, &row,
-                                           &col, stream);
+    quantize_mxfp8_weights(o_.dtype, weight, o_.num_groups, o_.out_features, o_.in_features, own_, stream);
     weights_quantized_ = true;
   }
 
   void fprop(const ForwardArgs& a, Groups g, int save_slot, cudaStream_t stream) override {
-    MG_CHECK(weights_quantized_, "the mxfp8 recipe needs weights_changed() before the first forward");
+    const Mxfp8Weights& w = weights(a.mxfp8_weights);
     // The saved activation is the column-wise copy, quantized in the same read as fprop's operand.
     kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
                                    o_.num_groups, &operand_, save_slot >= 0 ? &slots_[save_slot].x_t : nullptr,
                                    stream);
     kernels::Mxfp8RaggedGemmParams p;
     p.a = operand_.data, p.a_scales = operand_.scales;
-    p.b = w_data_.as<uint8_t>(), p.b_scales = w_scales_.as<uint8_t>();
+    p.b = w.data, p.b_scales = w.scales;
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y;
@@ -68,16 +76,16 @@ class Mxfp8Backend final : public LinearBackend {
   }
 
   void backward(const BackwardArgs& a, Groups g, int slot, WgradMode mode, cudaStream_t stream) override {
-    MG_CHECK(a.dx == nullptr || weights_quantized_, "the mxfp8 recipe needs weights_changed() before dgrad");
     // dy quantized once: row-wise along N for dgrad, column-wise for wgrad (kept in the slot when
     // the wgrad is delayed; with delay_wgrad the slot holds it either way).
     kernels::Mxfp8Colwise* dy_t = o_.delay_wgrad ? &slots_[slot].dy_t : &dy_t_;
     kernels::launch_quantize_mxfp8(o_.dtype, a.dy, o_.capacity_rows, o_.out_features, g.offsets, g.splits,
                                    o_.num_groups, a.dx != nullptr ? &operand_ : nullptr, dy_t, stream);
     if (a.dx != nullptr) {
+      const Mxfp8Weights& w = weights(a.mxfp8_weights);
       kernels::Mxfp8RaggedGemmParams p;
       p.a = operand_.data, p.a_scales = operand_.scales;
-      p.b = wt_data_.as<uint8_t>(), p.b_scales = wt_scales_.as<uint8_t>();
+      p.b = w.data_t, p.b_scales = w.scales_t;
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
       kernels::launch_mxfp8_ragged_gemm(dgrad_, p, stream);
@@ -93,6 +101,13 @@ class Mxfp8Backend final : public LinearBackend {
   }
 
  private:
+  // The weights a GEMM reads: the caller's (prequantized_weights, checked by GroupedLinear) or
+  // the operator's own copies, which must have been made.
+  const Mxfp8Weights& weights(const Mxfp8Weights& given) const {
+    if (o_.prequantized_weights) return given;
+    MG_CHECK(weights_quantized_, "the mxfp8 recipe needs weights_changed() before the first forward or dgrad");
+    return own_;
+  }
   kernels::Mxfp8Colwise colwise(LayoutWalker& walk, const std::string& name, int64_t cols) {
     return {walk.take<uint8_t>(name, o_.capacity_rows, cols),
             walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
@@ -116,7 +131,9 @@ class Mxfp8Backend final : public LinearBackend {
   kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]
   kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy
   // The quantized weights live outside the workspace: they persist across steps until the weights change.
+  // Without prequantized_weights only: the layouts of moegraph/mxfp8_weights.hpp.
   DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N
+  Mxfp8Weights own_;                                      // views of those four buffers
   bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
   kernels::GemmPlan fprop_, dgrad_, wgrad_;
 };

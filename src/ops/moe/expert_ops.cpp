@@ -27,6 +27,7 @@ class LinearOp final : public LayerOp {
     dbias_ = fc1 ? w.db1 : w.db2;
     dweight_ = fc1 ? w.dw1 : w.dw2;
     main_grad_ = fc1 ? w.main_grad1 : w.main_grad2;
+    mxfp8_ = fc1 ? w.w1_mxfp8 : w.w2_mxfp8;
     scaled_bias_ = o.bias && !spec.bias_scale.empty();
   }
   std::string name() const override { return spec_.name; }
@@ -54,7 +55,7 @@ class LinearOp final : public LayerOp {
     // The dispatch's group layout: planned once per micro-batch, checked there.
     ForwardArgs a{t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
                   scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s),
-                  t.get<int64_t>(tensor::kOffsets, s)};
+                  t.get<int64_t>(tensor::kOffsets, s), mxfp8_};
     if (p.train) op_->forward_train(a, stream);
     else op_->forward(a, stream);
   }
@@ -72,12 +73,15 @@ class LinearOp final : public LayerOp {
                    dbias_,
                    scaled_bias_ ? t.get<float>(kDBiasScale) : nullptr,
                    fp32 ? nullptr : dweight_,
-                   fp32 ? main_grad_ : nullptr};
+                   fp32 ? main_grad_ : nullptr,
+                   mxfp8_};
     op_->backward(b, p.wgrad, stream);
   }
 
   void wgrad(cudaStream_t stream) override { op_->backward_dw(stream); }
-  void weights_changed(cudaStream_t stream) override { op_->weights_changed(weight_, stream); }
+  void weights_changed(cudaStream_t stream) override {
+    if (!g_.prequantized_weights) op_->weights_changed(weight_, stream);  // else the caller's copies are current
+  }
 
  private:
   OpSpec spec_;
@@ -88,6 +92,7 @@ class LinearOp final : public LayerOp {
   void* dbias_ = nullptr;
   void* dweight_ = nullptr;
   float* main_grad_ = nullptr;
+  Mxfp8Weights mxfp8_;  // options.prequantized_weights
   bool scaled_bias_ = false;
   std::unique_ptr<GroupedLinear> op_;
 };
@@ -169,6 +174,7 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, 
   g.wgrad_slots = o.training ? o.wgrad_slots : 1;
   g.delay_wgrad = o.training && o.delay_wgrad;
   g.recipe = o.recipe;
+  g.prequantized_weights = o.prequantized_weights;
   return g;
 }
 

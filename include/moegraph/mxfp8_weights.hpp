@@ -1,0 +1,46 @@
+// MXFP8 expert weights as the mxfp8 recipe's GEMMs read them (docs/mxfp8.md, "Layouts"), for
+// callers that hold them already quantized: a server loading an MXFP8 checkpoint (no 16-bit copy
+// anywhere), or one quantized copy shared by several operators (StepGraphs shares one across its
+// buckets). An operator reads them when its options say prequantized_weights.
+#pragma once
+
+#include "moegraph/export.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moegraph/types.hpp"
+
+namespace moegraph {
+
+// Device pointers to the MXFP8 copies of grouped weights W [G, N, K] (G experts of N outputs and K
+// inputs). Every pointer is 16-byte aligned.
+//   data     [G, N, K]      E4M3, expert e's element (n, k) at (e * N + n) * K + k
+//   scales   [G, N, K / 32] E8M0, the block of inputs [32j, 32j + 32) of (e, n) at (e * N + n) * (K / 32) + j
+//   data_t   [G, K, N]      E4M3 of each W_e^T: element (n, k) of expert e at (e * K + k) * N + n
+//   scales_t [G, K, N / 32] E8M0, the block of outputs [32j, 32j + 32) of (e, k) at (e * K + k) * (N / 32) + j
+// fprop reads data and scales (blocks along K); dgrad reads data_t and scales_t (blocks along N),
+// so an inference-only operator needs the first pair alone. wgrad reads neither.
+struct Mxfp8Weights {
+  uint8_t* data = nullptr;
+  uint8_t* scales = nullptr;
+  uint8_t* data_t = nullptr;
+  uint8_t* scales_t = nullptr;
+};
+
+// Bytes of data (and of data_t), G * N * K, and of scales (and of scales_t), G * N * K / 32. Throws
+// moegraph::Error for sizes the quantizer refuses (see quantize_mxfp8_weights). Touches no GPU.
+MOEGRAPH_API std::size_t mxfp8_weight_data_bytes(int groups, int64_t n, int64_t k);
+MOEGRAPH_API std::size_t mxfp8_weight_scale_bytes(int groups, int64_t n, int64_t k);
+
+// Quantizes w [G, N, K] (bf16 or fp16, device) into the pairs of `out` that are set: data with
+// scales, data_t with scales_t (a pair is both pointers or neither; at least one pair). The rules
+// (scale choice, rounding, NaN blocks) are docs/mxfp8.md's, bit-exact. G in [1, 1024]; N and K
+// multiples of 32 in [32, 2^21]. An enqueue path (graph-capturable): it never synchronizes,
+// allocates or reads device memory on the host.
+MOEGRAPH_API void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, int64_t k,
+                                         const Mxfp8Weights& out, cudaStream_t stream);
+
+}  // namespace moegraph

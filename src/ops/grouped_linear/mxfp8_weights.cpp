@@ -1,0 +1,60 @@
+// The public MXFP8 weight quantizer (moegraph/mxfp8_weights.hpp): checks the caller's sizes and
+// pointers, then runs the recipe's own weight quantizer (kernels/quantize), so prequantized and
+// self-quantized weights are the same bytes.
+#include "moegraph/mxfp8_weights.hpp"
+
+#include <cstdint>
+#include <utility>
+
+#include "kernels/quantize/mxfp8.hpp"
+#include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "src/core/checked.hpp"
+
+namespace moegraph {
+namespace {
+
+void check_sizes(int groups, int64_t n, int64_t k) {
+  MG_CHECK(groups >= 1 && groups <= kMaxGroups, "MXFP8 weights: groups must be in [1, ", kMaxGroups, "], got ", groups);
+  for (const auto& [name, v] : {std::pair{"n", n}, std::pair{"k", k}})
+    MG_CHECK(v >= kernels::kMxBlock && v <= kMaxFeatures && v % kernels::kMxBlock == 0, "MXFP8 weights: ", name,
+             " must be a multiple of 32 in [32, ", kMaxFeatures, "], got ", v);
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+// A pair of arrays is given whole or not at all.
+bool pair_given(const char* data_name, const uint8_t* data, const uint8_t* scales) {
+  MG_CHECK((data == nullptr) == (scales == nullptr), "MXFP8 weights: ", data_name, " and its scales come together");
+  MG_CHECK(data == nullptr || (aligned16(data) && aligned16(scales)), "MXFP8 weights: ", data_name,
+           " and its scales must be 16-byte aligned");
+  return data != nullptr;
+}
+
+}  // namespace
+
+std::size_t mxfp8_weight_data_bytes(int groups, int64_t n, int64_t k) {
+  check_sizes(groups, n, k);
+  return checked_mul("MXFP8 weight bytes", groups, n, k);
+}
+
+std::size_t mxfp8_weight_scale_bytes(int groups, int64_t n, int64_t k) {
+  return mxfp8_weight_data_bytes(groups, n, k) / kernels::kMxBlock;
+}
+
+void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, int64_t k, const Mxfp8Weights& out,
+                            cudaStream_t stream) {
+  check_sizes(groups, n, k);
+  MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, "quantize_mxfp8_weights: w must be bf16 or fp16, got ",
+           dtype_name(dtype));
+  MG_CHECK(w != nullptr && aligned16(w), "quantize_mxfp8_weights: w must be a 16-byte aligned device pointer");
+  const bool rows = pair_given("data", out.data, out.scales);
+  const bool cols = pair_given("data_t", out.data_t, out.scales_t);
+  MG_CHECK(rows || cols, "quantize_mxfp8_weights: nothing to write (give data and scales, data_t and scales_t, or both)");
+  const kernels::Mxfp8Rowwise row{out.data, out.scales};
+  const kernels::Mxfp8Colwise col{out.data_t, out.scales_t};
+  kernels::launch_quantize_mxfp8_weights(dtype, w, groups, n, k, rows ? &row : nullptr, cols ? &col : nullptr,
+                                         stream);
+}
+
+}  // namespace moegraph
