@@ -85,6 +85,7 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   }
   for (int slot = slots_of(l) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
   weights_changed(s);  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold)
+  if (ranks > 1) comm_->set_up_barrier();  // every rank's allocations done before any warm-up step waits
 
   // Warm-up: one eager step per bucket (no tokens, or all experts empty: valid, and every kernel
   // is loaded).

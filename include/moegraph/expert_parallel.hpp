@@ -58,6 +58,12 @@ class MOEGRAPH_API EpComm {
   // How long a device barrier waits for a peer before it reports kDeviceErrorPeerTimeout (set-up
   // reads MOEGRAPH_EP_TIMEOUT_MS, default 20000).
   virtual long long barrier_timeout_ns() const = 0;
+  // Collective, set-up only: returns once every rank has called it. A step's first device barrier
+  // must not start while a rank sharing its GPU still allocates or sets memory (the driver may order
+  // that rank's later work after the waiting kernel: a deadlock until the timeout), so StepGraphs
+  // calls it between its allocations and its warm-up. Emulated ranks wait for each other on the
+  // host (throwing after the barrier timeout); NCCL ranks, one GPU each, have nothing to wait for.
+  virtual void set_up_barrier() {}
 };
 
 // R ranks in this process, on the current device. rank(r) is rank r's communicator; it shares the

@@ -1,6 +1,8 @@
 // R expert-parallel ranks in one process on one GPU: window k of every rank is allocated when the
 // first rank asks for it, so each rank's peer table is complete however the ranks' set-up calls
 // interleave (one thread builds rank 0's layer, then rank 1's, ...).
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -23,6 +25,10 @@ struct EmulatedEpGroup::State {
   std::mutex mutex;
   std::vector<std::shared_ptr<Allocation>> allocations;
   std::vector<std::size_t> calls;  // windows each rank has asked for
+  // set_up_barrier: ranks arrived in the current generation.
+  std::condition_variable arrived_cv;
+  int arrived = 0;
+  long long generation = 0;
 };
 
 namespace {
@@ -68,6 +74,22 @@ class EmulatedComm final : public EpComm {
              " bytes, but rank(s) before it asked for ", a->bytes, ": ranks must set up the same layers in the "
              "same order");
     return std::make_shared<EmulatedWindow>(rank_, a);
+  }
+
+  void set_up_barrier() override {
+    EmulatedEpGroup::State& st = *state_;
+    std::unique_lock<std::mutex> lock(st.mutex);
+    const long long generation = st.generation;
+    if (++st.arrived == st.ranks) {
+      st.arrived = 0, ++st.generation;
+      st.arrived_cv.notify_all();
+      return;
+    }
+    const bool all = st.arrived_cv.wait_for(lock, std::chrono::nanoseconds(st.timeout_ns),
+                                            [&] { return st.generation != generation; });
+    if (!all) --st.arrived;  // leave the generation as it was for the ranks still to come
+    MG_CHECK(all, "emulated rank ", rank_, " waited ", st.timeout_ns / 1000000, " ms at a set-up barrier for the "
+             "other ranks (each rank needs its own thread to set up a collective step)");
   }
 
  private:

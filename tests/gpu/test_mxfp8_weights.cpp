@@ -39,7 +39,7 @@ TEST(Mxfp8WeightsApi, QuantizerMatchesTheReference) {
   q.data.poison(), q.scales.poison(), q.data_t.poison(), q.scales_t.poison();
   quantize_mxfp8_weights(DType::kBF16, dw.get(), g, n, k, q.view(), nullptr);
   MG_CUDA_CHECK(cudaDeviceSynchronize());
-  MxBuffer row, col;
+  MxBuffer row = mx_buffer(g * n, k), col = mx_buffer(g * n, k);
   mx_quantize_weights(w, g, n, k, &row, &col);
   EXPECT_TRUE(q.data.download() == row.data);
   EXPECT_TRUE(q.scales.download() == row.scales);
@@ -122,7 +122,7 @@ TEST(Mxfp8WeightsApi, StepFromPrequantizedWeightsGivesTheSameBits) {
   StepGraphsOptions o = small_layer_step(8, 2, 64);
   o.layer.recipe = Recipe::kMXFP8;
   o.layer.row_align = 32;
-  o.buckets = {16, 64};
+  o.buckets = {64, 256};  // the driver runs the first; both read the one shared copy
   StepGraphsOptions pre = o;
   pre.layer.prequantized_weights = true;
   EXPECT_GT(o.buckets.size(), 1u);
@@ -150,6 +150,8 @@ TEST(Mxfp8WeightsApi, StepFromPrequantizedWeightsGivesTheSameBits) {
       std::size_t nan = 0;
       for (int64_t i = 0; i < int64_t{tokens} * self.hidden(); ++i) nan += std::isnan(from_bits(a.y[i], DType::kBF16));
       EXPECT_EQ(nan, 0u);
+      self.step().check_device_errors(self.stream());
+      given.step().check_device_errors(given.stream());
     }
   }
 }

@@ -125,8 +125,9 @@ StepTraffic step_traffic(const Config& c, int64_t tokens, double drawn_active) {
   return t;
 }
 
-int run_bucket(StepGraphs& step, int b, const Config& c, int replays, bool ops, cudaStream_t s, DeviceBuffer& l2_flush,
-               Row& row) {
+// `baseline`: 16-bit weights of the same values for the cuBLASLt baselines.
+int run_bucket(StepGraphs& step, const StepWeights& baseline, int b, const Config& c, int replays, bool ops,
+               cudaStream_t s, DeviceBuffer& l2_flush, Row& row) {
   const BucketIO io = step.io(b);
   const bool train = c.training.enabled;
   const bool layer = c.step == StepKind::kMoeLayer;
@@ -207,8 +208,8 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, bool ops, 
 
   // Baselines on the same total rows.
   Baselines base(c, routed_rows);
-  base.dense(step.weights(), s);  // warm-up outside capture (cuBLASLt heuristics)
-  GraphExec dense(s, [&] { base.dense(step.weights(), s); });
+  base.dense(baseline, s);  // warm-up outside capture (cuBLASLt heuristics)
+  GraphExec dense(s, [&] { base.dense(baseline, s); });
   std::vector<float> td;
   for (int i = 0; i < replays; ++i) {
     flush();
@@ -218,7 +219,7 @@ int run_bucket(StepGraphs& step, int b, const Config& c, int replays, bool ops, 
   LegacyExpertLoop fc1(c.layer.experts, 2 * f, h, routed_rows, 1, c.precision.dtype);
   LegacyExpertLoop fc2(c.layer.experts, h, f, routed_rows, 1, c.precision.dtype);
   // The per-expert loop writes every expert's weight gradient: the step's own [G, ...] buffers.
-  const StepWeights& w = step.weights();
+  const StepWeights& w = baseline;
   std::vector<float> tl;
   for (int i = 0; i < std::min(replays, 10) + 1; ++i) {
     full.select(i, splits, s);
@@ -268,11 +269,19 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   const StepGraphsOptions step_options = step_graphs_options(c);
   const testing::OwnedStepWeights weights = testing::make_step_weights(step_options, s);  // the caller's parameters
   StepGraphs step(step_options, weights.weights);
+  // The 16-bit baselines (dense GEMMs, per-expert loop) need 16-bit weights: the step's own, or,
+  // when the step reads prequantized MXFP8 weights, the same values in bf16 next to them.
+  StepGraphsOptions baseline_options = step_options;
+  baseline_options.layer.prequantized_weights = false;
+  const testing::OwnedStepWeights baseline = step_options.layer.prequantized_weights
+                                                 ? testing::make_step_weights(baseline_options, s)
+                                                 : testing::OwnedStepWeights{};
+  const StepWeights& baseline_weights = step_options.layer.prequantized_weights ? baseline.weights : weights.weights;
   DeviceBuffer l2_flush(2 * static_cast<std::size_t>(prop.l2CacheSize));
   std::vector<Row> rows(step.num_buckets());
   for (int b = 0; b < step.num_buckets(); ++b) {
     progress(b, step.num_buckets(), "buckets");
-    run_bucket(step, b, c, replays, options.ops, s, l2_flush, rows[b]);
+    run_bucket(step, baseline_weights, b, c, replays, options.ops, s, l2_flush, rows[b]);
   }
   progress(step.num_buckets(), step.num_buckets(), "buckets");
   std::fprintf(stderr, "\n");
