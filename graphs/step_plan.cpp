@@ -136,7 +136,8 @@ void print_buffers(std::ostringstream& os, const BucketPlan& b) {
 
 std::string StepPlan::to_string() const {
   const bool windows = window_bytes > 0;
-  const std::string outside = windows ? "the weights, gradients and its window" : "the weights and gradients";
+  const std::string outside = std::string(windows ? "the weights, gradients and its window" : "the weights and gradients") +
+                              (mxfp8_copy_bytes > 0 ? " and the mxfp8 copies" : "");
   std::ostringstream os;
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     const BucketPlan& b = buckets[i];
