@@ -62,9 +62,45 @@ typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1, MG_DTYPE_FORCE_INT32 = 0x7f
                MG_DTYPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_dtype;
 /* MG_RECIPE_MXFP8: the GEMMs run on MXFP8 copies (K, N multiples of 128, row_align 32 or 128);
  * quantize the weights with the *_weights_changed call before the first forward and after every
- * weight update. */
+ * weight update, or give them already quantized (prequantized_weights, see MXFP8 weights below). */
 typedef enum { MG_RECIPE_BF16 = 0, MG_RECIPE_MXFP8 = 1, MG_RECIPE_FORCE_INT32 = 0x7fffffff,
                MG_RECIPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_recipe;
+
+/* ---- MXFP8 weights given by the caller (moegraph/mxfp8_weights.hpp) ----
+ *
+ * With MG_RECIPE_MXFP8 and prequantized_weights set in the options, the GEMMs read expert weights
+ * the caller holds already quantized (an MXFP8 checkpoint, or one copy shared by several layers)
+ * and the operator keeps no copy of its own: the 16-bit weights are neither needed nor read, and
+ * the *_weights_changed calls have nothing to do (mg_grouped_linear_weights_changed is refused).
+ * Grouped weights W [G, N, K] (G experts of N outputs and K inputs) as four device arrays, each
+ * 16-byte aligned, E4M3 elements and E8M0 scales as docs/mxfp8.md defines them:
+ *   data     [G, N, K]       element (e, n, k) at (e * N + n) * K + k
+ *   scales   [G, N, K / 32]  the block of inputs [32j, 32j + 32) of (e, n) at (e * N + n) * (K / 32) + j
+ *   data_t   [G, K, N]       each W_e^T: element (e, n, k) at (e * K + k) * N + n
+ *   scales_t [G, K, N / 32]  the block of outputs [32j, 32j + 32) of (e, k) at (e * K + k) * (N / 32) + j
+ * The forward reads data and scales; training's backward (dx) reads data_t and scales_t, so
+ * inference needs the first pair alone. w1 [E, 2 * ffn, hidden] is N = 2 * ffn, K = hidden; w2
+ * [E, hidden, ffn] is N = hidden, K = ffn. mg_quantize_mxfp8_weights makes them from 16-bit weights,
+ * bit for bit what the recipe's own weights_changed makes.
+ * The structs carry the four pointers as fields of their own (mxfp8_data, mxfp8_scales, ... and
+ * w1_mxfp8_data, ...) rather than an embedded struct: every struct of this ABI starts with its size,
+ * and an embedded one would either break that rule or carry a size no caller can keep apart from
+ * its container's. */
+
+/* *data_bytes = the bytes of data (and of data_t), G * N * K; *scale_bytes = those of scales (and of
+ * scales_t), G * N * K / 32. groups in [1, 1024]; n and k multiples of 32 in [32, 2^21]. Touches no
+ * GPU. On failure both are 0 and mg_last_error names the size, its value and the rule. */
+MOEGRAPH_API mg_status mg_mxfp8_weight_bytes(int groups, int64_t n, int64_t k, size_t* data_bytes,
+                                             size_t* scale_bytes);
+/* Quantizes w [groups, n, k] (dtype, device) into the pairs given: data with scales, data_t with
+ * scales_t (a pair is both pointers or neither; at least one pair), sized by mg_mxfp8_weight_bytes.
+ * Every argument is checked before any GPU use (MG_ERR_INVALID_ARGUMENT naming it). Enqueued on
+ * `stream` and graph-capturable: it never synchronizes, allocates or reads device memory on the host.
+ * Call it again after every update of w (the layers and steps that read the copies see the new
+ * bytes at their next enqueue). */
+MOEGRAPH_API mg_status mg_quantize_mxfp8_weights(mg_dtype dtype, const void* w, int groups, int64_t n, int64_t k,
+                                                 uint8_t* data, uint8_t* scales, uint8_t* data_t, uint8_t* scales_t,
+                                                 cudaStream_t stream);
 
 /* ---- Grouped linear (moegraph::GroupedLinear): G linear layers over one grouped-row buffer ---- */
 
@@ -86,6 +122,9 @@ typedef struct {
   int wgrad_slots;       /* 1..64 */
   int delay_wgrad;       /* bool */
   mg_recipe recipe;
+  /* Appended (a caller's older struct_size leaves it at its default, 0). */
+  int prequantized_weights; /* bool, MG_RECIPE_MXFP8 only: the GEMMs read the caller's MXFP8 weights
+                               (mg_forward_args / mg_backward_args mxfp8_*); weight may be NULL */
 } mg_grouped_linear_options;
 
 /* Device pointers; every row buffer has capacity_rows rows (moegraph/grouped_linear.hpp). */
@@ -98,6 +137,12 @@ typedef struct {
   const float* bias_scale;  /* [capacity_rows] or NULL */
   void* y;                  /* [capacity_rows, N] */
   const int64_t* offsets;   /* NULL, or [G + 1] group offsets already computed for these splits */
+  /* Appended (an older struct_size means NULL): W as MXFP8 with prequantized_weights, which the
+     forward reads through mxfp8_data and mxfp8_scales (see MXFP8 weights) */
+  const uint8_t* mxfp8_data;     /* [G, N, K] */
+  const uint8_t* mxfp8_scales;   /* [G, N, K / 32] */
+  const uint8_t* mxfp8_data_t;   /* [G, K, N]: not read by the forward */
+  const uint8_t* mxfp8_scales_t; /* [G, K, N / 32]: not read by the forward */
 } mg_forward_args;
 
 typedef struct {
@@ -110,9 +155,16 @@ typedef struct {
   float* dbias_scale;  /* [capacity_rows] or NULL */
   void* dweight;       /* [G, N, K] written, or */
   float* main_grad;    /* [G, N, K] fp32 accumulated into */
+  /* Appended (an older struct_size means NULL): W as MXFP8 with prequantized_weights, which dx
+     reads through mxfp8_data_t and mxfp8_scales_t (see MXFP8 weights) */
+  const uint8_t* mxfp8_data;     /* [G, N, K]: not read by the backward */
+  const uint8_t* mxfp8_scales;   /* [G, N, K / 32]: not read by the backward */
+  const uint8_t* mxfp8_data_t;   /* [G, K, N] */
+  const uint8_t* mxfp8_scales_t; /* [G, K, N / 32] */
 } mg_backward_args;
 
-/* Fills *options with the defaults (struct_size set; row_align 1, bf16, no bias, one slot, no delay). */
+/* Fills *options with the defaults (struct_size set; row_align 1, bf16, no bias, one slot, no delay,
+ * not prequantized). */
 MOEGRAPH_API void mg_grouped_linear_options_init(mg_grouped_linear_options* options);
 /* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
  * failure *out is 0 and mg_last_error names the field, its value and the limit. */
@@ -132,7 +184,8 @@ MOEGRAPH_API mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const m
                                                   cudaStream_t stream);
 MOEGRAPH_API mg_status mg_grouped_linear_backward_dw(mg_grouped_linear* op, cudaStream_t stream);
 /* The weights [G, N, K] changed: MXFP8 re-quantizes its copies, bf16 has nothing to do (enqueued,
-   capturable). Call it before the first forward and after every update. */
+   capturable). Call it before the first forward and after every update. Refused with
+   prequantized_weights (the caller re-quantizes: mg_quantize_mxfp8_weights). */
 MOEGRAPH_API mg_status mg_grouped_linear_weights_changed(mg_grouped_linear* op, const void* weight,
                                                          cudaStream_t stream);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if invalid splits were seen since the last check. */
@@ -242,6 +295,9 @@ typedef struct {
                               max_tokens * top_k rows to one rank, so none is ever dropped), else a
                               bound, a multiple of row_align; rows past it are dropped, counted on their
                               source rank (read_dropped) and contribute zero. 0 without expert parallelism */
+  /* Appended after the expert-parallel fields (a caller's older struct_size leaves it at its default, 0). */
+  int prequantized_weights; /* bool, MG_RECIPE_MXFP8 only: FC1 and FC2 read the caller's MXFP8 weights
+                               (mg_moe_layer_weights w1_mxfp8_*, w2_mxfp8_*); w1 and w2 may be NULL */
 } mg_moe_layer_options;
 
 /* Parameters and their gradients (device). The gradient set follows main_grad_fp32; biases only
@@ -263,6 +319,16 @@ typedef struct {
   void* dw2;
   void* db1;
   void* db2;
+  /* Appended (an older struct_size means NULL): with options.prequantized_weights, w1 and w2 as MXFP8
+     (see MXFP8 weights): data and scales always, data_t and scales_t for training */
+  const uint8_t* w1_mxfp8_data;     /* [E, 2 * ffn, hidden] */
+  const uint8_t* w1_mxfp8_scales;   /* [E, 2 * ffn, hidden / 32] */
+  const uint8_t* w1_mxfp8_data_t;   /* [E, hidden, 2 * ffn] */
+  const uint8_t* w1_mxfp8_scales_t; /* [E, hidden, 2 * ffn / 32] */
+  const uint8_t* w2_mxfp8_data;     /* [E, hidden, ffn] */
+  const uint8_t* w2_mxfp8_scales;   /* [E, hidden, ffn / 32] */
+  const uint8_t* w2_mxfp8_data_t;   /* [E, ffn, hidden] */
+  const uint8_t* w2_mxfp8_scales_t; /* [E, ffn, hidden / 32] */
 } mg_moe_layer_weights;
 
 /* One step's activations (device). Rows at or past *num_tokens are neither read nor written,
@@ -279,8 +345,8 @@ typedef struct {
 
 /* Fills *options with the defaults (struct_size set; top_k 1, softmax, no renormalization, no aux
  * loss, dropless, row_align 1, bf16, training, one slot, no delay, fp32 main_grad, no expert
- * parallelism: expert_parallel 1, ep_recv_rows 0); experts, hidden, ffn and max_tokens are 0 and must
- * be set. */
+ * parallelism: expert_parallel 1, ep_recv_rows 0; not prequantized); experts, hidden, ffn and
+ * max_tokens are 0 and must be set. */
 MOEGRAPH_API void mg_moe_layer_options_init(mg_moe_layer_options* options);
 /* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
  * failure *out is 0 and mg_last_error names the field, its value and the limit. */
@@ -310,7 +376,8 @@ MOEGRAPH_API mg_status mg_moe_layer_forward(mg_moe_layer* layer, const mg_moe_la
 /* Backward of the oldest training forward; weight gradients at once or queued (options.delay_wgrad). */
 MOEGRAPH_API mg_status mg_moe_layer_backward(mg_moe_layer* layer, const mg_moe_layer_io* io, cudaStream_t stream);
 MOEGRAPH_API mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream);
-/* The weights changed: the MXFP8 recipe re-quantizes its copies (nothing for bf16). Enqueued. */
+/* The weights changed: the MXFP8 recipe re-quantizes its copies (nothing for bf16, or with
+ * prequantized_weights: the caller keeps its MXFP8 weights current). Enqueued. */
 MOEGRAPH_API mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream);
 /* Synchronizes the stream; *out = this rank's (token, expert) assignments dropped by the capacity
  * factor or by a receive bound (ep_recv_rows) since the last call (the counter is reset); 0 when
@@ -334,8 +401,9 @@ MOEGRAPH_API void mg_config_destroy(mg_config* config);
 
 /* What a caller needs to allocate a config's weights: [experts, hidden] router, [experts, 2 * ffn,
  * hidden] w1, [experts, hidden, ffn] w2 (biases [experts, 2 * ffn] and [experts, hidden] with bias),
- * in dtype; gradients as the training fields say. With expert_parallel R > 1 every rank holds
- * experts / R of them in w1, w2, the biases and their gradients (the router stays whole). */
+ * in dtype (w1 and w2 as MXFP8 with prequantized_weights); gradients as the training fields say.
+ * With expert_parallel R > 1 every rank holds experts / R of them in w1, w2, the biases and their
+ * gradients (the router stays whole). */
 typedef struct {
   size_t struct_size;  /* sizeof(mg_config_shape) */
   int whole_layer;     /* 1: the MoE layer (x, num_tokens -> y); 0: the expert MLP on grouped rows (x, splits -> y) */
@@ -352,6 +420,10 @@ typedef struct {
   int num_buckets;
   int64_t max_tokens;  /* the largest bucket's capacity (per rank with expert parallelism) */
   int expert_parallel; /* parallel.expert_parallel: R ranks (1: none). Appended: an older struct_size leaves it unwritten */
+  /* precision.prequantized_weights (bool): w1 and w2 go to mg_step_weights as MXFP8 (w1_mxfp8_*,
+     w2_mxfp8_*; see MXFP8 weights), not in dtype. Appended after expert_parallel: a struct_size ending
+     before it leaves it unwritten (the previous release's sizeof takes it in its tail padding) */
+  int prequantized_weights;
 } mg_config_shape;
 
 /* Fills *out (the caller sets out->struct_size). */
@@ -373,8 +445,9 @@ typedef enum {
 } mg_phase;
 
 /* Caller-owned device parameters and gradients, shared by every bucket (moegraph::StepWeights): the
- * router for the whole layer, biases with bias, and with training either fp32 main_grad_* or d*.
- * They must stay valid until mg_step_graphs_destroy. */
+ * router for the whole layer, w1 and w2 (or their MXFP8 copies with precision.prequantized_weights),
+ * biases with bias, and with training either fp32 main_grad_* or d*. They must stay valid until
+ * mg_step_graphs_destroy. */
 typedef struct {
   size_t struct_size;  /* sizeof(mg_step_weights) */
   void* router;
@@ -390,6 +463,18 @@ typedef struct {
   void* dw2;
   void* db1;
   void* db2;
+  /* Appended (an older struct_size means NULL): with precision.prequantized_weights (recipe mxfp8), w1
+     and w2 as MXFP8 instead (see MXFP8 weights; shapes as in mg_moe_layer_weights): data and scales
+     always, data_t and scales_t for training. Without it a step of the mxfp8 recipe quantizes w1 and
+     w2 itself into one set of copies that every bucket reads. */
+  uint8_t* w1_mxfp8_data;
+  uint8_t* w1_mxfp8_scales;
+  uint8_t* w1_mxfp8_data_t;
+  uint8_t* w1_mxfp8_scales_t;
+  uint8_t* w2_mxfp8_data;
+  uint8_t* w2_mxfp8_scales;
+  uint8_t* w2_mxfp8_data_t;
+  uint8_t* w2_mxfp8_scales_t;
 } mg_step_weights;
 
 typedef struct {
@@ -421,7 +506,8 @@ typedef struct {
 } mg_bucket_io;
 
 /* Allocates the arena, binds the weights, warms up and captures every bucket's phases (host work;
- * MXFP8: call mg_step_graphs_weights_changed once the weights are written). options may be NULL.
+ * MXFP8 from 16-bit weights: call mg_step_graphs_weights_changed once they are written). options may
+ * be NULL.
  * The step keeps no reference to `config`: it may be destroyed right after.
  * Expert parallelism (the config's parallel.expert_parallel R > 1): options->comm is this rank's
  * communicator of R ranks and the weights are this rank's experts (mg_config_shape). Collective:
@@ -445,7 +531,8 @@ MOEGRAPH_API mg_status mg_step_graphs_io(const mg_step_graphs* step, int bucket,
 MOEGRAPH_API mg_status mg_step_graphs_replay(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
 /* The same phase enqueued without graphs (same rules), for checks and timing. */
 MOEGRAPH_API mg_status mg_step_graphs_run_eager(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
-/* The weights were updated: MXFP8 re-quantizes every bucket's copies; nothing for bf16. Enqueued. */
+/* The weights were updated: MXFP8 re-quantizes w1 and w2 into the copies every bucket shares;
+ * nothing for bf16 or with prequantized_weights (the caller keeps them current). Enqueued. */
 MOEGRAPH_API mg_status mg_step_graphs_weights_changed(mg_step_graphs* step, cudaStream_t stream);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if any bucket saw invalid device inputs (a token
  * count over the bucket's capacity, invalid splits) since the last check. */

@@ -91,6 +91,66 @@ class LibraryWithoutAGpu(unittest.TestCase):
                                       '"parallel": {"expert_parallel": 2}, "buckets": [64]}').shape()
         self.assertEqual(shape["expert_parallel"], 2)
 
+    def test_mxfp8_weight_fields_and_calls(self):
+        data, scales = ctypes.c_size_t(), ctypes.c_size_t()
+        _lib.call("mg_mxfp8_weight_bytes", 3, 96, 160, ctypes.byref(data), ctypes.byref(scales))
+        self.assertEqual((data.value, scales.value), (3 * 96 * 160, 3 * 96 * 160 // 32))
+        with self.assertRaises(_lib.MoegraphError) as e:
+            _lib.call("mg_mxfp8_weight_bytes", 1, 48, 32, ctypes.byref(data), ctypes.byref(scales))
+        self.assertIn("n must be a multiple of 32", str(e.exception))
+        self.assertEqual((data.value, scales.value), (0, 0))
+        # Refused before any GPU use: no w to read.
+        with self.assertRaises(_lib.MoegraphError) as e:
+            _lib.call("mg_quantize_mxfp8_weights", _lib.DTYPE["bf16"], None, 1, 32, 32, None, None, None, None, None)
+        self.assertEqual(e.exception.status_name, "MG_ERR_INVALID_ARGUMENT")
+        self.assertIn("w must be a 16-byte aligned device pointer", str(e.exception))
+
+        # The options' appended field sits where the library reads it: set with the bf16 recipe it
+        # is refused by name (a field out of place would be read as another, or as an unknown tail).
+        size = ctypes.c_size_t()
+        g = _lib.GroupedLinearOptions()
+        _lib.lib().mg_grouped_linear_options_init(ctypes.byref(g))
+        self.assertEqual((g.struct_size, g.prequantized_weights), (ctypes.sizeof(g), 0))
+        g.num_groups, g.in_features, g.out_features, g.capacity_rows, g.row_align = 4, 128, 128, 256, 32
+        m = _lib.MoeLayerOptions()
+        _lib.lib().mg_moe_layer_options_init(ctypes.byref(m))
+        self.assertEqual(m.prequantized_weights, 0)
+        m.experts, m.hidden, m.ffn, m.top_k, m.max_tokens, m.row_align = 8, 256, 256, 2, 64, 32
+        for options, call in ((g, "mg_grouped_linear_workspace_bytes"), (m, "mg_moe_layer_workspace_bytes")):
+            options.prequantized_weights = 1
+            with self.assertRaises(_lib.MoegraphError) as e:
+                _lib.call(call, ctypes.byref(options), ctypes.byref(size))
+            self.assertIn("prequantized_weights needs the mxfp8 recipe", str(e.exception))
+            options.recipe = _lib.RECIPE["mxfp8"]
+            _lib.call(call, ctypes.byref(options), ctypes.byref(size))
+            self.assertGreater(size.value, 0)
+
+        # A config of prequantized weights says so, and its step checks each MXFP8 pointer of
+        # StepWeights in order (refused before any device is looked for; the pointers are never read).
+        import moegraph
+        text = ('{"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2}, "row_align": 32, "buckets": [64], '
+                '"precision": {"recipe": "mxfp8", "prequantized_weights": true}}')
+        config = moegraph.Config.parse(text)
+        self.assertEqual(config.shape()["prequantized_weights"], 1)
+        self.assertEqual(moegraph.Config.default().shape()["prequantized_weights"], 0)
+        fake = ctypes.create_string_buffer(32)
+        addr = (ctypes.addressof(fake) + 15) // 16 * 16
+        w = _lib.StepWeights(w1_mxfp8_data=addr, w1_mxfp8_scales=addr)
+        step = ctypes.c_void_p()
+        for field, then_missing in ((None, "w1_mxfp8.data_t and .scales_t"),
+                                    ("w1_mxfp8_data_t", "w1_mxfp8.data_t and .scales_t"),
+                                    ("w1_mxfp8_scales_t", "w2_mxfp8.data and .scales"),
+                                    ("w2_mxfp8_data", "w2_mxfp8.data and .scales"),
+                                    ("w2_mxfp8_scales", "w2_mxfp8.data_t and .scales_t"),
+                                    ("w2_mxfp8_data_t", "w2_mxfp8.data_t and .scales_t"),
+                                    ("w2_mxfp8_scales_t", "the router weight")):
+            if field:
+                setattr(w, field, addr)
+            with self.assertRaises(_lib.MoegraphError) as e:
+                _lib.call("mg_step_graphs_create", config._handle, ctypes.byref(w), None, ctypes.byref(step))
+            self.assertIn("StepWeights needs " + then_missing, str(e.exception))
+            self.assertIsNone(step.value)
+
     def test_config_shape_and_errors(self):
         import moegraph
         c = moegraph.Config.parse('{"layer": {"experts": 16, "hidden": 512, "ffn": 256, "top_k": 2}, "buckets": [64]}')

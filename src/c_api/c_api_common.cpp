@@ -1,6 +1,8 @@
 #include "src/c_api/c_api_common.hpp"
 
 #include <exception>
+#include <initializer_list>
+#include <iterator>
 #include <mutex>
 #include <unordered_map>
 
@@ -9,13 +11,25 @@
 
 namespace moegraph::c_api {
 
-// The first releases' layouts (on LP64): where each grown struct's appended fields begin. A field
+// The earlier releases' layouts (on LP64): where each grown struct's appended fields begin. A field
 // inserted before them, rather than appended, would move these and break older callers.
-static_assert(sizeof(void*) != 8 || kFirstSize<mg_moe_layer_options> == 108,
-              "mg_moe_layer_options: fields may only be appended");
-static_assert(sizeof(void*) != 8 || kFirstSize<mg_config_shape> == 72, "mg_config_shape: fields may only be appended");
-static_assert(sizeof(void*) != 8 || kFirstSize<mg_step_graphs_options> == 16,
-              "mg_step_graphs_options: fields may only be appended");
+template <class T>
+constexpr bool ends_are(std::initializer_list<std::size_t> earlier) {
+  constexpr const auto& ends = Releases<T>::ends;
+  if (std::size(ends) != earlier.size() + 1 || ends[earlier.size()] != sizeof(T)) return false;
+  std::size_t i = 0;
+  for (std::size_t e : earlier)
+    if (sizeof(void*) == 8 && ends[i++] != e) return false;
+  return true;
+}
+static_assert(ends_are<mg_grouped_linear_options>({64}), "mg_grouped_linear_options: fields may only be appended");
+static_assert(ends_are<mg_forward_args>({64}), "mg_forward_args: fields may only be appended");
+static_assert(ends_are<mg_backward_args>({72}), "mg_backward_args: fields may only be appended");
+static_assert(ends_are<mg_moe_layer_options>({108, 120}), "mg_moe_layer_options: fields may only be appended");
+static_assert(ends_are<mg_moe_layer_weights>({112}), "mg_moe_layer_weights: fields may only be appended");
+static_assert(ends_are<mg_config_shape>({72, 76}), "mg_config_shape: fields may only be appended");
+static_assert(ends_are<mg_step_weights>({112}), "mg_step_weights: fields may only be appended");
+static_assert(ends_are<mg_step_graphs_options>({16}), "mg_step_graphs_options: fields may only be appended");
 
 namespace {
 

@@ -2,6 +2,7 @@
 // the reading and writing of size-prefixed structs (moegraph.h's conventions).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstring>
 #include <memory>
@@ -40,21 +41,66 @@ bool unregister_handle(const void* handle, HandleKind kind);
 // Throws InvalidHandle naming `type` unless `handle` is live and of that kind.
 void check_handle(const void* handle, HandleKind kind, const char* type);
 
-// The smallest struct_size accepted: sizeof(T) while the struct has not grown. When fields are
-// appended, specialize it to the offset of the first appended field (at most the old sizeof), so
-// older callers keep working. A caller whose struct_size is below sizeof(T) then predates the
-// appended fields: read_struct takes the first release's fields only, and the appended ones keep
-// their defaults even where they lie in the old struct's tail padding (an older caller's sizeof
-// covers those bytes, but to it they are padding, not fields). Every struct so far has grown once
-// at most; a second growth needs the end of each release here.
+// Where each release of a struct ends, oldest first, the current one (sizeof(T)) last: sizeof(T)
+// alone while the struct has not grown. A struct that grew lists before it the offset of the first
+// field each later release appended, where the earlier release's fields end; fields are only ever
+// appended, so older callers keep working. A caller's struct_size selects the latest release it
+// covers: read_struct takes that release's fields only, and the later ones keep their defaults even
+// where they lie in the older struct's tail padding (an older caller's sizeof covers those bytes,
+// but to it they are padding, not fields).
 template <class T>
-inline constexpr std::size_t kFirstSize = sizeof(T);
+struct Releases {
+  static constexpr std::array<std::size_t, 1> ends{sizeof(T)};
+};
 template <>
-inline constexpr std::size_t kFirstSize<mg_moe_layer_options> = offsetof(mg_moe_layer_options, expert_parallel);
+struct Releases<mg_grouped_linear_options> {
+  static constexpr std::array ends{offsetof(mg_grouped_linear_options, prequantized_weights),
+                                   sizeof(mg_grouped_linear_options)};
+};
 template <>
-inline constexpr std::size_t kFirstSize<mg_config_shape> = offsetof(mg_config_shape, expert_parallel);
+struct Releases<mg_forward_args> {
+  static constexpr std::array ends{offsetof(mg_forward_args, mxfp8_data), sizeof(mg_forward_args)};
+};
 template <>
-inline constexpr std::size_t kFirstSize<mg_step_graphs_options> = offsetof(mg_step_graphs_options, comm);
+struct Releases<mg_backward_args> {
+  static constexpr std::array ends{offsetof(mg_backward_args, mxfp8_data), sizeof(mg_backward_args)};
+};
+template <>
+struct Releases<mg_moe_layer_options> {
+  static constexpr std::array ends{offsetof(mg_moe_layer_options, expert_parallel),
+                                   offsetof(mg_moe_layer_options, prequantized_weights), sizeof(mg_moe_layer_options)};
+};
+template <>
+struct Releases<mg_moe_layer_weights> {
+  static constexpr std::array ends{offsetof(mg_moe_layer_weights, w1_mxfp8_data), sizeof(mg_moe_layer_weights)};
+};
+template <>
+struct Releases<mg_config_shape> {
+  static constexpr std::array ends{offsetof(mg_config_shape, expert_parallel),
+                                   offsetof(mg_config_shape, prequantized_weights), sizeof(mg_config_shape)};
+};
+template <>
+struct Releases<mg_step_weights> {
+  static constexpr std::array ends{offsetof(mg_step_weights, w1_mxfp8_data), sizeof(mg_step_weights)};
+};
+template <>
+struct Releases<mg_step_graphs_options> {
+  static constexpr std::array ends{offsetof(mg_step_graphs_options, comm), sizeof(mg_step_graphs_options)};
+};
+
+// The smallest struct_size accepted: the first release's.
+template <class T>
+inline constexpr std::size_t kFirstSize = Releases<T>::ends[0];
+
+// The bytes of T that a caller of this struct_size (at least kFirstSize<T>) knows as fields: the end
+// of the latest release it covers (sizeof(T) for the current one and for newer ones).
+template <class T>
+constexpr std::size_t known_bytes(std::size_t struct_size) {
+  std::size_t known = kFirstSize<T>;
+  for (std::size_t end : Releases<T>::ends)
+    if (end <= struct_size) known = end;
+  return known;
+}
 
 // Reads a caller's struct into `value` (already holding the defaults): the fields of the caller's
 // release are taken (all, or the first release's: see kFirstSize), later ones keep their defaults,
@@ -71,19 +117,19 @@ T read_struct(const T* in, const char* type, T value) {
       MG_CHECK(tail[i] == 0, type, " of ", size, " bytes has fields this library (", sizeof(T),
                " bytes) does not know set at byte ", sizeof(T) + i, ": built against newer headers?");
   }
-  std::memcpy(static_cast<void*>(&value), in, size < sizeof(T) ? kFirstSize<T> : sizeof(T));
+  std::memcpy(static_cast<void*>(&value), in, known_bytes<T>(size));
   value.struct_size = sizeof(T);
   return value;
 }
 
-// Writes `value` into a caller's struct, as many bytes as its struct_size asks for (its own size kept).
+// Writes `value` into a caller's struct: the fields of the release its struct_size covers (its own
+// size kept), and zeros over a newer caller's unknown tail.
 template <class T>
 void write_struct(T* out, const char* type, const T& value) {
   MG_CHECK(out != nullptr, "null ", type, " output");
   const std::size_t size = out->struct_size;
   MG_CHECK(size >= kFirstSize<T>, type, ".struct_size must be sizeof(", type, ") = ", sizeof(T), ", got ", size);
-  const std::size_t n = size < sizeof(T) ? size : sizeof(T);
-  std::memcpy(static_cast<void*>(out), &value, n);
+  std::memcpy(static_cast<void*>(out), &value, known_bytes<T>(size));
   out->struct_size = size;
   if (size > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(out) + sizeof(T), 0, size - sizeof(T));
 }

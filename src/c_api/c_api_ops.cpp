@@ -1,4 +1,6 @@
-// The C ABI of the operators: mg_grouped_linear_* and mg_moe_layer_*.
+// The C ABI of the operators: mg_grouped_linear_* and mg_moe_layer_*, and the MXFP8 weights they
+// read when the caller gives them (mg_mxfp8_weight_bytes, mg_quantize_mxfp8_weights).
+#include <cstdint>
 #include <memory>
 #include <type_traits>
 
@@ -7,6 +9,7 @@
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "moegraph/moegraph.h"
+#include "moegraph/mxfp8_weights.hpp"
 #include "src/c_api/c_api_common.hpp"
 
 struct mg_grouped_linear {
@@ -67,6 +70,7 @@ mg_grouped_linear_options default_linear_options() {
   o.row_align = 1;
   o.dtype = MG_DTYPE_BF16;
   o.wgrad_slots = 1;
+  o.prequantized_weights = 0;
   return o;
 }
 
@@ -82,6 +86,7 @@ mg_moe_layer_options default_moe_options() {
   o.main_grad_fp32 = 1;
   o.expert_parallel = 1;
   o.ep_recv_rows = 0;
+  o.prequantized_weights = 0;
   return o;
 }
 
@@ -99,6 +104,7 @@ moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options
   opts.wgrad_slots = o.wgrad_slots;
   opts.delay_wgrad = o.delay_wgrad != 0;
   opts.recipe = recipe_of(o.recipe);
+  opts.prequantized_weights = o.prequantized_weights != 0;
   moegraph::validate(opts);
   return opts;
 }
@@ -130,8 +136,18 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options* in) {
   // 0 is the zeroed struct's value of the appended field: no expert parallelism, as 1.
   opts.expert_parallel = o.expert_parallel == 0 ? 1 : o.expert_parallel;
   opts.ep_recv_rows = o.ep_recv_rows;
+  opts.prequantized_weights = o.prequantized_weights != 0;
   moegraph::validate(opts);
   return opts;
+}
+
+// The C structs hold the four arrays of moegraph::Mxfp8Weights as fields of their own (moegraph.h
+// says why). The operators only read them: the C++ struct's pointers are not const because the
+// quantizer writes through the same struct.
+moegraph::Mxfp8Weights mxfp8_of(const uint8_t* data, const uint8_t* scales, const uint8_t* data_t,
+                                const uint8_t* scales_t) {
+  return {const_cast<uint8_t*>(data), const_cast<uint8_t*>(scales), const_cast<uint8_t*>(data_t),
+          const_cast<uint8_t*>(scales_t)};
 }
 
 moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
@@ -150,6 +166,8 @@ moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
   weights.dw2 = w.dw2;
   weights.db1 = w.db1;
   weights.db2 = w.db2;
+  weights.w1_mxfp8 = mxfp8_of(w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t);
+  weights.w2_mxfp8 = mxfp8_of(w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t);
   return weights;
 }
 
@@ -229,7 +247,8 @@ mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_forward_args a = read_struct(in, "mg_forward_args", mg_forward_args{});
-    moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets, {}};
+    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t);
+    moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets, mxfp8};
     if (train) l.forward_train(args, stream);
     else l.forward(args, stream);
   });
@@ -240,7 +259,8 @@ mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_ar
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_backward_args a = read_struct(in, "mg_backward_args", mg_backward_args{});
-    moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad, {}};
+    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t);
+    moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad, mxfp8};
     l.backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
   });
 }
@@ -325,6 +345,25 @@ mg_status mg_moe_layer_read_dropped(mg_moe_layer* layer, cudaStream_t stream, ui
 
 mg_status mg_moe_layer_check_device_errors(mg_moe_layer* layer, cudaStream_t stream) {
   return guarded([&] { unwrap(layer).check_device_errors(stream); });
+}
+
+mg_status mg_mxfp8_weight_bytes(int groups, int64_t n, int64_t k, size_t* data_bytes, size_t* scale_bytes) {
+  return guarded([&] {
+    MG_CHECK(data_bytes != nullptr && scale_bytes != nullptr,
+             "mg_mxfp8_weight_bytes needs both outputs (data_bytes and scale_bytes)");
+    *data_bytes = 0, *scale_bytes = 0;
+    const std::size_t data = moegraph::mxfp8_weight_data_bytes(groups, n, k);
+    *scale_bytes = moegraph::mxfp8_weight_scale_bytes(groups, n, k);
+    *data_bytes = data;
+  });
+}
+
+mg_status mg_quantize_mxfp8_weights(mg_dtype dtype, const void* w, int groups, int64_t n, int64_t k, uint8_t* data,
+                                    uint8_t* scales, uint8_t* data_t, uint8_t* scales_t, cudaStream_t stream) {
+  // The C++ quantizer checks every argument before it launches; only the enum is the ABI's own.
+  return guarded([&] {
+    moegraph::quantize_mxfp8_weights(dtype_of(dtype), w, groups, n, k, {data, scales, data_t, scales_t}, stream);
+  });
 }
 
 }  // extern "C"

@@ -12,9 +12,15 @@
 //     (validate, then the workspace size, which refuses layouts too large). Refused ones go through
 //     mg_grouped_linear_create, which must refuse them with the same message before touching a GPU;
 //     accepted ones only get the no-GPU queries (workspace buffers, the kernel choice).
+//   selector bit 2 (instead of the options): the MXFP8 weight calls on sizes, a dtype and pointers
+//     from the input. mg_mxfp8_weight_bytes must give the C++ sizes or refuse with the C++ message;
+//     mg_quantize_mxfp8_weights is never given a usable w (NULL or odd), so it must refuse every
+//     input before any GPU use, with the C++ quantizer's message (the ABI's own for a dtype outside
+//     mg_dtype).
 //   selector bit 1: also the null-pointer calls, which must be refused, not crash.
 // The enum fields take any int32: moegraph.h's enums span every int32, so any value a C caller
 // stores is defined and must be refused by name (UBSan's enum check holds the ABI to that).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +32,7 @@
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "moegraph/moegraph.h"
+#include "moegraph/mxfp8_weights.hpp"
 #include "tests/fuzz/fuzz_common.hpp"
 
 namespace {
@@ -90,6 +97,7 @@ moegraph::MoeLayerOptions cpp_options(const mg_moe_layer_options& o) {
   c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
   c.expert_parallel = o.expert_parallel == 0 ? 1 : o.expert_parallel;  // 0: the zeroed field's default
   c.ep_recv_rows = o.ep_recv_rows;
+  c.prequantized_weights = o.prequantized_weights != 0;
   return c;
 }
 
@@ -177,6 +185,7 @@ void fuzz_grouped_linear(const uint8_t* data, size_t size) {
   c.wgrad_slots = o.wgrad_slots;
   c.delay_wgrad = o.delay_wgrad != 0;
   c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
+  c.prequantized_weights = o.prequantized_weights != 0;
   // The C++ API refuses bad options in validate() and layouts too large to size in workspace_bytes().
   std::size_t bytes = 0;
   try {
@@ -197,6 +206,69 @@ void fuzz_grouped_linear(const uint8_t* data, size_t size) {
   }
   check_layout("grouped linear", moegraph::GroupedLinear::workspace_buffers(c), bytes);
   if (moegraph::GroupedLinear::describe_kernels(c).empty()) finding("describe_kernels gave nothing");
+}
+
+// The message a C++ call throws, or "" when it returns.
+template <class F>
+std::string cpp_error(F&& f) {
+  try {
+    f();
+  } catch (const moegraph::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void fuzz_mxfp8_weights(const uint8_t* data, size_t size) {
+  struct Args {
+    int32_t dtype = MG_DTYPE_BF16;
+    int32_t groups = 1;
+    int64_t n = 32, k = 32;
+    uint64_t w = 0;        // 0: NULL, else made odd: never a usable device pointer
+    uint32_t outputs = 0;  // bits 0-3: data, scales, data_t, scales_t given; bits 4-7: that one off by a byte
+  } a;
+  static_assert(std::is_trivially_copyable_v<Args>);
+  std::memcpy(static_cast<void*>(&a), data, std::min(size, sizeof a));
+
+  std::size_t data_bytes = 1, scale_bytes = 1, cpp_data = 0, cpp_scales = 0;
+  const mg_status status = mg_mxfp8_weight_bytes(a.groups, a.n, a.k, &data_bytes, &scale_bytes);
+  const std::string sizes_refused = cpp_error([&] {
+    cpp_data = moegraph::mxfp8_weight_data_bytes(a.groups, a.n, a.k);
+    cpp_scales = moegraph::mxfp8_weight_scale_bytes(a.groups, a.n, a.k);
+  });
+  if (sizes_refused.empty()) {
+    if (status != MG_OK)
+      finding(std::string("mg_mxfp8_weight_bytes refused sizes the C++ API takes: ") + mg_last_error());
+    if (data_bytes != cpp_data || scale_bytes != cpp_scales) finding("C ABI and C++ MXFP8 weight sizes differ");
+    if (scale_bytes * 32 != data_bytes) finding("MXFP8 weights: not one scale byte per 32 data bytes");
+  } else {
+    expect_refused(status, "mg_mxfp8_weight_bytes");
+    if (data_bytes != 0 || scale_bytes != 0) finding("mg_mxfp8_weight_bytes refused but left a size");
+    if (sizes_refused != mg_last_error())
+      finding("mg_mxfp8_weight_bytes and the C++ API disagree: " + sizes_refused + " vs " + mg_last_error());
+  }
+
+  alignas(16) static uint8_t fake[4][32];  // never read: every call below is refused before a launch
+  uint8_t* out[4] = {};
+  for (int i = 0; i < 4; ++i)
+    if (a.outputs >> i & 1) out[i] = fake[i] + (a.outputs >> (4 + i) & 1);
+  const void* w = a.w == 0 ? nullptr : reinterpret_cast<const void*>(static_cast<std::uintptr_t>(a.w | 1));
+  const auto dtype = static_cast<mg_dtype>(a.dtype);
+  const mg_status quantized =
+      mg_quantize_mxfp8_weights(dtype, w, a.groups, a.n, a.k, out[0], out[1], out[2], out[3], nullptr);
+  expect_refused(quantized, "mg_quantize_mxfp8_weights(no usable w)");
+  if (dtype != MG_DTYPE_BF16 && dtype != MG_DTYPE_FP16) {
+    if (std::string(mg_last_error()).find("dtype must be MG_DTYPE_BF16 or MG_DTYPE_FP16") == std::string::npos)
+      finding(std::string("an out-of-range dtype was refused for another reason: ") + mg_last_error());
+    return;
+  }
+  const moegraph::DType cpp_dtype = dtype == MG_DTYPE_FP16 ? moegraph::DType::kFP16 : moegraph::DType::kBF16;
+  const std::string expected = cpp_error([&] {
+    moegraph::quantize_mxfp8_weights(cpp_dtype, w, a.groups, a.n, a.k, {out[0], out[1], out[2], out[3]}, nullptr);
+  });
+  if (expected.empty()) finding("quantize_mxfp8_weights took a w that is no device pointer");
+  if (expected != mg_last_error())
+    finding("mg_quantize_mxfp8_weights and the C++ API disagree: " + expected + " vs " + mg_last_error());
 }
 
 void null_arguments() {
@@ -227,6 +299,13 @@ void null_arguments() {
   int rank = 0;
   expect_refused(mg_ep_comm_rank(nullptr, &rank), "mg_ep_comm_rank(null comm)", MG_ERR_INVALID_HANDLE);
   mg_ep_comm_destroy(nullptr);
+  std::size_t scales = 0;
+  expect_refused(mg_mxfp8_weight_bytes(1, 32, 32, nullptr, nullptr), "mg_mxfp8_weight_bytes(null outputs)");
+  expect_refused(mg_mxfp8_weight_bytes(1, 32, 32, &bytes, nullptr), "mg_mxfp8_weight_bytes(null scale output)");
+  expect_refused(mg_mxfp8_weight_bytes(1, 32, 32, nullptr, &scales), "mg_mxfp8_weight_bytes(null data output)");
+  expect_refused(mg_quantize_mxfp8_weights(MG_DTYPE_BF16, nullptr, 1, 32, 32, nullptr, nullptr, nullptr, nullptr,
+                                           nullptr),
+                 "mg_quantize_mxfp8_weights(null everything)");
 }
 
 }  // namespace
@@ -236,7 +315,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint8_t selector = data[0];
   moegraph::fuzz::expect_only<moegraph::fuzz::NothingExpected>("C ABI", [&] {
     if (selector & 2) null_arguments();
-    if (selector & 1) fuzz_grouped_linear(data + 1, size - 1);
+    if (selector & 4) fuzz_mxfp8_weights(data + 1, size - 1);
+    else if (selector & 1) fuzz_grouped_linear(data + 1, size - 1);
     else fuzz_moe_layer(data + 1, size - 1);
   });
   return 0;

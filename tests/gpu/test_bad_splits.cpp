@@ -74,7 +74,8 @@ TEST(BadSplits, CAbiReportsDeviceSplitsStatus) {
   DeviceArray<uint16_t> x(16 * 64), w(2 * 64 * 64), y(16 * 64);
   x.poison();
   w.poison();
-  mg_forward_args a{sizeof(mg_forward_args), x.get(), splits.get(), w.get(), nullptr, nullptr, y.get(), nullptr};
+  mg_forward_args a{};
+  a.struct_size = sizeof a, a.x = x.get(), a.splits = splits.get(), a.weight = w.get(), a.y = y.get();
   EXPECT_EQ(mg_grouped_linear_forward(op, &a, 0, nullptr), MG_OK) << mg_last_error();
   EXPECT_EQ(mg_grouped_linear_check_device_errors(op, nullptr), MG_ERR_DEVICE_SPLITS);
   EXPECT_NE(std::string(mg_last_error()).find("splits[0] = -7"), std::string::npos) << mg_last_error();
