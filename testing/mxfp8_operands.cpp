@@ -1,6 +1,7 @@
 #include "testing/mxfp8_operands.hpp"
 
 #include <stdexcept>
+#include <utility>
 
 #include "testing/mxfp8_reference.hpp"
 
@@ -50,6 +51,18 @@ Mat mx_weight_values(const Mat& w, int groups, int64_t n, int64_t k, bool for_dg
         out[at] = mx_value(q, stored, stored / kMxBlockSize);
       }
   return out;
+}
+
+const Mat& GemmOperands::rowwise(const Mat& m, int64_t cols) {
+  return mxfp8_ ? hold(mx_rowwise_values(m, l_.capacity_rows, cols)) : m;
+}
+
+const Mat& GemmOperands::colwise(const Mat& m, int64_t cols) {
+  return mxfp8_ ? hold(mx_colwise_values(l_, m, cols)) : m;
+}
+
+const Mat& GemmOperands::weight(const Mat& w, int64_t n, int64_t k, bool for_dgrad) {
+  return mxfp8_ ? hold(mx_weight_values(w, l_.groups(), n, k, for_dgrad)) : w;
 }
 
 }  // namespace moegraph::testing
