@@ -103,7 +103,7 @@ Tolerance mxfp8_gemm_tolerance() {
   return {bf16.rtol, 2 * bf16.atol, bf16.rel_fro};
 }
 
-Tolerance mxfp8_chain_tolerance() { return {1.0 / 8, 0.5, 1.5e-2}; }
+Tolerance mxfp8_chain_tolerance() { return {1.0 / 8, 1.0, 1.5e-2}; }
 
 Tolerance layer_tolerance_for(DType storage, Recipe recipe) {
   return recipe == Recipe::kMXFP8 ? mxfp8_chain_tolerance() : chain_tolerance_for(storage);
