@@ -103,6 +103,12 @@ Tolerance mxfp8_gemm_tolerance() {
   return {bf16.rtol, 2 * bf16.atol, bf16.rel_fro};
 }
 
+Tolerance mxfp8_chain_tolerance() { return {1.0 / 8, 1.0, 1.5e-2}; }
+
+Tolerance layer_tolerance_for(DType storage, Recipe recipe) {
+  return recipe == Recipe::kMXFP8 ? mxfp8_chain_tolerance() : chain_tolerance_for(storage);
+}
+
 double relative_error(const std::vector<double>& got, const std::vector<double>& ref, int64_t cols,
                       const std::vector<bool>& mask) {
   double num = 0.0, den = 0.0;

@@ -58,6 +58,26 @@ Tolerance chain_tolerance_for(DType storage);
 // bits than fp32 (why the kernel promotes every block into fp32), so a single element whose terms
 // cancel sees a larger error than a bf16 GEMM; the relative Frobenius error keeps the bf16 limit.
 Tolerance mxfp8_gemm_tolerance();
+// Outputs of a chain of MXFP8 GEMMs with 16-bit intermediates (the MoE layer, mxfp8 recipe: FC1 ->
+// SwiGLU -> FC2 and back), against a reference that quantizes the same operands at the same points
+// (ref_moe_layer). What is left is the device's accumulation (fp32, each 32-wide block summed with
+// fewer bits on the FP8 tensor cores) and 16-bit rounding, as with bf16, with one amplifier: a
+// stored intermediate one 16-bit ulp (2^-8) away from the reference's lands on the other side of
+// an E4M3 rounding boundary about once in 16 when the next GEMM quantizes it, and then differs by
+// one E4M3 step (3 mantissa bits: 2^-3 of its binade). Sparse, but an output that sums few such
+// terms (the weight gradient of an expert with one or two rows) moves by up to a step of its
+// largest term: rtol 2^-3, and atol 1 rms for sums whose terms cancel (rms over the whole tensor,
+// the zeros of empty experts included). The relative Frobenius error is the bound that tells the
+// recipes apart. In a host emulation of the device's accumulation (32-wide block sums truncated to
+// 12..14 bits below the block's largest product, promoted into fp32) on layers of 1 to 256 tokens
+// and 8 to 64 experts, it stayed below 9e-3 (4.3e-3 at 14 bits), and the worst element needed atol
+// 0.41 (two rows of an expert whose terms cancelled: one term's step flipped the sign); a reference
+// or a device that skips the quantization (every operand element up to 2^-4 off) differs by 3.0e-2
+// to 7e-2 in y, dx, dw1 and dw2. rel_fro 1.5e-2 keeps a factor of about two from each.
+Tolerance mxfp8_chain_tolerance();
+// The tolerance of the MoE layer's outputs under a recipe: chain_tolerance_for(storage) for bf16,
+// mxfp8_chain_tolerance() for mxfp8.
+Tolerance layer_tolerance_for(DType storage, Recipe recipe);
 
 // The outcome of one comparison; the caller decides how to report it (gtest, a CLI line).
 struct CompareResult {

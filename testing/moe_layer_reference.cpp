@@ -5,6 +5,8 @@
 #include <sstream>
 
 #include "moegraph/error.hpp"
+#include "testing/mxfp8_operands.hpp"
+#include "testing/mxfp8_reference.hpp"
 
 namespace moegraph::testing {
 namespace {
@@ -269,6 +271,12 @@ MoeLayerRef ref_moe_layer(const MoeLayerInputs& in) {
   if (!b1.empty()) expect_size("b1", b1, int64_t{E} * 2 * f);
   if (!b2.empty()) expect_size("b2", b2, int64_t{E} * h);
   if (in.dy != nullptr) expect_size("dy", *in.dy, n * h);
+  // The device needs multiples of 128 (its GEMMs stage 128 K at a time); the reference only whole
+  // blocks along K and N, and groups starting on a block of rows.
+  MG_CHECK(in.recipe != Recipe::kMXFP8 || (h % kMxBlockSize == 0 && f % kMxBlockSize == 0 &&
+                                           (in.router.row_align == 32 || in.router.row_align == 128)),
+           "ref_moe_layer: the mxfp8 recipe needs hidden and ffn multiples of ", kMxBlockSize,
+           " and row_align 32 or 128, got hidden ", h, ", ffn ", f, ", row_align ", in.router.row_align);
   MoeLayerRef out;
 
   // Router: fp32 logits and scores on the device, not rounded here.
@@ -285,18 +293,23 @@ MoeLayerRef ref_moe_layer(const MoeLayerInputs& in) {
   const DispatchRef& d = out.dispatch;
   const GroupLayout& l = d.layout;
   const Mat& w_row = d.row_weight;  // 0 on gap rows, so their fused SwiGLU output stays 0
+  GemmOperands gemm(in.recipe, l);
 
   // Experts: FC1 -> SwiGLU (optionally scaled by the routing weight) -> FC2.
   const Mat px = ref_permute(d, x, h);
-  const Mat h1 = store(ref_fprop(l, px, *in.w1, b1, {}, 2 * f, h));
-  Mat a(rows * f, 0.0);
+  out.h1 = store(ref_fprop(l, gemm.rowwise(px, h), gemm.weight(*in.w1, 2 * f, h, false), b1, {}, 2 * f, h));
+  const Mat& h1 = out.h1;
+  Mat& a = out.a;
+  a.assign(rows * f, 0.0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < f; ++j) {
       const double gate = h1[r * 2 * f + j], up = h1[r * 2 * f + f + j];
       const double swiglu = gate * sigmoid(gate) * up;
       a[r * f + j] = store(in.fuse_weights ? w_row[r] * swiglu : swiglu);
     }
-  const Mat expert_out = store(ref_fprop(l, a, *in.w2, b2, in.fuse_weights ? w_row : Mat{}, h, f));
+  out.expert_out = store(
+      ref_fprop(l, gemm.rowwise(a, f), gemm.weight(*in.w2, h, f, false), b2, in.fuse_weights ? w_row : Mat{}, h, f));
+  const Mat& expert_out = out.expert_out;
   out.y = store(ref_combine(d, expert_out, in.fuse_weights ? Mat{} : out.router.topk_weights, n, k, h));
   if (in.dy == nullptr) return out;
   const Mat& dy = *in.dy;
@@ -317,8 +330,9 @@ MoeLayerRef ref_moe_layer(const MoeLayerInputs& in) {
   }
 
   // FC2 backward.
-  const Mat da = store(ref_dgrad(l, d_out, *in.w2, h, f));
-  out.dw2 = ref_wgrad(l, d_out, a, h, f);
+  out.da = store(ref_dgrad(l, gemm.rowwise(d_out, h), gemm.weight(*in.w2, h, f, true), h, f));
+  const Mat& da = out.da;
+  out.dw2 = ref_wgrad(l, gemm.colwise(d_out, h), gemm.colwise(a, f), h, f);
   Mat bias_scale_grad;  // gradient of FC2's per-row bias scale (fused with bias)
   if (!b2.empty()) {
     out.db2 = ref_bias_grad(l, d_out, in.fuse_weights ? w_row : Mat{}, h);
@@ -326,7 +340,8 @@ MoeLayerRef ref_moe_layer(const MoeLayerInputs& in) {
   }
 
   // SwiGLU backward.
-  Mat dh1(rows * 2 * f, 0.0);
+  Mat& dh1 = out.dh1;
+  dh1.assign(rows * 2 * f, 0.0);
   for (int64_t r = 0; r < rows; ++r) {
     const double w = in.fuse_weights ? w_row[r] : 1.0;
     double dot = 0.0;
@@ -342,8 +357,8 @@ MoeLayerRef ref_moe_layer(const MoeLayerInputs& in) {
   }
 
   // FC1 backward.
-  const Mat d_perm = store(ref_dgrad(l, dh1, *in.w1, 2 * f, h));
-  out.dw1 = ref_wgrad(l, dh1, px, 2 * f, h);
+  const Mat d_perm = store(ref_dgrad(l, gemm.rowwise(dh1, 2 * f), gemm.weight(*in.w1, 2 * f, h, true), 2 * f, h));
+  out.dw1 = ref_wgrad(l, gemm.colwise(dh1, 2 * f), gemm.colwise(px, h), 2 * f, h);
   if (!b1.empty()) out.db1 = ref_bias_grad(l, dh1, {}, 2 * f);
 
   // Router backward.

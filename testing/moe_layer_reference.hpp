@@ -3,7 +3,10 @@
 // The layer reference rounds what the device stores in the activation dtype (permuted x, FC1
 // output, SwiGLU output, expert output, d_logits, ...) at the same points, so the comparison
 // measures the kernels; with round_intermediates = false it is exact fp64 math (used by the
-// finite-difference gradient tests). Formulas: kernels/routing/moe_routing.hpp.
+// finite-difference gradient tests). With the mxfp8 recipe the expert linears' GEMMs read the
+// MXFP8 copies the device makes (docs/mxfp8.md "Where the recipe uses them"), quantized and
+// dequantized exactly here too (testing/mxfp8_operands.hpp), so that comparison still measures
+// the kernels and not the format. Formulas: kernels/routing/moe_routing.hpp.
 #pragma once
 
 #include <cstdint>
@@ -76,6 +79,13 @@ struct MoeLayerInputs {
   RouterSpec router;
   bool fuse_weights = false;            // routing weights in the SwiGLU output (FC2 bias scaled by them)
   DType dtype = DType::kBF16;
+  // kMXFP8: FC1's and FC2's fprop, dgrad and wgrad read MXFP8 copies of x, dy and W as the device
+  // makes them (row-wise along K for fprop, along N for dgrad, column-wise in blocks of 32 rows of
+  // a group for wgrad), dequantized exactly; the bias gradients, the router, SwiGLU and the combine
+  // read the unquantized values, as on the device. Needs hidden and ffn multiples of 32 and
+  // router.row_align 32 or 128 (the device needs multiples of 128: its GEMMs stage 128 at a time).
+  // Independent of round_intermediates: the quantization is part of the recipe's math.
+  Recipe recipe = Recipe::kBF16;
   bool round_intermediates = true;      // false: exact fp64 (gradient checks)
   const std::vector<int32_t>* forced_ids = nullptr;  // see ref_router_forward
 };
@@ -84,6 +94,9 @@ struct MoeLayerRef {
   RouterRef router;
   DispatchRef dispatch;
   Mat logits;                 // [n, E]
+  // The experts' stored activations, in the dispatch's rows [capacity_rows, .]: FC1's output h1
+  // (gate | up), the SwiGLU output a (times the routing weight when fused), FC2's output.
+  Mat h1, a, expert_out;
   Mat y;                      // [n, hidden]
   double aux_loss = 0.0;
   // Gradients (when dy is given): of the loss sum(y * dy) + aux_loss.
@@ -91,6 +104,7 @@ struct MoeLayerRef {
   Mat dwr;                    // [E, hidden]
   Mat dw1, dw2, db1, db2;     // db* empty without bias
   Mat d_logits;               // [n, E]
+  Mat da, dh1;                // the stored gradients of a and of h1 (FC2's dgrad, the SwiGLU backward)
 };
 MoeLayerRef ref_moe_layer(const MoeLayerInputs& in);
 

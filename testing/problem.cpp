@@ -5,62 +5,9 @@
 #include <numeric>
 #include <stdexcept>
 
-#include "testing/mxfp8_reference.hpp"
+#include "testing/mxfp8_operands.hpp"
 
 namespace moegraph::testing {
-namespace {
-
-// An MXFP8 element in fp64: e4m3 * 2^(scale - 127) is exact (4 significant bits), which the
-// tensor cores multiply exactly too, unlike mx_dequantize_rowwise's rounding into an output type.
-double mx_value(const MxBuffer& q, int64_t element, int64_t scale) {
-  return e4m3_decode(q.data[element]) * e8m0_decode(q.scales[scale]);
-}
-
-// x [rows, cols] quantized row-wise (blocks of 32 along cols), dequantized. Rows that are zero
-// (gap and padding rows of the host copies) stay zero.
-Mat rowwise_values(const Mat& x, int64_t rows, int64_t cols) {
-  MxBuffer q = mx_buffer(rows, cols);
-  mx_quantize_rowwise(x, rows, cols, rows, q);
-  Mat out(rows * cols);
-  for (int64_t i = 0; i < rows * cols; ++i) out[i] = mx_value(q, i, i / kMxBlockSize);
-  return out;
-}
-
-// A grouped buffer x [capacity, cols], zero outside the data rows, quantized column-wise as the
-// device does for wgrad: blocks of 32 rows from each group's start (a multiple of 32), over the
-// used rows [0, offsets[G]) only (the last block may be short), dequantized; zero past them.
-Mat colwise_values(const GroupLayout& l, const Mat& x, int64_t cols) {
-  for (int e = 0; e < l.groups(); ++e)
-    if (l.splits[e] > 0 && l.offsets[e] % kMxBlockSize != 0)
-      throw std::invalid_argument("MXFP8 column-wise blocks need groups starting on multiples of 32");
-  const int64_t used = l.offsets.back();
-  const int64_t rows = (used + kMxBlockSize - 1) / kMxBlockSize * kMxBlockSize;
-  Mat head(x.begin(), x.begin() + used * cols);
-  head.resize(rows * cols, 0.0);
-  MxBuffer q = mx_buffer(rows, cols);
-  mx_quantize_colwise(head, rows, cols, used, q);
-  Mat out(l.capacity_rows * cols, 0.0);
-  for (int64_t r = 0; r < used; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = mx_value(q, c * rows + r, r / kMxBlockSize * cols + c);
-  return out;
-}
-
-// The weights w [G, N, K] as fprop reads them (row-wise, blocks along K) or as dgrad reads them
-// (each expert's W_e^T [K, N] row-wise, blocks along N), dequantized, both in w's [G, N, K] layout.
-Mat weight_values(const Mat& w, int groups, int64_t n, int64_t k, bool for_dgrad) {
-  MxBuffer q = mx_buffer(groups * (for_dgrad ? k : n), for_dgrad ? n : k);
-  mx_quantize_weights(w, groups, n, k, for_dgrad ? nullptr : &q, for_dgrad ? &q : nullptr);
-  Mat out(w.size());
-  for (int64_t e = 0; e < groups; ++e)
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < k; ++i) {
-        const int64_t at = (e * n + j) * k + i, stored = for_dgrad ? (e * k + i) * n + j : at;
-        out[at] = mx_value(q, stored, stored / kMxBlockSize);
-      }
-  return out;
-}
-
-}  // namespace
 
 std::vector<double> to_doubles(const std::vector<float>& v) { return {v.begin(), v.end()}; }
 
@@ -211,17 +158,17 @@ const Mat& Problem::operand(Operand which) const {
   const bool mx = spec.recipe == Recipe::kMXFP8;
   const int64_t rows = layout.capacity_rows, n = spec.n, k = spec.k;
   switch (which) {
-    case Operand::kFpropX: return mx ? reference("mxfp8 x row-wise", [&] { return rowwise_values(x, rows, k); }) : x;
+    case Operand::kFpropX: return mx ? reference("mxfp8 x row-wise", [&] { return mx_rowwise_values(x, rows, k); }) : x;
     case Operand::kFpropW:
-      return mx ? reference("mxfp8 w row-wise", [&] { return weight_values(w, spec.groups, n, k, false); }) : w;
+      return mx ? reference("mxfp8 w row-wise", [&] { return mx_weight_values(w, spec.groups, n, k, false); }) : w;
     case Operand::kDgradDy:
-      return mx ? reference("mxfp8 dy row-wise", [&] { return rowwise_values(dy, rows, n); }) : dy;
+      return mx ? reference("mxfp8 dy row-wise", [&] { return mx_rowwise_values(dy, rows, n); }) : dy;
     case Operand::kDgradW:
-      return mx ? reference("mxfp8 w transposed", [&] { return weight_values(w, spec.groups, n, k, true); }) : w;
+      return mx ? reference("mxfp8 w transposed", [&] { return mx_weight_values(w, spec.groups, n, k, true); }) : w;
     case Operand::kWgradDy:
-      return mx ? reference("mxfp8 dy column-wise", [&] { return colwise_values(layout, dy, n); }) : dy;
+      return mx ? reference("mxfp8 dy column-wise", [&] { return mx_colwise_values(layout, dy, n); }) : dy;
     case Operand::kWgradX:
-      return mx ? reference("mxfp8 x column-wise", [&] { return colwise_values(layout, x, k); }) : x;
+      return mx ? reference("mxfp8 x column-wise", [&] { return mx_colwise_values(layout, x, k); }) : x;
   }
   throw std::logic_error("unknown operand");
 }

@@ -14,6 +14,7 @@
 #include <optional>
 #include <regex>
 #include <string>
+#include <tuple>
 
 #include <cuda_runtime_api.h>
 #include <nlohmann/json.hpp>
@@ -361,6 +362,48 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
   }
   std::filesystem::remove(torch);
   std::filesystem::remove(config);
+}
+
+// ---- moegraph-check ----
+
+// A moe_layer case's recipe is checked with the file, GPU or not: the name, then each linear's shape
+// rules (FC1: K hidden, N 2 ffn; FC2: K ffn, N hidden), named by the case's keys.
+TEST(Tools, CheckRefusesMoeLayerRecipesTheLayerCannotRun) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  const std::string path = fresh_temp_path("mxfp8-case.json");
+  auto write_case = [&](int hidden, int ffn, int row_align, const std::string& recipe) {
+    std::ofstream(path) << nlohmann::json{{"name", "c"},
+                                          {"op", "moe_layer"},
+                                          {"shape", {{"experts", 8}, {"hidden", hidden}, {"ffn", ffn},
+                                                     {"row_align", row_align}, {"max_tokens", 16}}},
+                                          {"tokens", {4}},
+                                          {"recipe", recipe}}
+                                .dump();
+  };
+  const std::tuple<int, int, int, const char*, const char*> cases[] = {
+      {256, 128, 32, "fp8", "recipe must be one of \"bf16\", \"mxfp8\", got \"fp8\""},
+      {192, 128, 32, "mxfp8", "recipe \"mxfp8\" cannot run fc1 (shape.hidden 192, shape.ffn 128, shape.row_align 32)"},
+      {256, 64, 32, "mxfp8", "recipe \"mxfp8\" cannot run fc2 (shape.hidden 256, shape.ffn 64, shape.row_align 32): "
+                             "the mxfp8 recipe needs in_features (K) and out_features (N) multiples of 128, got K 64 "
+                             "and N 256"},
+      {256, 128, 16, "mxfp8", "recipe \"mxfp8\" cannot run fc1 (shape.hidden 256, shape.ffn 128, shape.row_align "
+                              "16): the mxfp8 recipe needs row_align 32 or 128"},
+  };
+  for (const auto& [hidden, ffn, row_align, recipe, reason] : cases) {
+    write_case(hidden, ffn, row_align, recipe);
+    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
+    EXPECT_NE(r.output.find(std::string("case \"c\": ") + reason), std::string::npos) << r.output;
+  }
+  // Shapes the recipe can run pass validation: the case is skipped without a GPU (77), run with one.
+  const int valid_exit = gpu_present() ? 0 : 77;
+  for (const auto& [hidden, ffn, row_align, recipe] :
+       {std::tuple{192, 128, 16, "bf16"}, std::tuple{256, 128, 128, "mxfp8"}, std::tuple{512, 384, 32, "mxfp8"}}) {
+    write_case(hidden, ffn, row_align, recipe);
+    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, valid_exit) << recipe << " hidden " << hidden << ": " << r.output;
+  }
+  std::filesystem::remove(path);
 }
 
 }  // namespace

@@ -45,6 +45,13 @@ DType read_dtype(const JsonObject& c) {
   return dtype == "fp16" ? DType::kFP16 : DType::kBF16;
 }
 
+Recipe read_recipe(const JsonObject& c) {
+  const std::string recipe = optional_value(c, "recipe", std::string("bf16"), [](const Json& v, const std::string& p) {
+    return choice(v, p, {"bf16", "mxfp8"});
+  });
+  return recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
+}
+
 bool read_main_grad(const JsonObject& c, DType dtype, std::string_view gradients) {
   const std::string name(dtype_name(dtype));
   const std::string wgrad = optional_value(c, "wgrad", name, [&](const Json& v, const std::string& p) {

@@ -44,6 +44,10 @@ int64_t read_row_align(const Json& value, const std::string& path);
 // `c["dtype"]`: "bf16" (the default) or "fp16".
 DType read_dtype(const JsonObject& c);
 
+// `c["recipe"]`: "bf16" (the default: the GEMMs on the 16-bit dtype, fp16 included) or "mxfp8"
+// (on MXFP8 copies, docs/mxfp8.md); the op's shape rules are checked by its parser.
+Recipe read_recipe(const JsonObject& c);
+
 // `c["wgrad"]`: true for "main_grad" (weight gradients accumulated into fp32 main_grad), false for
 // the layer's `dtype` (the default: they are written in it); another dtype is refused, naming the
 // gradients as `gradients` ("dweight").

@@ -58,12 +58,8 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   read_shape(c.required("shape"), spec);
 
   spec.dtype = read_dtype(c);
-  // "bf16" runs the GEMMs on the 16-bit dtype (fp16 layers too); "mxfp8" on MXFP8 copies, checked
-  // against the fp64 reference on the dequantized operands.
-  const std::string recipe = optional_value(c, "recipe", std::string("bf16"), [](const Json& v, const std::string& p) {
-    return choice(v, p, {"bf16", "mxfp8"});
-  });
-  spec.recipe = recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
+  // "mxfp8": checked against the fp64 reference on the dequantized operands.
+  spec.recipe = read_recipe(c);
 
   gl.routing = read_routing(c.required("routing"), "routing", spec.groups);
   gl.phases = read_phases(c);

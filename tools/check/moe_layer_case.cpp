@@ -3,6 +3,8 @@
 #include "tools/check/moe_layer_case.hpp"
 
 #include "moegraph/error.hpp"
+#include "moegraph/grouped_linear.hpp"
+#include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::check {
 namespace {
@@ -56,6 +58,23 @@ void read_router(const JsonObject& o, MoeLayerCase& c) {
   c.fuse_weights = optional_value(r, "fuse_weights", false, config_detail::boolean);
 }
 
+// The recipe's shape rules (one can_implement per recipe) on the experts' two grouped linears, as
+// the layer applies them, named by the case's keys. The layer's own rules follow.
+void check_recipe_accepts(const MoeLayerCase& c) {
+  for (int fc : {1, 2}) {
+    std::string reason;
+    try {
+      const MoeLayerOptions o = moe_layer_options(c, false);
+      reason = recipe_can_implement(layer::expert_linear_options(o, fc, moe_expert_rows(o)));
+    } catch (const Error& e) {  // sizes the layer refuses: the same message as its own check below
+      MG_CONFIG_FAIL("MoeLayer refuses this case: ", e.message());
+    }
+    MG_CONFIG_CHECK(reason.empty(), "recipe ", in_quotes(recipe_name(c.recipe)), " cannot run fc", fc,
+                    " (shape.hidden ", c.hidden, ", shape.ffn ", c.ffn, ", shape.row_align ", c.row_align, "): ",
+                    reason);
+  }
+}
+
 // The layer's own set-up rules, so a case it would refuse fails here and not on the GPU.
 void check_layer_accepts(const MoeLayerCase& c) {
   try {
@@ -83,6 +102,7 @@ MoeLayerOptions moe_layer_options(const MoeLayerCase& c, bool delay_wgrad) {
   o.max_tokens = c.max_tokens;
   o.row_align = c.row_align;
   o.dtype = c.dtype;
+  o.recipe = c.recipe;
   o.training = c.training();
   o.wgrad_slots = 1;
   o.delay_wgrad = delay_wgrad;
@@ -91,8 +111,8 @@ MoeLayerOptions moe_layer_options(const MoeLayerCase& c, bool delay_wgrad) {
 }
 
 std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::string& name) {
-  const JsonObject o(value, "", {"name", "op", "seed", "shape", "tokens", "router", "dtype", "phases", "wgrad",
-                                 "replays", "tolerance"});
+  const JsonObject o(value, "", {"name", "op", "seed", "shape", "tokens", "router", "dtype", "recipe", "phases",
+                                 "wgrad", "replays", "tolerance"});
   MoeLayerCase c;
   c.name = name;
   c.data_seed = optional_value(o, "seed", seed_from_name(name), config_detail::non_negative_integer);
@@ -101,12 +121,15 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
   read_router(o, c);
 
   c.dtype = read_dtype(o);
+  c.recipe = read_recipe(o);
   c.phases = read_phases(o);
 
   c.main_grad = read_main_grad(o, c.dtype, "the weight gradients");
   c.replays = read_replays(o);
-  if (const Json* tol = o.find("tolerance")) c.tolerance = read_tolerance(*tol, testing::chain_tolerance_for(c.dtype));
+  if (const Json* tol = o.find("tolerance"))
+    c.tolerance = read_tolerance(*tol, testing::layer_tolerance_for(c.dtype, c.recipe));
 
+  check_recipe_accepts(c);
   check_layer_accepts(c);
   // Printed only now that every value has passed the schema: dump() recurses once per nesting level,
   // and an unchecked value may be nested deep enough to overflow the stack.

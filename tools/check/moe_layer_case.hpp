@@ -33,10 +33,11 @@ struct MoeLayerCase {
   double capacity_factor = 0.0;
   bool fuse_weights = false;
   DType dtype = DType::kBF16;
+  Recipe recipe = Recipe::kBF16;  // kMXFP8: FC1 and FC2 on MXFP8 copies, and so does the reference
   bool main_grad = false;  // weight gradients accumulate into fp32 main_grad (else written in dtype)
   PhaseSet phases;
   int replays = 3;                             // graph replays of every token count
-  std::optional<testing::Tolerance> tolerance;  // default: chain_tolerance_for(dtype)
+  std::optional<testing::Tolerance> tolerance;  // default: layer_tolerance_for(dtype, recipe)
   uint64_t data_seed = 0;
   std::string json;  // the case as written, for dumps
 

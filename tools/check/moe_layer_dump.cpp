@@ -37,7 +37,8 @@ Device outputs, as far as the step wrote them: y [n, hidden], aux_loss [1] (with
   except that with "wgrad": "main_grad" the weight gradients are float64: main_grad after the step
   minus its value before. NaN marks an element the step never wrote (outputs are poisoned first).
 References (float64, from moegraph's fp64 layer reference, which rounds the intermediates the
-  device stores): the same names with "ref_" in front.
+  device stores and, with case.json "recipe": "mxfp8", runs FC1 and FC2 on the MXFP8 copies of their
+  operands as the device does): the same names with "ref_" in front.
 case.json: the layer, the router settings, the run, the dropped assignment counts (device and
   reference), the outputs the run wrote and checked with their tolerances, and the case as written.
 An element passes when |got - ref| <= rtol * |ref| + atol * rms(ref), and each output's
@@ -85,6 +86,7 @@ void dump_moe_layer(const MoeLayerCase& c, const MoeLayerParams& params, const M
   info["max_tokens"] = c.max_tokens;
   info["tokens"] = n;
   info["dtype"] = std::string(dtype_name(c.dtype));
+  info["recipe"] = std::string(recipe_name(c.recipe));
   info["wgrad"] = c.main_grad ? "main_grad" : std::string(dtype_name(c.dtype));
   info["router"] = {{"score", c.score == RouterScore::kSigmoid ? "sigmoid" : "softmax"},
                     {"renormalize", c.renormalize},
