@@ -32,4 +32,9 @@ void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t s
 GemmConfig mxfp8_gemm_config(GemmPhase phase, DType out, bool ping_pong);
 int prepare_mxfp8_gemm(const GemmConfig& config);
 
+// sm90_grouped_gemm_mxfp8_swap_ab.cu (fprop and dgrad)
+GemmConfig mxfp8_swap_ab_config(GemmPhase phase, DType out);
+int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map);
+void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
+
 }  // namespace moegraph::kernels

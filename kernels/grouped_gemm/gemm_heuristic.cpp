@@ -24,6 +24,7 @@ std::string_view gemm_family_name(GemmFamily family) {
     case GemmFamily::kCpAsync16: return "wgmma_cp_async_sw128";
     case GemmFamily::kTma16: return "wgmma_tma_ws_sw128";
     case GemmFamily::kMxfp8CpAsync: return "wgmma_e4m3_cp_async_sw128";
+    case GemmFamily::kMxfp8SwapAb: return "wgmma_e4m3_swap_ab_tma_ws_sw128";
   }
   return "?";
 }
@@ -33,6 +34,7 @@ std::string GemmConfig::to_string() const {
   os << gemm_family_name(family) << " " << block_m << "x" << block_n << "x" << block_k << " stages=" << stages
      << " threads=" << threads;
   if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
+  if (family == GemmFamily::kMxfp8SwapAb) os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials";
   if (family == GemmFamily::kTma16 && ping_pong) os << " ping-pong consumers";
   return os.str();
 }
@@ -52,6 +54,11 @@ GemmOverrides with_environment(GemmOverrides o) {
     const std::string v = env;
     MG_CHECK(v == "0" || v == "1", "MOEGRAPH_MXFP8_PINGPONG must be 0 or 1, got '", v, "'");
     o.mxfp8_ping_pong = v == "1";
+  }
+  if (const char* env = std::getenv("MOEGRAPH_MXFP8_SWAP_AB"); env != nullptr && o.mxfp8_swap_ab < 0) {
+    const std::string v = env;
+    MG_CHECK(v == "0" || v == "1", "MOEGRAPH_MXFP8_SWAP_AB must be 0 or 1, got '", v, "'");
+    o.mxfp8_swap_ab = v == "1";
   }
   if (const char* env = std::getenv("MOEGRAPH_WGRAD_PINGPONG"); env != nullptr && o.wgrad_ping_pong < 0) {
     const std::string v = env;
@@ -87,6 +94,15 @@ GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
 // against 0.34-0.52 on cp.async; into fp32 main_grad 0.73-0.90 against 0.62-0.86.
 bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return p.expected_rows_per_group < 512; }
 
+// MXFP8 fprop and dgrad of groups of few rows stream the weights for a handful of rows: the swap-AB
+// kernel puts those rows on wgmma's N (32 at a time) and streams the weights by TMA. A group of more
+// rows takes one pass over its weights per 32 rows there, so larger groups keep the 128-row tiles.
+// The bound is from measurements (docs/PERF.md, "MXFP8 swap-AB").
+constexpr int64_t kSwapAbMaxRowsPerGroup = 64;
+bool heuristic_mxfp8_swap_ab(const GemmProblem& p) {
+  return p.phase != GemmPhase::kWgrad && p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup;
+}
+
 }  // namespace
 
 GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
@@ -95,7 +111,10 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
   switch (p.recipe) {
     case Recipe::kMXFP8:
       MG_CHECK(!o.reference, "the mxfp8 recipe has no reference (WMMA) kernels");
-      // One kernel shape; two fp32 partials per block measured faster (docs/PERF.md).
+      if (p.phase != GemmPhase::kWgrad &&
+          (o.mxfp8_swap_ab >= 0 ? o.mxfp8_swap_ab == 1 : heuristic_mxfp8_swap_ab(p)))
+        return mxfp8_swap_ab_config(p.phase, p.dtype);
+      // Two fp32 partials per block measured faster (docs/PERF.md).
       return mxfp8_gemm_config(p.phase, p.dtype, o.mxfp8_ping_pong != 0);
     case Recipe::kBF16: {
       if (o.reference) return reference_gemm_config(p.phase, p.dtype);

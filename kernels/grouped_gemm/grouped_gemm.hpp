@@ -60,6 +60,7 @@ struct Mxfp8RaggedGemmParams {
   const void* bias = nullptr;         // [G, n] in the output dtype, or null
   const float* bias_scale = nullptr;  // [capacity_rows] or null
   void* c = nullptr;                  // [capacity_rows, n] bf16 or fp16
+  int64_t capacity_rows = 0;          // rows of a and c (the swap-AB kernel's tensor extent)
 };
 // MXFP8 wgrad: dW_e = dy_e^T · x_e from the column-wise copies (blocks of 32 rows along each column,
 // stored transposed; groups start on multiples of 32 rows). Scales are block-major:
@@ -86,6 +87,8 @@ enum class GemmFamily {
   kCpAsync16,      // sm90_grouped_gemm_16bit_cp_async.cuh: wgmma fed by cp.async from every thread
   kTma16,          // sm90_grouped_gemm_16bit_tma.cuh: wgmma, warp-specialized TMA producer, mbarrier ring
   kMxfp8CpAsync,   // sm90_grouped_gemm_mxfp8_cp_async.cuh: e4m3 wgmma with per-32 scale promotion
+  kMxfp8SwapAb,    // sm90_grouped_gemm_mxfp8_swap_ab.cuh: the same for groups of few rows, operands
+                   // swapped (weight rows on M, the group's rows on N), TMA producer (fprop, dgrad)
 };
 std::string_view gemm_family_name(GemmFamily family);
 
@@ -106,11 +109,12 @@ struct GemmOverrides {
   int tile_n = 0;                                 // 0: the heuristic's; 128 or 256
   GemmPipeline pipeline = GemmPipeline::kAuto;    // 16-bit wgmma kernels: cp.async or TMA
   int mxfp8_ping_pong = -1;                       // -1: the heuristic's; 0 or 1
+  int mxfp8_swap_ab = -1;                         // mxfp8 fprop/dgrad: -1 the heuristic's; 0 or 1
   int wgrad_ping_pong = -1;                       // 16-bit TMA wgrad: -1 the heuristic's; 0 or 1
 };
 // `base` completed from MOEGRAPH_TILE_N=128|256, MOEGRAPH_GEMM_PIPELINE=tma|cp_async,
-// MOEGRAPH_MXFP8_PINGPONG=0|1 and MOEGRAPH_WGRAD_PINGPONG=0|1 where it leaves a choice open: the one
-// place the environment is read.
+// MOEGRAPH_MXFP8_PINGPONG=0|1, MOEGRAPH_MXFP8_SWAP_AB=0|1 and MOEGRAPH_WGRAD_PINGPONG=0|1 where it
+// leaves a choice open: the one place the environment is read.
 // Throws on a malformed value.
 GemmOverrides with_environment(GemmOverrides base);
 
@@ -139,7 +143,7 @@ GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
 
 // Launches (enqueue paths: capturable). The plan's phase and family pick the kernel; the params
 // must be of that phase (RaggedGemmParams: fprop and dgrad; WgradParams: wgrad) and family
-// (Mxfp8*: kMxfp8CpAsync).
+// (Mxfp8*: kMxfp8CpAsync or kMxfp8SwapAb).
 void launch_ragged_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
 void launch_grouped_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
 void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <tuple>
 
 #include "kernels/common/device_query.hpp"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
@@ -49,24 +50,30 @@ struct GemmCase {
   int spread;  // binades of scale spread around 1
 };
 
-class Mxfp8Gemm : public ::testing::TestWithParam<GemmCase> {};
+// Each case runs on both fprop/dgrad kernels: the row-major one (128-row tiles) and swap-AB
+// (weight rows on M, 32 group rows on N).
+class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, bool>> {};
 
-// The MXFP8 kernel the heuristic picks for a phase (bf16 outputs), prepared on this device.
-kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase) {
+// The MXFP8 kernel for a phase (bf16 outputs), prepared on this device: fprop and dgrad on the
+// swap-AB kernel or not as asked, wgrad the heuristic's.
+kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, bool swap_ab = false) {
   kernels::GemmProblem problem;
   problem.phase = phase;
   problem.recipe = Recipe::kMXFP8;
-  return kernels::prepare_gemm(kernels::choose_gemm_config(problem, kernels::with_environment({})),
-                               kernels::current_sm_count());
+  kernels::GemmOverrides forced;
+  forced.mxfp8_swap_ab = swap_ab ? 1 : 0;
+  const kernels::GemmConfig config = kernels::choose_gemm_config(problem, kernels::with_environment(forced));
+  EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8SwapAb, swap_ab && phase != kernels::GemmPhase::kWgrad);
+  return kernels::prepare_gemm(config, kernels::current_sm_count());
 }
 
 TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
-  const GemmCase c = GetParam();
+  const auto& [c, swap_ab] = GetParam();
   std::mt19937_64 rng(test_seed(c.name));
   const int64_t data_rows = 37 * c.groups + 5;
   const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
   testing::Stream stream;
-  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop);
+  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, swap_ab);
 
   const Mx a = random_mx(rng, capacity, c.k, c.spread);
   const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread);
@@ -87,6 +94,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = c.n, p.k = c.k;
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = c.groups;
   p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
+  p.capacity_rows = capacity;
   auto enqueue = [&] {
     kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
     kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, stream.get());
@@ -132,8 +140,11 @@ const GemmCase kCases[] = {
     {"g3_k1024_n136_partial_tile", 3, 1024, 136, 16, true, 24},
     {"g64_k128_n256", 64, 128, 256, 1, false, 8},
 };
-INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::ValuesIn(kCases),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::Combine(::testing::ValuesIn(kCases), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param).name) +
+                                  (std::get<1>(info.param) ? "_swap_ab" : "_row_tiles");
+                         });
 
 // wgrad from column-wise operands: [cols][capacity] codes with block-major scales
 // [capacity / 32][cols]; rows outside the groups' data hold zero codes (the gap rows are zero in a
@@ -211,11 +222,12 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
 }
 
 // A NaN scale (E8M0 0xFF) poisons exactly the outputs that block feeds: never silently a number.
-TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
+class Mxfp8GemmNaN : public ::testing::TestWithParam<bool> {};
+TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   std::mt19937_64 rng(5);
   const int groups = 2;
   const int64_t k = 256, n = 128, rows = 64;
-  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop);
+  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, GetParam());
   Mx a = random_mx(rng, rows, k, 2);
   const Mx b = random_mx(rng, groups * n, k, 2);
   a.scales[10 * (k / 32) + 3] = 0xff;  // row 10, K block 3
@@ -231,6 +243,7 @@ TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   kernels::Mxfp8RaggedGemmParams p;
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = groups, p.c = dc.get();
+  p.capacity_rows = rows;
   kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, nullptr);
   const auto got = dc.download();
   int nan_rows = 0;
@@ -243,6 +256,8 @@ TEST(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   }
   EXPECT_EQ(nan_rows, 1);
 }
+INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8GemmNaN, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "swap_ab" : "row_tiles"; });
 
 }  // namespace
 }  // namespace moegraph::test

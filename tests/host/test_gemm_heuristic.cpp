@@ -62,6 +62,34 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   EXPECT_NE(mx.to_string().find("wgmma_e4m3"), std::string::npos) << mx.to_string();
 }
 
+// MXFP8 fprop and dgrad of groups of at most 64 rows: the swap-AB kernel; larger groups and every
+// wgrad: the 128-row tiles. Forcing works both ways but never moves wgrad.
+TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
+  for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
+    const auto decode = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 64 * 64, 2816, 4096), {});
+    EXPECT_EQ(decode.family, GemmFamily::kMxfp8SwapAb) << decode.to_string();
+    EXPECT_EQ(decode.block_n, 32);
+    EXPECT_NE(decode.to_string().find("swap_ab"), std::string::npos) << decode.to_string();
+    const auto larger = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 65 * 64, 2816, 4096), {});
+    EXPECT_EQ(larger.family, GemmFamily::kMxfp8CpAsync);
+    kernels::GemmOverrides o;
+    o.mxfp8_swap_ab = 1;
+    EXPECT_EQ(kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 16384, 2816, 4096), o).family,
+              GemmFamily::kMxfp8SwapAb);
+    o.mxfp8_swap_ab = 0;
+    EXPECT_EQ(kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 384, 2816, 4096), o).family,
+              GemmFamily::kMxfp8CpAsync);
+  }
+  kernels::GemmOverrides o;
+  o.mxfp8_swap_ab = 1;
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kMXFP8, 64, 384, 2816, 4096), o).family,
+            GemmFamily::kMxfp8CpAsync);
+  EnvVar on("MOEGRAPH_MXFP8_SWAP_AB", "0");
+  EXPECT_EQ(kernels::with_environment({}).mxfp8_swap_ab, 0);
+  EnvVar bad("MOEGRAPH_MXFP8_SWAP_AB", "2");
+  EXPECT_THROW(kernels::with_environment({}), Error);
+}
+
 TEST(GemmHeuristic, OverridesWinAndAreChecked) {
   const auto p = problem(GemmPhase::kFprop, Recipe::kBF16, 64, 768, 5632, 4096);
   kernels::GemmOverrides o;

@@ -182,6 +182,7 @@ double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vecto
     p.b = (fprop ? mx.w : mx.wt).as<uint8_t>(), p.b_scales = (fprop ? mx.ws : mx.wts).as<uint8_t>();
     p.n = fprop ? s.n : s.k, p.k = fprop ? s.k : s.n;
     p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();
+    p.capacity_rows = s.rows;
     kernels::launch_mxfp8_ragged_gemm(plan, p, stream);
   };
   auto set_routing = [&](int i) {

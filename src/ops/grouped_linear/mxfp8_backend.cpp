@@ -71,7 +71,7 @@ class Mxfp8Backend final : public LinearBackend {
     p.b = w.data, p.b_scales = w.scales;
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
-    p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y;
+    p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y, p.capacity_rows = o_.capacity_rows;
     kernels::launch_mxfp8_ragged_gemm(fprop_, p, stream);
   }
 
@@ -88,6 +88,7 @@ class Mxfp8Backend final : public LinearBackend {
       p.b = w.data_t, p.b_scales = w.scales_t;
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
+      p.capacity_rows = o_.capacity_rows;
       kernels::launch_mxfp8_ragged_gemm(dgrad_, p, stream);
     }
     switch (mode) {

@@ -1,0 +1,232 @@
+// MXFP8 ragged GEMM for groups of few rows (decode, fine-grained experts), fprop and dgrad, with the
+// operands swapped: a tile computes C_e^T = B_e · A^T, so the expert's weight rows fill wgmma's M
+// (64 per consumer warpgroup, 128 per tile) and the group's rows sit on its N, 32 at a time. A group
+// of a handful of rows then costs an m64n32 MMA and 16 accumulators per thread, not the m64n128 and
+// 64 of the row-major kernel (sm90_grouped_gemm_mxfp8_cp_async.cuh), and every 32-deep block's
+// promotion with them; the weights, which are nearly all the bytes, stream through a TMA producer
+// several stages ahead.
+//   fprop: y = x · W_e^T     A = x rows (scales along K), B = W_e [N][K]
+//   dgrad: dx = dy · W_e     A = dy rows (scales along N), B = W_e^T [K][N]
+// Per stage (128 reduction bytes): the B tile 128 x 128 and the A tile 32 x 128 by TMA (128-byte
+// swizzle, what wgmma's K-major descriptors read), their E8M0 scales (4 bytes a row) by cp.async from
+// the producer warp's lanes, which arrive on the stage's mbarrier when their copies land. Two CTAs
+// per SM (one producer warp each, no idle producer warpgroup), so that while one CTA's consumers wait
+// on an MMA or a scale conversion, the other's issue.
+// Each 32-deep block is its own MMA into a fresh partial, promoted as
+//     acc[m][r] += partial[m][r] * sb[m][kb] * sa[r][kb]
+// with two partials alternating, so block kb's MMA runs while block kb-1 is promoted.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "kernels/common/cp_async.cuh"
+#include "kernels/common/ragged_tiles.cuh"
+#include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/grouped_gemm/sm90_tma.cuh"
+#include "kernels/grouped_gemm/sm90_wgmma_ops.cuh"
+
+namespace moegraph::kernels::mxfp8_swap_ab {
+
+constexpr int kBlock = 32;                      // elements per E8M0 scale
+constexpr int BK = 128;                         // reduction bytes (= elements) per stage
+constexpr int kBlocksPerStage = BK / kBlock;    // 4
+constexpr int BM = 128;                         // weight rows (output columns) per tile
+constexpr int BR = 32;                          // group rows per tile: wgmma's N
+constexpr int STAGES = 4;
+constexpr int kConsumerThreads = 256;           // two consumer warpgroups, 64 weight rows each
+constexpr int THREADS = kConsumerThreads + 32;  // and one producer warp after them
+constexpr int kCtasPerSm = 2;                   // two tiles' promotions interleave on every scheduler
+constexpr int kTileBytesB = BM * BK;            // 16 KB of weights
+constexpr int kTileBytesA = BR * BK;            // 4 KB of rows
+constexpr int kScaleOffset = kTileBytesB + kTileBytesA;
+constexpr int kStageBytes = (kScaleOffset + (BM + BR) * 4 + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
+constexpr int kSmemBytes = STAGES * kStageBytes + 1024;
+constexpr int kTxBytes = kTileBytesB + kTileBytesA;  // what the TMA boxes bring per stage
+
+struct Params {
+  Mxfp8RaggedGemmParams p;
+  CUtensorMap a;  // rows [capacity_rows, red] e4m3, box 32 rows x 128 bytes
+  CUtensorMap b;  // weights [G, cols, red] e4m3, box 128 rows x 128 bytes
+};
+
+// 2^(e - 127); e = 0 is 2^-127 (an fp32 subnormal), 0xFF is NaN.
+__device__ __forceinline__ float e8m0_float(uint32_t e) {
+  return e == 0xffu ? __int_as_float(0x7fc00000) : e == 0u ? __int_as_float(0x00400000) : __int_as_float(e << 23);
+}
+
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+// One arrival on `bar` once every cp.async this thread issued before it has landed (the barrier's
+// expected count already includes it).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(sm90::smem_addr(bar)) : "memory");
+}
+
+// Virtual tile t: row tile mt (a group's rows, 32 at a time, from the tile prefix) and weight tile
+// nt; consecutive tiles share the row tile, so its 4 KB per stage come from L2.
+struct Tile {
+  RaggedTile rows;
+  int64_t n0;
+};
+__device__ __forceinline__ Tile locate(int64_t t, const int* prefix, const Mxfp8RaggedGemmParams& p, int tiles_n) {
+  Tile tile;
+  tile.rows = locate_ragged_tile<BR>(prefix, p.splits, p.offsets, p.num_groups, static_cast<int>(t / tiles_n));
+  tile.n0 = (t % tiles_n) * BM;
+  return tile;
+}
+
+// The producer warp: lane 0 issues the two boxes of every stage, and every lane copies 4 weight rows'
+// and one group row's scale words (rows past the tensors read as zero scales).
+__device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                       const int* prefix, int64_t total, int tiles_n, int ktiles) {
+  const Mxfp8RaggedGemmParams& p = tp.p;
+  const int lane = threadIdx.x - kConsumerThreads;
+  const int64_t red = p.k, cols = p.n, scale_ld = red / kBlock;
+  if (lane == 0) sm90::prefetch_tensor_map(&tp.a), sm90::prefetch_tensor_map(&tp.b);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = locate(t, prefix, p, tiles_n);
+    const int64_t b_row0 = static_cast<int64_t>(tile.rows.group) * cols + tile.n0;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      sm90::mbar_wait(&empty[stage], phase ^ 1);
+      uint8_t* s = smem + stage * kStageBytes;
+      uint64_t* bar = &full[stage];
+      if (lane == 0) {
+        sm90::mbar_arrive_expect_tx(bar, kTxBytes);
+        sm90::tma_load_3d(s, &tp.b, bar, kt * BK, static_cast<int>(tile.n0), tile.rows.group);
+        sm90::tma_load_2d(s + kTileBytesB, &tp.a, bar, kt * BK, static_cast<int>(tile.rows.row0));
+      }
+      uint8_t* scales = s + kScaleOffset;
+#pragma unroll
+      for (int i = 0; i < BM / 32; ++i) {
+        const int row = lane + 32 * i;
+        const bool valid = tile.n0 + row < cols;
+        cp_async_4(scales + row * 4, valid ? p.b_scales + (b_row0 + row) * scale_ld + kt * kBlocksPerStage : p.b_scales,
+                   valid);
+      }
+      const bool valid = tile.rows.row0 + lane < p.capacity_rows;
+      cp_async_4(scales + (BM + lane) * 4,
+                 valid ? p.a_scales + (tile.rows.row0 + lane) * scale_ld + kt * kBlocksPerStage : p.a_scales, valid);
+      cp_async_arrive_noinc(bar);
+      if (++stage == STAGES) stage = 0, phase ^= 1;
+    }
+  }
+}
+
+// acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c) +=
+// partial * sb[m_h][kb] * sa[r][kb], from the stage's scale words.
+__device__ __forceinline__ void promote(float (&acc)[16], const float (&partial)[16], const uint32_t (&wb)[2],
+                                        const uint32_t (&wa)[8], int kb) {
+  const float fb0 = e8m0_float((wb[0] >> (8 * kb)) & 0xffu), fb1 = e8m0_float((wb[1] >> (8 * kb)) & 0xffu);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float fa = e8m0_float((wa[2 * j + c] >> (8 * kb)) & 0xffu);
+      acc[4 * j + c] = fmaf(partial[4 * j + c], fb0 * fa, acc[4 * j + c]);
+      acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], fb1 * fa, acc[4 * j + 2 + c]);
+    }
+  }
+}
+
+__device__ __forceinline__ void mma_block(float (&partial)[16], uint32_t b_addr, uint32_t a_addr, int kb) {
+  sm90::fence_registers(partial);
+  sm90::wgmma_fence();
+  sm90::Wgmma<__nv_fp8_e4m3, BR>::mma<0, 0>(partial, sm90::kmajor_sw128_desc(b_addr + kb * 32),
+                                            sm90::kmajor_sw128_desc(a_addr + kb * 32), 0);
+  sm90::wgmma_commit();
+}
+
+// C[r, n] for the rows of group e: tiles of 128 output columns x 32 rows; gap rows written as zero,
+// rows past the group's span and columns past `cols` left alone.
+template <class T>
+__global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const __grid_constant__ Params tp) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int tile_prefix[kMaxGroups + 1];
+  __shared__ int warp_sums[THREADS / 32];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const Mxfp8RaggedGemmParams& p = tp.p;
+  const int64_t cols = p.n;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      sm90::mbar_init(&full[s], 1 + 32);  // lane 0's arrive.expect_tx and the 32 lanes' scale copies
+      sm90::mbar_init(&empty[s], kConsumerThreads);
+    }
+    sm90::fence_mbarrier_init();
+  }
+  build_tile_prefix<THREADS, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);  // ends in a barrier
+  const int tiles_n = static_cast<int>((cols + BM - 1) / BM);
+  const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;
+  const int ktiles = static_cast<int>(p.k / BK);
+
+  if (threadIdx.x >= kConsumerThreads) return produce(tp, smem, full, empty, tile_prefix, total, tiles_n, ktiles);
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+  const int m_local = wg * 64 + warp * 16 + lane / 4;  // this thread's weight rows: m_local and m_local + 8
+  const T* bias_all = static_cast<const T*>(p.bias);
+  T* c_all = static_cast<T*>(p.c);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
+    const Tile tile = locate(t, tile_prefix, p, tiles_n);
+    float acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
+    float partial[2][16];
+    for (int kt = 0; kt < ktiles; ++kt) {
+      sm90::mbar_wait(&full[stage], phase);
+      const uint8_t* s = smem + stage * kStageBytes;
+      const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
+      const uint32_t wb[2] = {scales[m_local], scales[m_local + 8]};
+      uint32_t wa[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) wa[2 * j + c] = scales[BM + 8 * j + 2 * (lane % 4) + c];
+      const uint32_t b_addr = sm90::smem_addr(s + wg * (kTileBytesB / 2));
+      const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
+      mma_block(partial[0], b_addr, a_addr, 0);
+#pragma unroll
+      for (int kb = 1; kb < kBlocksPerStage; ++kb) {
+        mma_block(partial[kb & 1], b_addr, a_addr, kb);
+        sm90::wgmma_wait<1>();  // block kb-1 is done
+        sm90::fence_registers(partial[(kb - 1) & 1]);
+        promote(acc, partial[(kb - 1) & 1], wb, wa, kb - 1);
+      }
+      sm90::wgmma_wait<0>();
+      sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
+      sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
+      promote(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1);
+      if (++stage == STAGES) stage = 0, phase ^= 1;
+    }
+    // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and 8 group rows r.
+    const RaggedTile& rt = tile.rows;
+    const T* b = bias_all != nullptr ? bias_all + static_cast<int64_t>(rt.group) * cols + tile.n0 : nullptr;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = m_local + 8 * h;
+      if (tile.n0 + m >= cols) continue;
+      const float bm = b != nullptr ? static_cast<float>(b[m]) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int r = 8 * j + 2 * (lane % 4) + c;
+          if (r >= rt.span_rows) continue;
+          float v = 0.0f;  // alignment gap rows read as zero downstream
+          if (r < rt.data_rows) {
+            const float s = b != nullptr && p.bias_scale != nullptr ? p.bias_scale[rt.row0 + r] : 1.0f;
+            v = acc[4 * j + 2 * h + c] + s * bm;
+          }
+          c_all[(rt.row0 + r) * cols + tile.n0 + m] = static_cast<T>(v);
+        }
+    }
+  }
+}
+
+}  // namespace moegraph::kernels::mxfp8_swap_ab
