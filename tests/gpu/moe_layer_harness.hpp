@@ -14,6 +14,7 @@
 #include "moegraph/moe_layer.hpp"
 #include "testing/data.hpp"
 #include "testing/device_array.hpp"
+#include "testing/graph.hpp"
 #include "testing/moe_layer_reference.hpp"
 #include "tests/common/expect.hpp"
 
@@ -213,5 +214,25 @@ class LayerHarness {
   Stream stream_;
   std::unique_ptr<MoeLayer> layer_;
 };
+
+// One capture of a training step replayed for other token counts (0 included) and data: every
+// replay matches the reference and an eager run on the same data bit for bit.
+inline void expect_graph_replays_match(const LayerCase& c, Recipe recipe, uint64_t seed) {
+  LayerHarness h(options_of(c, recipe), seed);
+  h.set_inputs(c.max_tokens);
+  h.train_step();  // warm-up outside capture
+  testing::Graph graph(h.stream(), [&] { h.train_step(); });
+  for (int64_t n : {c.max_tokens, int64_t{0}, c.max_tokens / 3 + 1, int64_t{1}}) {
+    h.set_inputs(n);
+    h.poison();
+    graph.launch(h.stream());
+    const LayerOutputs replayed = h.read();
+    h.expect_matches_reference(replayed, detail::concat(c.name, " graph n=", n));
+    h.poison();
+    h.train_step();
+    EXPECT_TRUE(h.read() == replayed) << c.name << " n=" << n << ": graph replay and eager run differ";
+  }
+  h.layer().check_device_errors(h.stream());
+}
 
 }  // namespace moegraph::test

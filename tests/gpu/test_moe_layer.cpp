@@ -53,22 +53,7 @@ TEST_P(MoeLayerCase, TrainStepMatchesReference) {
 // One capture (under cudaStreamCaptureModeGlobal) replayed for other token counts and data; every
 // replay matches the reference and an eager run on the same data bit for bit.
 TEST_P(MoeLayerCase, GraphReplaysMatchEagerAndReference) {
-  const LayerCase& c = GetParam();
-  LayerHarness h(options_of(c), test_seed(c.name) + 1);
-  h.set_inputs(c.max_tokens);
-  h.train_step();  // warm-up outside capture
-  testing::Graph graph(h.stream(), [&] { h.train_step(); });
-  for (int64_t n : {c.max_tokens, int64_t{0}, c.max_tokens / 3 + 1, int64_t{1}}) {
-    h.set_inputs(n);
-    h.poison();
-    graph.launch(h.stream());
-    const LayerOutputs replayed = h.read();
-    h.expect_matches_reference(replayed, detail::concat(c.name, " graph n=", n));
-    h.poison();
-    h.train_step();
-    EXPECT_TRUE(h.read() == replayed) << c.name << " n=" << n << ": graph replay and eager run differ";
-  }
-  h.layer().check_device_errors(h.stream());
+  expect_graph_replays_match(GetParam(), Recipe::kBF16, test_seed(GetParam().name) + 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerCase, ::testing::ValuesIn(kCases),

@@ -48,25 +48,9 @@ TEST_P(MoeLayerMxfp8Case, TrainStepMatchesReference) {
   }
 }
 
-// One capture replayed for other token counts (0 included) and data: every replay matches the
-// reference and an eager run on the same data bit for bit.
+// One capture replayed for other token counts and data (moe_layer_harness.hpp).
 TEST_P(MoeLayerMxfp8Case, GraphReplaysMatchEagerAndReference) {
-  const LayerCase& c = GetParam();
-  LayerHarness h(options_of(c, Recipe::kMXFP8), test_seed(c.name) + 1);
-  h.set_inputs(c.max_tokens);
-  h.train_step();  // warm-up outside capture
-  testing::Graph graph(h.stream(), [&] { h.train_step(); });
-  for (int64_t n : {c.max_tokens, int64_t{0}, c.max_tokens / 3 + 1, int64_t{1}}) {
-    h.set_inputs(n);
-    h.poison();
-    graph.launch(h.stream());
-    const LayerOutputs replayed = h.read();
-    h.expect_matches_reference(replayed, detail::concat(c.name, " graph n=", n));
-    h.poison();
-    h.train_step();
-    EXPECT_TRUE(h.read() == replayed) << c.name << " n=" << n << ": graph replay and eager run differ";
-  }
-  h.layer().check_device_errors(h.stream());
+  expect_graph_replays_match(GetParam(), Recipe::kMXFP8, test_seed(GetParam().name) + 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerMxfp8Case, ::testing::ValuesIn(kMxfp8Cases),
