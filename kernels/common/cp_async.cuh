@@ -1,5 +1,5 @@
-// cp.async (sm_80+): 16-byte global-to-shared copies that zero-fill when masked off, so ragged
-// tiles need no separate clearing pass.
+// cp.async (sm_80+): 16- and 4-byte global-to-shared copies that zero-fill when masked off, so
+// ragged tiles need no separate clearing pass.
 #pragma once
 
 namespace moegraph::kernels {
@@ -8,6 +8,10 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int bytes = valid ? 16 : 0;  // 0: zero-fill, nothing read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

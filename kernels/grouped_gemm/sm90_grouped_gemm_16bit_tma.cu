@@ -1,16 +1,12 @@
 // The warp-specialized TMA kernels (sm_90a; bf16 and fp16; fprop, dgrad, wgrad; 128- and 256-wide
-// tiles), and their tensor maps. Encoding is host-only arithmetic on pointers and sizes (no device
-// access, no synchronization), so the launchers stay capturable; the driver entry point is looked
-// up at set-up and kept in the plan.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
+// tiles), and their tensor maps (sm90_tensor_maps.hpp: the encoder is kept in the plan).
 #include <type_traits>
 
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/kernel_setup.cuh"
 #include "kernels/grouped_gemm/gemm_families.hpp"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_16bit_tma.cuh"
+#include "kernels/grouped_gemm/sm90_tensor_maps.hpp"
 #include "moegraph/error.hpp"
 
 namespace moegraph::kernels {
@@ -18,28 +14,18 @@ namespace moegraph::kernels {
 namespace {
 
 namespace t = tma_gemm;
-using Encode = PFN_cuTensorMapEncodeTiled_v12000;
 
 // A row-major tensor of the plan's 16-bit type (or fp32) with dims[0] contiguous; strides in
 // elements for dims 1...
 template <int kRank>
 CUtensorMap encode(const GemmPlan& plan, const void* base, const uint64_t (&dims)[kRank],
                    const uint64_t (&strides)[kRank - 1], const uint32_t (&box)[kRank], bool f32 = false) {
-  MG_CHECK(plan.encode_tensor_map != nullptr, "the TMA plan was not prepared (prepare_gemm at set-up)");
-  MG_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "the TMA grouped GEMM needs 16-byte aligned operands");
-  cuuint64_t gdims[kRank], gstrides[kRank > 1 ? kRank - 1 : 1];
-  cuuint32_t gbox[kRank], estrides[kRank];
-  for (int i = 0; i < kRank; ++i) gdims[i] = dims[i] > 0 ? dims[i] : 1, gbox[i] = box[i], estrides[i] = 1;
-  for (int i = 0; i + 1 < kRank; ++i) gstrides[i] = strides[i] * (f32 ? 4 : 2);
-  CUtensorMap map;
-  const auto data_type = f32                                 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                         : plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                             : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  const CUresult r = reinterpret_cast<Encode>(plan.encode_tensor_map)(
-      &map, data_type, kRank, const_cast<void*>(base), gdims, gstrides, gbox, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MG_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", static_cast<int>(r));
-  return map;
+  uint64_t byte_strides[kRank > 1 ? kRank - 1 : 1];
+  for (int i = 0; i + 1 < kRank; ++i) byte_strides[i] = strides[i] * (f32 ? 4 : 2);
+  const auto type = f32                                 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                    : plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode_sw128_map(plan.encode_tensor_map, type, kRank, base, dims, byte_strides, box);
 }
 
 // Rows [capacity, cols] with a box of box_rows x 64 columns.
@@ -85,11 +71,7 @@ GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_p
 }
 
 int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult status{};
-  MG_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
-  MG_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "the driver has no cuTensorMapEncodeTiled");
-  *encode_tensor_map = fn;
+  *encode_tensor_map = tensor_map_encoder();
   int blocks = 0;
   with_kernel_types(config, [&](auto e, auto tile) {
     using T = decltype(e);

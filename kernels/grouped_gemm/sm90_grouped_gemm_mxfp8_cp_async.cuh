@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "kernels/grouped_gemm/sm90_grouped_gemm_16bit_cp_async.cuh"
+#include "kernels/grouped_gemm/sm90_mxfp8_scales.cuh"
 
 namespace moegraph::kernels::mxfp8_gemm {
 
@@ -41,15 +42,6 @@ struct Tile128 {
   static_assert(BM * kStageLd * 4 <= STAGES * kStageBytes, "the epilogue staging reuses the pipeline");
 };
 
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
-}
-
-// 2^(e - 127); e = 0 is 2^-127 (an fp32 subnormal), 0xFF is NaN.
-__device__ __forceinline__ float e8m0_to_float(uint32_t e) {
-  return e == 0xffu ? __int_as_float(0x7fc00000) : e == 0u ? __int_as_float(0x00400000) : __int_as_float(e << 23);
-}
 
 // Scales in shared memory, per stage and operand: row-wise operands (fprop, dgrad) bring each
 // row's 4-block word, [row][block]; column-wise operands (wgrad) bring 4 block-rows of 128 bytes,

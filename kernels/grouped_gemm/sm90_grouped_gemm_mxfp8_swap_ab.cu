@@ -1,39 +1,25 @@
-// The MXFP8 swap-AB kernels (sm_90a; bf16 and fp16 outputs; fprop and dgrad) and their tensor maps:
-// e4m3 bytes, 128-byte swizzle. Encoding is host arithmetic on pointers and sizes, so the launcher
-// stays capturable; the driver entry point is looked up at set-up and kept in the plan.
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
+// The MXFP8 swap-AB kernels (sm_90a; bf16 and fp16 outputs; fprop and dgrad) and their tensor maps
+// (e4m3 bytes, 128-byte swizzle; sm90_tensor_maps.hpp).
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/kernel_setup.cuh"
 #include "kernels/grouped_gemm/gemm_families.hpp"
 #include "kernels/grouped_gemm/sm90_grouped_gemm_mxfp8_swap_ab.cuh"
+#include "kernels/grouped_gemm/sm90_tensor_maps.hpp"
 #include "moegraph/error.hpp"
 
 namespace moegraph::kernels {
 
 namespace {
 namespace s = mxfp8_swap_ab;
-using Encode = PFN_cuTensorMapEncodeTiled_v12000;
 
 // e4m3 bytes with dims[0] contiguous (strides in bytes for dims 1...), a box of 128 bytes x box_rows.
 template <int kRank>
 CUtensorMap encode_bytes(const GemmPlan& plan, const void* base, const uint64_t (&dims)[kRank],
                          const uint64_t (&strides)[kRank - 1], uint32_t box_rows) {
-  MG_CHECK(plan.encode_tensor_map != nullptr, "the MXFP8 swap-AB plan was not prepared (prepare_gemm at set-up)");
-  MG_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "the MXFP8 swap-AB GEMM needs 16-byte aligned operands");
-  cuuint64_t gdims[kRank], gstrides[kRank - 1];
-  cuuint32_t box[kRank], estrides[kRank];
-  for (int i = 0; i < kRank; ++i) gdims[i] = dims[i] > 0 ? dims[i] : 1, box[i] = 1, estrides[i] = 1;
-  for (int i = 0; i + 1 < kRank; ++i) gstrides[i] = strides[i];
+  uint32_t box[kRank];
+  for (int i = 0; i < kRank; ++i) box[i] = 1;
   box[0] = s::BK, box[1] = box_rows;
-  CUtensorMap map;
-  const CUresult r = reinterpret_cast<Encode>(plan.encode_tensor_map)(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, kRank, const_cast<void*>(base), gdims, gstrides, box, estrides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MG_CHECK(r == CUDA_SUCCESS, "cuTensorMapEncodeTiled failed with code ", static_cast<int>(r));
-  return map;
+  return encode_sw128_map(plan.encode_tensor_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, kRank, base, dims, strides, box);
 }
 
 template <class F>
@@ -48,11 +34,7 @@ GemmConfig mxfp8_swap_ab_config(GemmPhase phase, DType out) {
 }
 
 int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult status{};
-  MG_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &status));
-  MG_CHECK(status == cudaDriverEntryPointSuccess && fn != nullptr, "the driver has no cuTensorMapEncodeTiled");
-  *encode_tensor_map = fn;
+  *encode_tensor_map = tensor_map_encoder();
   int blocks = 0;
   with_kernel(config, [&](auto kernel) { blocks = allow_smem_and_measure(kernel, s::THREADS, s::kSmemBytes); });
   return blocks;

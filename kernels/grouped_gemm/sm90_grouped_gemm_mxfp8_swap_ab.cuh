@@ -25,6 +25,7 @@
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
 #include "kernels/grouped_gemm/sm90_tma.cuh"
+#include "kernels/grouped_gemm/sm90_mxfp8_scales.cuh"
 #include "kernels/grouped_gemm/sm90_wgmma_ops.cuh"
 
 namespace moegraph::kernels::mxfp8_swap_ab {
@@ -51,15 +52,6 @@ struct Params {
   CUtensorMap b;  // weights [G, cols, red] e4m3, box 128 rows x 128 bytes
 };
 
-// 2^(e - 127); e = 0 is 2^-127 (an fp32 subnormal), 0xFF is NaN.
-__device__ __forceinline__ float e8m0_float(uint32_t e) {
-  return e == 0xffu ? __int_as_float(0x7fc00000) : e == 0u ? __int_as_float(0x00400000) : __int_as_float(e << 23);
-}
-
-__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
-}
 // One arrival on `bar` once every cp.async this thread issued before it has landed (the barrier's
 // expected count already includes it).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
@@ -122,12 +114,12 @@ __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_
 // partial * sb[m_h][kb] * sa[r][kb], from the stage's scale words.
 __device__ __forceinline__ void promote(float (&acc)[16], const float (&partial)[16], const uint32_t (&wb)[2],
                                         const uint32_t (&wa)[8], int kb) {
-  const float fb0 = e8m0_float((wb[0] >> (8 * kb)) & 0xffu), fb1 = e8m0_float((wb[1] >> (8 * kb)) & 0xffu);
+  const float fb0 = e8m0_to_float((wb[0] >> (8 * kb)) & 0xffu), fb1 = e8m0_to_float((wb[1] >> (8 * kb)) & 0xffu);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const float fa = e8m0_float((wa[2 * j + c] >> (8 * kb)) & 0xffu);
+      const float fa = e8m0_to_float((wa[2 * j + c] >> (8 * kb)) & 0xffu);
       acc[4 * j + c] = fmaf(partial[4 * j + c], fb0 * fa, acc[4 * j + c]);
       acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], fb1 * fa, acc[4 * j + 2 + c]);
     }
