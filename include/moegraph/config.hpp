@@ -72,6 +72,8 @@ struct RouterConfig {
 struct ParallelConfig {
   int expert_parallel = 1;            // ranks the experts are spread over, 1..64, dividing layer.experts
   int64_t recv_rows = 0;              // 0: receive buffers for the worst case (dropless); else a bound
+  EpExchange exchange = EpExchange::kPeerStores;  // "peer_stores" or "send_recv" (fixed chunks, ncclSend/Recv)
+  int64_t chunk_rows = 0;             // send_recv: rows per chunk, 0 for the worst case (max_tokens * top_k)
 };
 
 struct Config {

@@ -17,6 +17,8 @@
 
 #include "moegraph/export.h"
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <memory>
 #include <string>
@@ -64,6 +66,14 @@ class MOEGRAPH_API EpComm {
   // calls it between its allocations and its warm-up. Emulated ranks wait for each other on the
   // host (throwing after the barrier timeout); NCCL ranks, one GPU each, have nothing to wait for.
   virtual void set_up_barrier() {}
+  // Collective enqueue, for EpExchange::kSendRecv: chunk p of `send` ([ranks][chunk_bytes], device
+  // memory) is moved whole into chunk rank() of rank p's `recv` ([ranks][chunk_bytes]), and chunk s
+  // of this rank's `recv` holds rank s's chunk when the stream passes this call. `recv` must lie in
+  // one of this communicator's windows, at the same offset on every rank; chunk_bytes is a multiple
+  // of 16. NCCL: grouped ncclSend / ncclRecv (capturable; no host synchronization). Emulated ranks:
+  // stores into the peers' windows and a device barrier, whose timeout is reported in `error`.
+  virtual void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord* error,
+                          cudaStream_t stream) = 0;
 };
 
 // R ranks in this process, on the current device. rank(r) is rank r's communicator; it shares the

@@ -64,6 +64,13 @@ struct MoeLayerOptions {
   // to one rank: no row is ever dropped), else a bound (a multiple of row_align); rows past it are
   // dropped, counted on their source rank (read_dropped) and contribute zero to their tokens.
   int64_t ep_recv_rows = 0;
+  // How rows move between ranks (EpExchange). kSendRecv moves fixed chunks: ep_chunk_rows rows from
+  // each rank to each rank per exchange, 0 for the worst case (max_tokens * top_k: nothing dropped;
+  // a larger bound means the same).
+  // A source's rows past its chunk are dropped like rows past ep_recv_rows: counted on the source
+  // (read_dropped), zero in results.
+  EpExchange ep_exchange = EpExchange::kPeerStores;
+  int64_t ep_chunk_rows = 0;
 };
 
 // The options of one bucket of a config (layer, router, precision, training, row_align).
@@ -78,8 +85,11 @@ MOEGRAPH_API int moe_local_experts(const MoeLayerOptions& options);
 // Rows of the experts' grouped buffers: moe_layer_rows without expert parallelism, else the receive
 // buffer's rows (ep_recv_rows, or the worst case moe_ep_worst_case_rows).
 MOEGRAPH_API int64_t moe_expert_rows(const MoeLayerOptions& options);
-// expert_parallel * max_tokens * top_k rows plus the alignment padding of the local experts.
+// expert_parallel * max_tokens * top_k rows plus the alignment padding of the local experts (with
+// kSendRecv, expert_parallel * moe_ep_chunk_rows rows plus that padding).
 MOEGRAPH_API int64_t moe_ep_worst_case_rows(const MoeLayerOptions& options);
+// kSendRecv: the rows of every chunk (ep_chunk_rows, or max_tokens * top_k when it is 0).
+MOEGRAPH_API int64_t moe_ep_chunk_rows(const MoeLayerOptions& options);
 
 // Parameters and their gradients (device). The gradient set follows main_grad_fp32: fp32 main_grad_*
 // accumulated into, or d* written in the activation dtype. Biases only with options.bias. With

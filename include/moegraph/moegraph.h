@@ -260,6 +260,11 @@ MOEGRAPH_API mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out);
 
 typedef struct mg_moe_layer mg_moe_layer;
 
+/* How expert-parallel ranks move rows: exact rows stored into the peers' windows (NCCL's device API),
+ * or fixed chunks moved by grouped ncclSend / ncclRecv (sizes fixed at capture). */
+typedef enum { MG_EP_PEER_STORES = 0, MG_EP_SEND_RECV = 1, MG_EP_EXCHANGE_FORCE_INT32 = 0x7fffffff,
+               MG_EP_EXCHANGE_FORCE_SIGNED = -0x7fffffff - 1 } mg_ep_exchange;
+
 typedef enum { MG_ROUTER_SOFTMAX = 0, MG_ROUTER_SIGMOID = 1, MG_ROUTER_FORCE_INT32 = 0x7fffffff,
                MG_ROUTER_FORCE_SIGNED = -0x7fffffff - 1 } mg_router_score;
 
@@ -298,6 +303,10 @@ typedef struct {
   /* Appended after the expert-parallel fields (a caller's older struct_size leaves it at its default, 0). */
   int prequantized_weights; /* bool, MG_RECIPE_MXFP8 only: FC1 and FC2 read the caller's MXFP8 weights
                                (mg_moe_layer_weights w1_mxfp8_*, w2_mxfp8_*); w1 and w2 may be NULL */
+  /* Appended after prequantized_weights (an older struct_size leaves both at 0: peer stores). */
+  mg_ep_exchange ep_exchange; /* how rows move between ranks; MG_EP_SEND_RECV needs expert_parallel > 1 */
+  int64_t ep_chunk_rows;    /* MG_EP_SEND_RECV: rows each rank sends each rank per exchange (fixed chunks);
+                               0 for the worst case max_tokens * top_k; rows past it are dropped and counted */
 } mg_moe_layer_options;
 
 /* Parameters and their gradients (device). The gradient set follows main_grad_fp32; biases only

@@ -36,6 +36,8 @@ class MOEGRAPH_API NcclEpComm : public EpComm {
   std::string transport() const override;
   std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) override;
   long long barrier_timeout_ns() const override;
+  void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord* error,
+                  cudaStream_t stream) override;
   // The communicator (for the caller's own collectives, e.g. a baseline all-to-all).
   ncclComm_t nccl() const;
   // The CUDA device this rank runs on (current when the communicator was created).

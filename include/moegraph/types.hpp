@@ -39,6 +39,13 @@ MOEGRAPH_API std::string_view router_score_name(RouterScore s);
 enum class StepKind { kMoeLayer, kExperts };
 MOEGRAPH_API std::string_view step_kind_name(StepKind kind);  // "moe_layer" or "experts"
 
+// How expert-parallel ranks move rows (moegraph/expert_parallel.hpp). kPeerStores: exact rows stored
+// into the peers' windows by the exchange kernels, published by device barriers (NCCL's device
+// API). kSendRecv: each rank packs its rows for every peer into a chunk of a fixed capacity, and
+// the transport moves every chunk whole (grouped ncclSend / ncclRecv: sizes fixed at capture).
+enum class EpExchange { kPeerStores, kSendRecv };
+MOEGRAPH_API std::string_view ep_exchange_name(EpExchange e);  // "peer_stores" or "send_recv"
+
 // How the 16-bit wgmma GEMMs feed their tensor cores: chosen by the GEMM heuristic (kAuto),
 // cp.async by every thread, or a warp-specialized TMA producer.
 enum class GemmPipeline { kAuto, kCpAsync, kTma };

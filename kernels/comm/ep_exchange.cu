@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
   using Scan = cub::BlockScan<int64_t, kPlanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage scan_storage;
   const int R = p.ranks, E = p.experts, L = E / R;
-  const int64_t stride = E + 1;
+  const int64_t stride = p.matrix_stride > 0 ? p.matrix_stride : E + 1;
   // scratch [R][E] each: the rows (source, expert) asks for, their local row base on the source,
   // their receive row on the owner, and how many the owner keeps.
   int32_t* want = p.scratch;
@@ -100,16 +100,20 @@ __global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
     }
   }
   __syncthreads();
-  // Each owner's receive layout, greedily within the bound (recv_rows is a multiple of row_align,
-  // and so is every start, so an aligned end never passes the bound).
+  // Each owner's receive layout, greedily within the bounds (recv_rows is a multiple of row_align,
+  // and so is every start, so an aligned end never passes the bound; chunk_rows caps what each
+  // source sends this owner over all its experts).
   if (t < R) {
     const int d = t;
+    const int64_t chunk = p.chunk_rows > 0 ? p.chunk_rows : p.local_rows;
+    int64_t sent[kMaxExpertParallel] = {};  // rows of each source kept so far
     int64_t off = 0;
     for (int l = 0; l < L; ++l) {
       const int e = d * L + l;
       const int64_t start = off;
       for (int s = 0; s < R; ++s) {
-        const int64_t take = std::min<int64_t>(want[s * E + e], p.recv_rows - off);
+        const int64_t take = std::min<int64_t>(std::min<int64_t>(want[s * E + e], p.recv_rows - off), chunk - sent[s]);
+        sent[s] += take;
         recv_row[s * E + e] = static_cast<int32_t>(off);
         kept[s * E + e] = static_cast<int32_t>(take);
         off += take;
@@ -189,8 +193,27 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
     const int s = segment_of(p.prefix, p.count, i);
     const EpSegment seg = p.segments[s];
     const int64_t k = i - p.prefix[s];
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.src) + (seg.src_row + k) * p.row_bytes);
-    uint4* dst = reinterpret_cast<uint4*>(p.dst.base[seg.peer] + (seg.dst_row + k) * p.row_bytes);
+    // Row k of the segment in its peer's chunk: after the rows of the peer's earlier segments.
+    const auto chunk_row = [&] {
+      return seg.peer * p.chunk_rows + (p.prefix[s] - p.prefix[seg.peer * p.segments_per_peer]) + k;
+    };
+    const char* src_base = static_cast<const char*>(p.src);
+    char* local = static_cast<char*>(p.local_dst);
+    const uint4* src;
+    uint4* dst;
+    switch (p.mode) {
+      case EpRowsMode::kPack:
+        src = reinterpret_cast<const uint4*>(src_base + (seg.src_row + k) * p.row_bytes);
+        dst = reinterpret_cast<uint4*>(local + chunk_row() * p.row_bytes);
+        break;
+      case EpRowsMode::kUnpack:
+        src = reinterpret_cast<const uint4*>(src_base + chunk_row() * p.row_bytes);
+        dst = reinterpret_cast<uint4*>(local + (seg.src_row + k) * p.row_bytes);
+        break;
+      default:
+        src = reinterpret_cast<const uint4*>(src_base + (seg.src_row + k) * p.row_bytes);
+        dst = reinterpret_cast<uint4*>(p.dst.base[seg.peer] + (seg.dst_row + k) * p.row_bytes);
+    }
     for (int64_t v = lane; v < vectors; v += lanes) dst[v] = src[v];
   });
   // Zero ranges of this rank's own copy: few and short; each block takes ranges in turn.
@@ -199,6 +222,19 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
     uint4* base = reinterpret_cast<uint4*>(static_cast<char*>(p.local_dst) + begin * p.row_bytes);
     const int64_t n = std::max<int64_t>(end - begin, 0) * vectors;
     for (int64_t v = threadIdx.x; v < n; v += blockDim.x) base[v] = make_uint4(0, 0, 0, 0);
+  }
+  __threadfence_system();  // the barrier that follows publishes these stores
+}
+
+// ---- the emulated send/recv transport -----------------------------------------------------------
+__global__ void __launch_bounds__(kExchangeThreads) ep_push_chunks_kernel(const uint4* send, PeerBases recv,
+                                                                          int64_t chunk_vectors, int rank,
+                                                                          int ranks) {
+  const int64_t total = chunk_vectors * ranks;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t d = i / chunk_vectors, v = i - d * chunk_vectors;
+    reinterpret_cast<uint4*>(recv.base[d])[rank * chunk_vectors + v] = send[i];
   }
   __threadfence_system();  // the barrier that follows publishes these stores
 }
@@ -237,6 +273,10 @@ void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream) {
   MG_CHECK(p.row_bytes % 16 == 0 && p.row_bytes > 0, "ep exchange: row bytes ", p.row_bytes,
            " must be a positive multiple of 16");
   MG_CHECK(p.count >= 1, "ep exchange: no segments");
+  MG_CHECK(p.mode == EpRowsMode::kPeerStore ||
+               (p.chunk_rows >= 0 && p.segments_per_peer >= 1 && p.count % p.segments_per_peer == 0 &&
+                p.local_dst != nullptr),
+           "ep exchange: a pack or unpack needs chunk rows, the segments per peer and the local staging");
   const int64_t vectors = static_cast<int64_t>(p.row_bytes / 16);
   const int lanes = lanes_per_row(vectors);
   const int64_t rows_per_block = kExchangeThreads / 32 * (32 / lanes);
@@ -244,6 +284,21 @@ void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream) {
       (p.max_rows + rows_per_block - 1) / rows_per_block, p.zero_count));
   const int grid = grid_blocks(useful, resident_blocks_per_sm(ep_exchange_kernel, kExchangeThreads));
   ep_exchange_kernel<<<grid, kExchangeThreads, 0, stream>>>(p, lanes);
+  MG_LAUNCH_CHECK();
+}
+
+void launch_ep_push_chunks(const void* send, const PeerBases& recv, std::size_t chunk_bytes, int rank, int ranks,
+                           cudaStream_t stream) {
+  MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel && rank >= 0 && rank < ranks, "ep chunks: rank ", rank, " of ",
+           ranks);
+  MG_CHECK(chunk_bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(send) % 16 == 0, "ep chunks: ", chunk_bytes,
+           " bytes per chunk must be a multiple of 16 and 16-byte aligned");
+  const int64_t vectors = static_cast<int64_t>(chunk_bytes / 16);
+  if (vectors == 0) return;
+  const int grid = grid_blocks((vectors * ranks + kExchangeThreads - 1) / kExchangeThreads,
+                               resident_blocks_per_sm(ep_push_chunks_kernel, kExchangeThreads));
+  ep_push_chunks_kernel<<<grid, kExchangeThreads, 0, stream>>>(static_cast<const uint4*>(send), recv, vectors, rank,
+                                                               ranks);
   MG_LAUNCH_CHECK();
 }
 

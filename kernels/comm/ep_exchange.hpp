@@ -13,6 +13,11 @@
 //      knows where each of its rows lands on its owner and where each row it receives came from;
 //   4. launch_ep_exchange: rows are stored into the peers' windows, each exactly once;
 //   5. launch_ep_barrier (the rows have arrived).
+// The send/recv exchange (EpExchange::kSendRecv) replaces the stores of steps 1 and 4 by chunks of a
+// fixed size that the transport moves whole: the counts row and the rows for each peer are packed
+// into chunk `peer` of a local [ranks][chunk] buffer (share_counts with chunk bases, exchange mode
+// kPack), the transport moves chunk p to rank p (EpComm::all_to_all, which completes in stream order
+// and needs no barrier here), and the receiver unpacks each source's chunk into place (kUnpack).
 // Every launcher is an enqueue path: no synchronization, allocation or device read on the host.
 #pragma once
 
@@ -39,7 +44,8 @@ struct EpSegment {
 
 // ---- 1. counts ----------------------------------------------------------------------------------------
 // Row `rank` of every rank's matrix [ranks][experts + 1] = counts[0..E) and then *num_tokens (raw:
-// the receivers check it). `matrix` holds the matrix's address on every rank.
+// the receivers check it). `matrix` holds the matrix's address on every rank. For send/recv, pass
+// rank 0 and the local chunks as `matrix` (base[d] = chunk d): the row lands at the start of each.
 void launch_ep_share_counts(const int32_t* counts, const int32_t* num_tokens, int experts, int rank, int ranks,
                             const PeerBases& matrix, cudaStream_t stream);
 
@@ -63,15 +69,18 @@ void launch_ep_barrier(const EpBarrierParams& p, cudaStream_t stream);
 // rows (a multiple of row_align): local expert l starts at offsets[l] (aligned) and holds, source by
 // source in rank order, the rows that source keeps for it. Each source's rows for expert e are
 // contiguous in its local row order (its counting sort by expert, row_align 1): they start at the
-// sum of its counts of experts below e. A bound smaller than the worst case keeps rows greedily in
-// (local expert, source) order; the rest are dropped, counted on their source rank and zero in
-// its results.
+// sum of its counts of experts below e. A bound smaller than the worst case (recv_rows, or
+// chunk_rows per source and owner) keeps rows greedily in (local expert, source) order; the rest
+// are dropped, counted on their source rank and zero in its results. In both tables segment i
+// belongs to peer i / L, and a peer's segments are in the order of its chunk (send/recv).
 struct EpPlanParams {
   const int32_t* matrix = nullptr;  // [ranks][experts + 1], this rank's copy
   int rank = 0, ranks = 0, experts = 0, row_align = 1;
   int64_t max_tokens = 0;           // per rank: a token count outside [0, max_tokens] is an error
   int64_t local_rows = 0;           // rows of each rank's local row order (max_tokens * top_k)
   int64_t recv_rows = 0;
+  int64_t chunk_rows = 0;           // send/recv: rows one source may send one owner (0: no bound)
+  int64_t matrix_stride = 0;        // elements between the matrix's rows (0: experts + 1)
   int32_t* splits = nullptr;        // [L] rows received per local expert
   int64_t* offsets = nullptr;       // [L + 1] aligned starts, offsets[L] the aligned end
   EpSegment* to_owner = nullptr;    // [E] this rank's rows of expert e -> e's owner
@@ -88,11 +97,23 @@ std::size_t ep_plan_scratch_bytes(int ranks, int experts);
 void launch_ep_plan(const EpPlanParams& p, cudaStream_t stream);
 
 // ---- 4. rows ------------------------------------------------------------------------------------------
-// For every segment: its rows of `src` are stored into its peer's copy of the destination (dst.base
-// [peer] + row * row_bytes). Then `zero_ranges` [zero_count][2] rows of this rank's own copy of the
-// destination (`local_dst`) are zeroed (alignment gaps, dropped rows), so every row a reader may
-// touch is written. row_bytes: a multiple of 16; every address 16-byte aligned.
+// For every segment, by mode:
+//   kPeerStore: its rows of `src` are stored into its peer's copy of the destination (dst.base
+//               [peer] + dst_row * row_bytes);
+//   kPack:      its rows of `src` go to its peer's chunk of the local staging `local_dst`
+//               [ranks][chunk_rows] rows, at its place in the chunk (the rows of the peer's segments
+//               before it), dst_row unused;
+//   kUnpack:    the mirror: rows of the staging `src` (the chunk of segment's peer, same place) go
+//               to rows src_row of `local_dst` (the receiver unpacks with the table whose src_row is
+//               its own row: to_source in forward dispatch, to_owner in forward combine).
+// Then `zero_ranges` [zero_count][2] rows of `local_dst` are zeroed (alignment gaps, dropped rows;
+// none for kPack), so every row a reader may touch is written. row_bytes: a multiple of 16; every
+// address 16-byte aligned.
+enum class EpRowsMode { kPeerStore, kPack, kUnpack };
 struct EpExchangeParams {
+  EpRowsMode mode = EpRowsMode::kPeerStore;
+  int64_t chunk_rows = 0;           // kPack, kUnpack: rows of each peer's chunk
+  int segments_per_peer = 1;        // kPack, kUnpack: L (segment i belongs to peer i / L)
   const void* src = nullptr;
   std::size_t row_bytes = 0;
   PeerBases dst;
@@ -105,5 +126,12 @@ struct EpExchangeParams {
   int64_t max_rows = 0;             // bound on the rows moved (sizes the grid)
 };
 void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream);
+
+// ---- the emulated send/recv transport ---------------------------------------------------------------
+// Chunk d of `send` ([ranks][chunk_bytes]) is stored into chunk `rank` of rank d's `recv` (recv.base
+// [d]: that rank's [ranks][chunk_bytes] buffer). chunk_bytes: a multiple of 16, 16-byte aligned.
+// A barrier publishes the stores.
+void launch_ep_push_chunks(const void* send, const PeerBases& recv, std::size_t chunk_bytes, int rank, int ranks,
+                           cudaStream_t stream);
 
 }  // namespace moegraph::kernels

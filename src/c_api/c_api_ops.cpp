@@ -62,6 +62,7 @@ MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, row_align);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, wgrad_slots);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, expert_parallel);
 MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, ep_recv_rows);
+MG_SAME_FIELD_TYPE(mg_moe_layer_options, MoeLayerOptions, ep_chunk_rows);
 #undef MG_SAME_FIELD_TYPE
 
 mg_grouped_linear_options default_linear_options() {
@@ -87,6 +88,8 @@ mg_moe_layer_options default_moe_options() {
   o.expert_parallel = 1;
   o.ep_recv_rows = 0;
   o.prequantized_weights = 0;
+  o.ep_exchange = MG_EP_PEER_STORES;
+  o.ep_chunk_rows = 0;
   return o;
 }
 
@@ -137,6 +140,11 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options* in) {
   opts.expert_parallel = o.expert_parallel == 0 ? 1 : o.expert_parallel;
   opts.ep_recv_rows = o.ep_recv_rows;
   opts.prequantized_weights = o.prequantized_weights != 0;
+  MG_CHECK(o.ep_exchange == MG_EP_PEER_STORES || o.ep_exchange == MG_EP_SEND_RECV,
+           "ep_exchange must be MG_EP_PEER_STORES or MG_EP_SEND_RECV, got ", static_cast<int>(o.ep_exchange));
+  opts.ep_exchange = o.ep_exchange == MG_EP_SEND_RECV ? moegraph::EpExchange::kSendRecv
+                                                      : moegraph::EpExchange::kPeerStores;
+  opts.ep_chunk_rows = o.ep_chunk_rows;
   moegraph::validate(opts);
   return opts;
 }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "kernels/comm/ep_exchange.hpp"
 #include "moegraph/error.hpp"
 #include "moegraph/expert_parallel.hpp"
 #include "src/comm/ep_environment.hpp"
@@ -29,6 +30,8 @@ struct EmulatedEpGroup::State {
   std::condition_variable arrived_cv;
   int arrived = 0;
   long long generation = 0;
+  // all_to_all's device barrier: per rank, `ranks` flags and then its epoch (zeroed).
+  std::vector<DeviceBuffer> barrier;
 };
 
 namespace {
@@ -76,6 +79,34 @@ class EmulatedComm final : public EpComm {
     return std::make_shared<EmulatedWindow>(rank_, a);
   }
 
+  // The peers' stores go straight into `recv` on every rank (found through the window holding it),
+  // then the group's own device barrier publishes them.
+  void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord* error,
+                  cudaStream_t stream) override {
+    EmulatedEpGroup::State& st = *state_;
+    kernels::PeerBases to;
+    {
+      std::lock_guard<std::mutex> lock(st.mutex);  // allocations only grow at set-up; host data only
+      for (const auto& a : st.allocations) {
+        const char* mine = static_cast<const char*>(a->buffers[rank_].get());
+        const char* at = static_cast<const char*>(recv);
+        if (at < mine || at >= mine + a->bytes) continue;
+        MG_CHECK(static_cast<std::size_t>(at - mine) + chunk_bytes * st.ranks <= a->bytes,
+                 "all_to_all: the receive chunks pass the end of their window");
+        for (int r = 0; r < st.ranks; ++r) to.base[r] = static_cast<char*>(a->buffers[r].get()) + (at - mine);
+      }
+    }
+    MG_CHECK(to.base[0] != nullptr, "all_to_all: the receive buffer is not in a window of emulated rank ", rank_);
+    kernels::launch_ep_push_chunks(send, to, chunk_bytes, rank_, st.ranks, stream);
+    kernels::EpBarrierParams b;
+    for (int r = 0; r < st.ranks; ++r) b.flags.base[r] = static_cast<char*>(st.barrier[r].get());
+    b.epoch = st.barrier[rank_].as<uint32_t>() + st.ranks;
+    b.rank = rank_, b.ranks = st.ranks;
+    b.timeout_ns = st.timeout_ns;
+    b.error = error;
+    kernels::launch_ep_barrier(b, stream);
+  }
+
   void set_up_barrier() override {
     EmulatedEpGroup::State& st = *state_;
     std::unique_lock<std::mutex> lock(st.mutex);
@@ -111,6 +142,11 @@ EmulatedEpGroup::EmulatedEpGroup(int ranks) : state_(std::make_shared<State>()) 
   state_->ranks = ranks;
   state_->timeout_ns = comm::barrier_timeout_ns_from_environment();
   state_->calls.assign(ranks, 0);
+  for (int r = 0; r < ranks; ++r) {
+    state_->barrier.emplace_back((ranks + 1) * sizeof(uint32_t));
+    MG_CUDA_CHECK(cudaMemset(state_->barrier.back().get(), 0, state_->barrier.back().bytes()));
+  }
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
   for (int r = 0; r < ranks; ++r) comms_.push_back(std::make_shared<EmulatedComm>(state_, r));
 }
 

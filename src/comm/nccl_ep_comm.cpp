@@ -162,6 +162,22 @@ ncclComm_t NcclEpComm::nccl() const { return state_->comm; }
 long long NcclEpComm::barrier_timeout_ns() const { return state_->timeout_ns; }
 std::string NcclEpComm::transport() const { return "nccl device api (symmetric windows, LSA peer pointers)"; }
 
+// Grouped point-to-point calls of fixed sizes: what a capture records, replayed for any routing.
+// Chunks to and from this rank itself go through NCCL as well, as in the common all-to-all style.
+void NcclEpComm::all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord*,
+                            cudaStream_t stream) {
+  MG_CHECK(chunk_bytes % 16 == 0, "all_to_all: ", chunk_bytes, " bytes per chunk must be a multiple of 16");
+  const auto* from = static_cast<const char*>(send);
+  auto* to = static_cast<char*>(recv);
+  MG_NCCL_CHECK(ncclGroupStart());
+  for (int p = 0; p < state_->ranks; ++p) {
+    const std::size_t at = static_cast<std::size_t>(p) * chunk_bytes;
+    MG_NCCL_CHECK(ncclSend(from + at, chunk_bytes, ncclUint8, p, state_->comm, stream));
+    MG_NCCL_CHECK(ncclRecv(to + at, chunk_bytes, ncclUint8, p, state_->comm, stream));
+  }
+  MG_NCCL_CHECK(ncclGroupEnd());
+}
+
 std::shared_ptr<EpWindow> NcclEpComm::allocate_window(std::size_t bytes) {
   MG_CHECK(bytes > 0, "an expert-parallel window needs at least one byte");
   const std::size_t rounded = (bytes + kWindowAlignment - 1) / kWindowAlignment * kWindowAlignment;

@@ -131,7 +131,7 @@ TrainingConfig read_training(const Json& value) {
 }
 
 ParallelConfig read_parallel(const Json& value, const LayerConfig& layer) {
-  const JsonObject o(value, "parallel", {"expert_parallel", "recv_rows"});
+  const JsonObject o(value, "parallel", {"expert_parallel", "recv_rows", "exchange", "chunk_rows"});
   ParallelConfig parallel;
   if (const Json* v = o.find("expert_parallel"))
     parallel.expert_parallel =
@@ -142,6 +142,19 @@ ParallelConfig read_parallel(const Json& value, const LayerConfig& layer) {
     parallel.recv_rows = config_detail::integer_in(*v, o.path("recv_rows"), 0, kMaxCapacityRows);
   MG_CONFIG_CHECK(parallel.recv_rows == 0 || parallel.expert_parallel > 1,
                   "parallel.recv_rows needs parallel.expert_parallel > 1, got recv_rows ", parallel.recv_rows);
+  if (const Json* v = o.find("exchange")) {
+    const std::string exchange = config_detail::string(*v, o.path("exchange"));
+    MG_CONFIG_CHECK(exchange == "peer_stores" || exchange == "send_recv",
+                    "parallel.exchange must be \"peer_stores\" or \"send_recv\", got ",
+                    config_detail::quoted_excerpt(exchange));
+    parallel.exchange = exchange == "send_recv" ? EpExchange::kSendRecv : EpExchange::kPeerStores;
+  }
+  MG_CONFIG_CHECK(parallel.exchange == EpExchange::kPeerStores || parallel.expert_parallel > 1,
+                  "parallel.exchange \"send_recv\" needs parallel.expert_parallel > 1");
+  if (const Json* v = o.find("chunk_rows"))
+    parallel.chunk_rows = config_detail::integer_in(*v, o.path("chunk_rows"), 0, kMaxCapacityRows);
+  MG_CONFIG_CHECK(parallel.chunk_rows == 0 || parallel.exchange == EpExchange::kSendRecv,
+                  "parallel.chunk_rows needs parallel.exchange \"send_recv\", got chunk_rows ", parallel.chunk_rows);
   return parallel;
 }
 
@@ -324,7 +337,9 @@ std::string to_json(const Config& c) {
         {"delay_wgrad", c.training.delay_wgrad},
         {"wgrad_slots", c.training.wgrad_slots},
         {"main_grad_fp32", c.training.main_grad_fp32}}},
-      {"parallel", {{"expert_parallel", c.parallel.expert_parallel}, {"recv_rows", c.parallel.recv_rows}}},
+      {"parallel", {{"expert_parallel", c.parallel.expert_parallel}, {"recv_rows", c.parallel.recv_rows},
+                    {"exchange", std::string(ep_exchange_name(c.parallel.exchange))},
+                    {"chunk_rows", c.parallel.chunk_rows}}},
       {"buckets", c.buckets},
       {"row_align", c.row_align},
       {"routing",

@@ -37,6 +37,14 @@ std::string_view step_kind_name(StepKind kind) {
   return "?";
 }
 
+std::string_view ep_exchange_name(EpExchange e) {
+  switch (e) {
+    case EpExchange::kPeerStores: return "peer_stores";
+    case EpExchange::kSendRecv: return "send_recv";
+  }
+  return "?";
+}
+
 std::string_view gemm_pipeline_name(GemmPipeline p) {
   switch (p) {
     case GemmPipeline::kAuto: return "auto";

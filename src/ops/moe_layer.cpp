@@ -1,5 +1,6 @@
 #include "moegraph/moe_layer.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include "moegraph/config.hpp"
@@ -36,6 +37,8 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.main_grad_fp32 = c.training.main_grad_fp32;
   o.expert_parallel = c.parallel.expert_parallel;
   o.ep_recv_rows = c.parallel.recv_rows;
+  o.ep_exchange = c.parallel.exchange;
+  o.ep_chunk_rows = c.parallel.chunk_rows;
   return o;
 }
 
@@ -81,6 +84,14 @@ void validate(const MoeLayerOptions& o) {
   } else {
     MG_CHECK(o.ep_recv_rows == 0, "ep_recv_rows needs expert_parallel > 1, got ", o.ep_recv_rows);
   }
+  MG_CHECK(o.ep_exchange == EpExchange::kPeerStores || o.ep_exchange == EpExchange::kSendRecv,
+           "ep_exchange: unknown value ", static_cast<int>(o.ep_exchange));
+  MG_CHECK(o.ep_exchange == EpExchange::kPeerStores || o.expert_parallel > 1,
+           "ep_exchange send_recv needs expert_parallel > 1");
+  MG_CHECK(o.ep_chunk_rows == 0 || o.ep_exchange == EpExchange::kSendRecv,
+           "ep_chunk_rows needs ep_exchange send_recv, got ", o.ep_chunk_rows);
+  MG_CHECK(o.ep_chunk_rows >= 0, "ep_chunk_rows must be 0 (the worst case) or a positive bound, got ",
+           o.ep_chunk_rows);
   // Each field is bounded above, so these products are exact; what they may not pass is one layout.
   // FC1 has the widest rows (2 * ffn) and the largest weights; every other buffer is smaller.
   const std::size_t es = dtype_size(o.dtype), max_bytes = LayoutWalker::kMaxBytes;
@@ -113,10 +124,20 @@ int moe_local_experts(const MoeLayerOptions& o) {
   return o.experts / o.expert_parallel;
 }
 
+int64_t moe_ep_chunk_rows(const MoeLayerOptions& o) {
+  const int64_t local = checked_mul("chunk rows (max_tokens * top_k)", o.max_tokens, o.top_k);
+  MG_CHECK(o.ep_chunk_rows >= 0, "ep_chunk_rows must be 0 (the worst case) or a positive bound, got ",
+           o.ep_chunk_rows);
+  return o.ep_chunk_rows > 0 ? std::min(o.ep_chunk_rows, local) : local;
+}
+
 int64_t moe_ep_worst_case_rows(const MoeLayerOptions& o) {
   const int64_t align = o.row_align;
-  const int64_t assigned = checked_mul("receive rows (ranks * max_tokens * top_k)", o.expert_parallel, o.max_tokens,
-                                       o.top_k);
+  // What one source can send to one rank: all its rows, or one chunk of the send/recv exchange.
+  const int64_t per_source = o.ep_exchange == EpExchange::kSendRecv ? moe_ep_chunk_rows(o)
+                                                                     : checked_mul("receive rows (max_tokens * top_k)",
+                                                                                   o.max_tokens, o.top_k);
+  const int64_t assigned = checked_mul("receive rows (ranks * rows per source)", o.expert_parallel, per_source);
   const int64_t padding = checked_mul("receive rows (alignment padding)", moe_local_experts(o), align - 1);
   return checked_align_up("receive rows", checked_add("receive rows", assigned, padding), align);
 }

@@ -35,6 +35,8 @@ struct EpCase {
   bool bias, sigmoid, renormalize;
   int row_align;
   bool main_grad, delay;
+  EpExchange exchange = EpExchange::kPeerStores;
+  int64_t chunk_rows = 0;  // send/recv: 0 for the worst case
 };
 
 inline MoeLayerOptions ep_options(const EpCase& c, int ranks) {
@@ -50,6 +52,7 @@ inline MoeLayerOptions ep_options(const EpCase& c, int ranks) {
   o.delay_wgrad = c.delay;
   o.main_grad_fp32 = c.main_grad;
   o.expert_parallel = ranks;
+  if (ranks > 1) o.ep_exchange = c.exchange, o.ep_chunk_rows = c.chunk_rows;
   return o;
 }
 
@@ -308,8 +311,11 @@ class EpHarness {
     }
   }
 
-  // Assignments dropped by a receive bound, by the greedy rule of kernels/comm/ep_exchange.hpp.
+  // Assignments dropped by a receive bound (0: the worst case) and the case's send/recv chunks, by
+  // the greedy rule of kernels/comm/ep_exchange.hpp.
   uint64_t expected_dropped(int64_t recv_rows) const {
+    if (recv_rows == 0) recv_rows = moe_ep_worst_case_rows(ep_options(c_, c_.ranks));
+    const int64_t chunk = moe_ep_chunk_rows(ep_options(c_, c_.ranks));
     const MoeLayerRef ref = reference();
     const int R = c_.ranks, E = c_.experts, L = E / R, k = c_.top_k;
     std::vector<std::vector<int64_t>> want(R, std::vector<int64_t>(E, 0));
@@ -320,10 +326,12 @@ class EpHarness {
     uint64_t dropped = 0;
     for (int d = 0; d < R; ++d) {
       int64_t off = 0;
+      std::vector<int64_t> sent(R, 0);  // rows of each source kept by owner d (at most one chunk)
       for (int l = 0; l < L; ++l) {
         for (int s = 0; s < R; ++s) {
-          const int64_t take = std::min(want[s][d * L + l], recv_rows - off);
+          const int64_t take = std::min({want[s][d * L + l], recv_rows - off, chunk - sent[s]});
           dropped += want[s][d * L + l] - take;
+          sent[s] += take;
           off += take;
         }
         off = (off + c_.row_align - 1) / c_.row_align * c_.row_align;
@@ -499,6 +507,25 @@ inline void ep_receive_bound(const EpCase& c, const EpRanks& ranks) {
   const uint64_t dropped = h.read_dropped();
   EXPECT_EQ(dropped, h.expected_dropped(bound));
   EXPECT_GT(dropped, 0u);
+  for (const Outputs& got : h.read_ranks())
+    for (const Mat* m : {&got.y, &got.dx, &got.dw1, &got.dw2})
+      for (double v : *m) ASSERT_TRUE(std::isfinite(v));
+}
+
+// Send/recv chunks smaller than what a skewed routing sends one owner: rows past a chunk are dropped,
+// counted on their source exactly as the greedy rule says, and every output stays finite.
+inline void ep_chunk_bound(EpCase c, const EpRanks& ranks) {
+  c.exchange = EpExchange::kSendRecv;
+  c.chunk_rows = 8;  // far fewer than the max_tokens rows every source sends the hot expert's owner
+  EpHarness h(c, 53, ranks);
+  h.set_inputs(std::vector<int64_t>(c.ranks, c.max_tokens), c.experts - 1);
+  h.poison();
+  h.train_ranks();
+  h.sync();
+  h.check_device_errors();
+  const uint64_t dropped = h.read_dropped();
+  EXPECT_EQ(dropped, h.expected_dropped(0));
+  EXPECT_GE(dropped, static_cast<uint64_t>(c.ranks * (c.max_tokens - c.chunk_rows)));
   for (const Outputs& got : h.read_ranks())
     for (const Mat* m : {&got.y, &got.dx, &got.dw1, &got.dw2})
       for (double v : *m) ASSERT_TRUE(std::isfinite(v));

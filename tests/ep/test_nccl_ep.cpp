@@ -88,6 +88,12 @@ const EpCase kCases[] = {
     {"r4_e16_top4_align16", 4, 16, 4, 128, 128, 40, false, true, true, 16, false, true},
     {"r4_e64_top8_bias_align32", 4, 64, 8, 256, 64, 24, true, false, false, 32, true, false},
     {"r8_e64_top8_align16", 8, 64, 8, 128, 64, 32, false, false, true, 16, true, true},
+    // The send/recv exchange: grouped ncclSend / ncclRecv of fixed chunks.
+    {"r2_e8_top2_bias_send_recv", 2, 8, 2, 128, 64, 48, true, false, true, 1, true, false, EpExchange::kSendRecv},
+    {"r4_e16_top4_align16_send_recv", 4, 16, 4, 128, 128, 40, false, true, true, 16, false, true,
+     EpExchange::kSendRecv},
+    {"r8_e64_top8_align16_send_recv", 8, 64, 8, 128, 64, 32, false, false, true, 16, true, true,
+     EpExchange::kSendRecv},
 };
 
 std::vector<EpCase> cases_of_this_group() {
@@ -113,6 +119,7 @@ TEST(NcclExpertParallel, GraphReplaysMatchTheWholeLayer) { FOR_EVERY_CASE(ep_gra
 TEST(NcclExpertParallel, AllTokensToOneExpert) { FOR_EVERY_CASE(ep_all_tokens_to_one_expert(c, this_rank())); }
 TEST(NcclExpertParallel, InvalidCountIsReportedOnEveryRank) { FOR_EVERY_CASE(ep_invalid_count(c, this_rank())); }
 TEST(NcclExpertParallel, ReceiveBoundCountsDrops) { FOR_EVERY_CASE(ep_receive_bound(c, this_rank())); }
+TEST(NcclExpertParallel, SendRecvChunkBoundCountsDrops) { FOR_EVERY_CASE(ep_chunk_bound(c, this_rank())); }
 TEST(NcclExpertParallel, StepGraphsReplaysMatchTheLayers) {
   FOR_EVERY_CASE(ep_step_graphs(c, this_rank(), cudaStreamCaptureModeGlobal));
 }

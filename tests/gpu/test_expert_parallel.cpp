@@ -5,7 +5,8 @@
 // expert weight and bias gradient — against the fp64 reference and the single-GPU MoeLayer, eager
 // and graph-replayed (each rank captured in global mode, every replay a new routing), with ranks
 // that receive nothing, all tokens on one expert, token counts differing per rank, invalid counts
-// reported on every rank, and a receive bound whose drops are counted exactly. The scenarios are
+// reported on every rank, and a receive bound whose drops are counted exactly; both exchanges (peer
+// stores, and fixed send/recv chunks whose own bound drops are counted exactly too). The scenarios are
 // tests/common/ep_harness.hpp's, which the NCCL tests (tests/ep/) run on real ranks.
 #include <gtest/gtest.h>
 
@@ -23,6 +24,10 @@ const EpCase kEpCases[] = {
     {"r4_e16_top4_align16", 4, 16, 4, 128, 128, 40, false, true, true, 16, false, true},
     {"r4_e64_top8_bias_align32", 4, 64, 8, 256, 64, 24, true, false, false, 32, true, false},
     {"r2_e4_top1_odd", 2, 4, 1, 64, 32, 33, false, false, false, 1, true, true},
+    // The send/recv exchange (fixed chunks through EpComm::all_to_all), worst-case chunks.
+    {"r2_e8_top2_bias_send_recv", 2, 8, 2, 128, 64, 48, true, false, true, 1, true, false, EpExchange::kSendRecv},
+    {"r4_e16_top4_align16_send_recv", 4, 16, 4, 128, 128, 40, false, true, true, 16, false, true,
+     EpExchange::kSendRecv},
 };
 
 // Every rank of a fresh emulated group, driven by this process.
@@ -42,17 +47,25 @@ INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallelCase, ::testing::ValuesIn(kEpCases
                          [](const auto& info) { return std::string(info.param.name); });
 
 TEST(ExpertParallel, AllTokensToOneExpert) {
-  for (EpCase c : {kEpCases[3], kEpCases[1]}) ep_all_tokens_to_one_expert(c, emulated(c));
+  for (EpCase c : {kEpCases[3], kEpCases[1], kEpCases[5]}) ep_all_tokens_to_one_expert(c, emulated(c));
 }
 
-TEST(ExpertParallel, InvalidCountIsReportedOnEveryRank) { ep_invalid_count(kEpCases[1], emulated(kEpCases[1])); }
+TEST(ExpertParallel, InvalidCountIsReportedOnEveryRank) {
+  for (EpCase c : {kEpCases[1], kEpCases[5]}) ep_invalid_count(c, emulated(c));
+}
 
-TEST(ExpertParallel, ReceiveBoundCountsDrops) { ep_receive_bound(kEpCases[0], emulated(kEpCases[0])); }
+TEST(ExpertParallel, ReceiveBoundCountsDrops) {
+  for (EpCase c : {kEpCases[0], kEpCases[4]}) ep_receive_bound(c, emulated(c));
+}
+
+TEST(ExpertParallel, SendRecvChunkBoundCountsDrops) {
+  for (EpCase c : {kEpCases[0], kEpCases[1]}) ep_chunk_bound(c, emulated(c));
+}
 
 // Emulated ranks share a process, so each rank's StepGraphs captures in thread-local mode (another
 // rank's thread synchronizes meanwhile); the NCCL tests capture in global mode.
 TEST(ExpertParallel, StepGraphsReplaysMatchTheLayers) {
-  for (const EpCase& c : {kEpCases[0], kEpCases[1]})
+  for (const EpCase& c : {kEpCases[0], kEpCases[1], kEpCases[4]})
     ep_step_graphs(c, emulated(c), cudaStreamCaptureModeThreadLocal);
 }
 
@@ -69,6 +82,13 @@ TEST(ExpertParallel, OptionsAreChecked) {
   o = ep_options(kEpCases[0], 2);
   const MoeLayerWeights none{};
   EXPECT_THROW({ MoeLayer layer(o, none, nullptr, nullptr); }, Error);  // no communicator
+  o = ep_options(kEpCases[4], 2);
+  o.ep_chunk_rows = -1;
+  EXPECT_THROW(validate(o), Error);
+  o = ep_options(kEpCases[0], 1);
+  o.ep_exchange = EpExchange::kSendRecv;
+  EXPECT_THROW(validate(o), Error);  // send/recv without expert parallelism
+  o = ep_options(kEpCases[0], 2);
   EmulatedEpGroup four(4);
   EXPECT_THROW({ MoeLayer layer(o, none, nullptr, four.rank(0)); }, Error);  // a group of the wrong size
 }

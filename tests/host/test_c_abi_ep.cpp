@@ -271,6 +271,64 @@ TEST(CAbiEp, WindowBytesFollowTheCppApi) {
   EXPECT_LT(bounded, window);
 }
 
+// The send/recv exchange: its fields reach the C++ options (same sizes), are validated by name, and a
+// caller whose struct ends before them gets peer stores.
+TEST(CAbiEp, SendRecvExchangeFollowsTheCppApi) {
+  mg_moe_layer_options o = small_moe();
+  EXPECT_EQ(o.ep_exchange, MG_EP_PEER_STORES);
+  EXPECT_EQ(o.ep_chunk_rows, 0);
+  MoeLayerOptions cpp;
+  cpp.experts = 8, cpp.hidden = 256, cpp.ffn = 256, cpp.top_k = 2, cpp.max_tokens = 64, cpp.expert_parallel = 2;
+  cpp.ep_exchange = EpExchange::kSendRecv;
+  o.expert_parallel = 2;
+  o.ep_exchange = MG_EP_SEND_RECV;
+  size_t window = 0, workspace = 0;
+  ASSERT_EQ(mg_moe_layer_window_bytes(&o, &window), MG_OK) << mg_last_error();
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &workspace), MG_OK) << mg_last_error();
+  EXPECT_EQ(window, MoeLayer::window_bytes(cpp));
+  EXPECT_EQ(workspace, MoeLayer::workspace_bytes(cpp));
+  // Chunks of 16 rows instead of the worst case (64 * 2): less staging and a smaller receive buffer.
+  o.ep_chunk_rows = 16;
+  cpp.ep_chunk_rows = 16;
+  size_t chunked_window = 0, chunked_workspace = 0;
+  ASSERT_EQ(mg_moe_layer_window_bytes(&o, &chunked_window), MG_OK) << mg_last_error();
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &chunked_workspace), MG_OK) << mg_last_error();
+  EXPECT_EQ(chunked_window, MoeLayer::window_bytes(cpp));
+  EXPECT_EQ(chunked_workspace, MoeLayer::workspace_bytes(cpp));
+  EXPECT_LT(chunked_window, window);
+  EXPECT_LT(chunked_workspace, workspace);
+  EXPECT_EQ(moe_ep_worst_case_rows(cpp), 2 * 16);
+
+  size_t bytes = 7;
+  o.ep_exchange = static_cast<mg_ep_exchange>(5);
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("ep_exchange must be MG_EP_PEER_STORES or MG_EP_SEND_RECV, got 5")) << mg_last_error();
+  o.ep_exchange = MG_EP_PEER_STORES;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("ep_chunk_rows needs ep_exchange send_recv, got 16")) << mg_last_error();
+  o.ep_exchange = MG_EP_SEND_RECV;
+  o.ep_chunk_rows = -1;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("ep_chunk_rows must be 0 (the worst case) or a positive bound, got -1"))
+      << mg_last_error();
+  o.ep_chunk_rows = 0;
+  o.expert_parallel = 1;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("ep_exchange send_recv needs expert_parallel > 1")) << mg_last_error();
+
+  // A struct that ends at prequantized_weights: the exchange fields are not read, whatever follows.
+  mg_moe_layer_options old = small_moe();
+  old.expert_parallel = 2;
+  const size_t fields_end = offsetof(mg_moe_layer_options, ep_exchange);
+  std::memset(reinterpret_cast<unsigned char*>(&old) + fields_end, 0x5a, sizeof(old) - fields_end);
+  old.struct_size = fields_end;
+  size_t old_window = 0;
+  ASSERT_EQ(mg_moe_layer_window_bytes(&old, &old_window), MG_OK) << mg_last_error();
+  cpp.ep_exchange = EpExchange::kPeerStores;
+  cpp.ep_chunk_rows = 0;
+  EXPECT_EQ(old_window, MoeLayer::window_bytes(cpp));
+}
+
 // The communicator is checked with the options, before the layer looks for a device.
 TEST(CAbiEp, LayerCreateNeedsACommunicatorForExpertParallelism) {
   mg_moe_layer_options o = small_moe();

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "moegraph/config.hpp"
+#include "moegraph/moe_layer.hpp"
 #include "src/config/json_reader.hpp"
 
 namespace moegraph {
@@ -240,6 +241,15 @@ std::vector<BadDoc> bad_docs() {
        "bucket of 64 tokens: ep_recv_rows must be a multiple of row_align (1) and at most the worst case 256, got "
        "100000"},
       {"EpUnknownKey", with({{"/parallel", R"({"ep": 2})"}}), R"(unknown key "parallel.ep")"},
+      {"EpBadExchange", with({{"/parallel", R"({"expert_parallel": 2, "exchange": "alltoall"})"}}),
+       R"(parallel.exchange must be "peer_stores" or "send_recv", got "alltoall")"},
+      {"EpSendRecvAlone", with({{"/parallel", R"({"exchange": "send_recv"})"}}),
+       R"(parallel.exchange "send_recv" needs parallel.expert_parallel > 1)"},
+      {"EpChunkRowsWithPeerStores", with({{"/parallel", R"({"expert_parallel": 2, "chunk_rows": 16})"}}),
+       R"(parallel.chunk_rows needs parallel.exchange "send_recv", got chunk_rows 16)"},
+      {"EpChunkRowsNegative",
+       with({{"/parallel", R"({"expert_parallel": 2, "exchange": "send_recv", "chunk_rows": -1})"}}),
+       "parallel.chunk_rows"},
       // Duplicates would silently keep one value.
       {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
       {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},
@@ -437,7 +447,8 @@ TEST(ConfigDefaults, MissingKeysTakeTheStructDefaults) {
         "/router/aux_loss_coef", "/router/capacity_factor", "/router/fuse_weights", "/precision/recipe",
         "/precision/dtype", "/training/enabled", "/training/delay_wgrad", "/training/wgrad_slots",
         "/training/main_grad_fp32", "/buckets", "/row_align", "/routing/kind", "/routing/skew", "/routing/seed",
-        "/routing/fixed_splits", "/bench/replays", "/bench/warmup", "/bench/fill"})
+        "/routing/fixed_splits", "/bench/replays", "/bench/warmup", "/bench/fill", "/parallel/exchange",
+        "/parallel/chunk_rows"})
     EXPECT_TRUE(j.contains(Json::json_pointer(pointer))) << pointer;
   EXPECT_EQ(j["precision"]["dtype"], "bf16");
   EXPECT_EQ(j["routing"]["kind"], "uniform");
@@ -496,6 +507,17 @@ TEST(ConfigRoundTrip, ToJsonParsesBackToTheSameJson) {
                                                        "aux_loss_coef": 0.02, "capacity_factor": 1.25,
                                                        "fuse_weights": true})"}}),
                                  "router"));
+  // Expert parallelism over send/recv chunks of a bound.
+  configs.push_back(parse_config(with({{"/parallel", R"({"expert_parallel": 2, "recv_rows": 64,
+                                                         "exchange": "send_recv", "chunk_rows": 48})"}}),
+                                 "send/recv"));
+  const Config ep = configs.back();
+  EXPECT_EQ(ep.parallel.exchange, EpExchange::kSendRecv);
+  EXPECT_EQ(ep.parallel.chunk_rows, 48);
+  EXPECT_EQ(moe_layer_options(ep, 64).ep_chunk_rows, 48);
+  EXPECT_EQ(moe_layer_options(ep, 64).ep_exchange, EpExchange::kSendRecv);
+  configs.pop_back();
+  configs.insert(configs.end() - 3, ep);  // the indices below name the last three
   const Config& fixed = configs[configs.size() - 3];
   EXPECT_EQ(fixed.step, StepKind::kExperts);
   EXPECT_EQ(Json::parse(to_json(fixed))["step"], "experts");
@@ -520,6 +542,8 @@ TEST(ConfigRoundTrip, ToJsonParsesBackToTheSameJson) {
     EXPECT_EQ(again.router.aux_loss_coef, c.router.aux_loss_coef) << c.name;
     EXPECT_EQ(again.router.capacity_factor, c.router.capacity_factor) << c.name;
     EXPECT_EQ(again.router.fuse_weights, c.router.fuse_weights) << c.name;
+    EXPECT_EQ(again.parallel.exchange, c.parallel.exchange) << c.name;
+    EXPECT_EQ(again.parallel.chunk_rows, c.parallel.chunk_rows) << c.name;
   }
 }
 

@@ -167,6 +167,13 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
               "before each run\nexchange bytes: each rank's routed rows x hidden x %zu bytes, stored once into the "
               "owners' windows (its own rows included); all-to-all: ncclAlltoAll of the same bytes per rank\n\n",
               replays, std::min(replays, 10), c.bench.fill, dtype_size(c.precision.dtype));
+  if (c.parallel.exchange == EpExchange::kSendRecv) {
+    // The chunk of the largest bucket (each bucket's is its own max_tokens * top_k or the bound).
+    const MoeLayerOptions largest = moe_layer_options(c, c.buckets.back());
+    std::printf("exchange send_recv (grouped ncclSend / ncclRecv): every exchange moves %d chunks of %lld rows "
+                "per rank in the largest bucket, whatever the routing; MB/rank and GB/s count the routed rows only\n\n",
+                ranks, static_cast<long long>(moe_ep_chunk_rows(largest)));
+  }
   if (ranks == 1)
     std::printf("a group of one: the layer runs without expert parallelism, so \"dispatch\" and \"combine\" are the "
                 "single-GPU operators (no window exchange); this checks the benchmark's plumbing, not an exchange\n\n");
@@ -195,6 +202,7 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
     out["device"] = prop.name;
     out["ranks"] = ranks;
     out["transport"] = comm->transport();
+    out["exchange"] = std::string(ep_exchange_name(c.parallel.exchange));
     out["replays"] = replays;
     for (const EpRow& r : rows)
       out["buckets"].push_back({{"tokens_per_rank", r.tokens}, {"rows_per_rank", r.rows},

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <fstream>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -26,6 +27,8 @@ struct EpWindow {
   std::size_t worst_case_bytes = 0;
   int64_t bound_rows = 0;  // 0: no bound
   std::size_t bound_bytes = 0;
+  int64_t chunk_rows = 0;  // send/recv: rows of each chunk (0: peer stores)
+  std::size_t chunk_bytes = 0;
 };
 
 std::vector<EpWindow> ep_windows(const Config& config) {
@@ -36,6 +39,10 @@ std::vector<EpWindow> ep_windows(const Config& config) {
     EpWindow w;
     w.tokens = tokens;
     w.bound_rows = o.ep_recv_rows;
+    if (o.ep_exchange == EpExchange::kSendRecv) {
+      w.chunk_rows = moe_ep_chunk_rows(o);
+      w.chunk_bytes = static_cast<std::size_t>(w.chunk_rows) * o.hidden * dtype_size(o.dtype);
+    }
     if (w.bound_rows > 0) w.bound_bytes = MoeLayer::window_bytes(o);
     o.ep_recv_rows = 0;
     w.worst_case_rows = moe_ep_worst_case_rows(o);
@@ -47,8 +54,9 @@ std::vector<EpWindow> ep_windows(const Config& config) {
 
 void print_ep_windows(const Config& config, const std::vector<EpWindow>& windows) {
   if (windows.empty()) return;
-  std::printf("expert parallel: %d ranks, %d experts per rank; tokens per bucket and every size below are per rank\n",
-              config.parallel.expert_parallel, config.layer.experts / config.parallel.expert_parallel);
+  std::printf("expert parallel: %d ranks, %d experts per rank, exchange %s; tokens per bucket and every size below "
+              "are per rank\n", config.parallel.expert_parallel, config.layer.experts / config.parallel.expert_parallel,
+              std::string(ep_exchange_name(config.parallel.exchange)).c_str());
   for (const EpWindow& w : windows) {
     std::printf("  %lld tokens: window %s with %lld receive rows (worst case: dropless)",
                 static_cast<long long>(w.tokens), human_bytes(w.worst_case_bytes).c_str(),
@@ -56,6 +64,12 @@ void print_ep_windows(const Config& config, const std::vector<EpWindow>& windows
     if (w.bound_rows > 0)
       std::printf("; %s with the bound of %lld rows (the one allocated; rows past it dropped and counted)",
                   human_bytes(w.bound_bytes).c_str(), static_cast<long long>(w.bound_rows));
+    if (w.chunk_rows > 0)
+      std::printf("; send/recv chunks of %lld rows (%s) per peer: every exchange moves %d of them, %s, whatever "
+                  "the routing (staged once to send and twice to receive)",
+                  static_cast<long long>(w.chunk_rows), human_bytes(w.chunk_bytes).c_str(),
+                  config.parallel.expert_parallel,
+                  human_bytes(w.chunk_bytes * static_cast<std::size_t>(config.parallel.expert_parallel)).c_str());
     std::printf("\n");
   }
 }
@@ -113,8 +127,10 @@ json plan_json(const Config& config, const StepPlan& plan, const std::vector<EpW
     for (const EpWindow& w : windows)
       per_bucket.push_back({{"tokens", w.tokens}, {"worst_case_rows", w.worst_case_rows},
                             {"worst_case_bytes", w.worst_case_bytes}, {"recv_rows", w.bound_rows},
-                            {"bound_bytes", w.bound_bytes}});
+                            {"bound_bytes", w.bound_bytes}, {"chunk_rows", w.chunk_rows},
+                            {"chunk_bytes", w.chunk_bytes}});
     out["expert_parallel"] = {{"ranks", config.parallel.expert_parallel},
+                              {"exchange", std::string(ep_exchange_name(config.parallel.exchange))},
                               {"experts_per_rank", config.layer.experts / config.parallel.expert_parallel},
                               {"windows", std::move(per_bucket)}};
   }

@@ -16,7 +16,17 @@
 // Why no barrier before a push: every phase ends with one, and a rank reads each window buffer
 // only before the barrier that ends the phase in which it was filled; the next store into it
 // comes from a rank that has passed a later barrier, so the reader is done.
+//
+// With EpExchange::kSendRecv the same plan and tables drive a different move: each exchange packs
+// this rank's rows into one fixed chunk per peer, EpComm::all_to_all moves the chunks whole, and
+// the receiver unpacks each source's chunk into place (the plan's tables give both sides the same
+// order). The counts travel the same way. Received chunks alternate between two staging buffers
+// (dispatch forward and combine backward use one, combine forward and dispatch backward the
+// other): on emulated ranks a peer may push its next exchange as soon as it has passed this one's
+// barrier, while this rank still unpacks; the staging it pushes into was last read two exchanges
+// ago, before a barrier that peer has passed.
 #include <memory>
+#include <string>
 
 #include "kernels/comm/ep_exchange.hpp"
 #include "kernels/routing/moe_routing.hpp"
@@ -47,12 +57,38 @@ constexpr const char* kDroppedRows = "ep.dropped_rows";      // saved [E][2] i64
 constexpr const char* kSend = "ep.send";                     // [local rows, H]: rows leaving this rank
 constexpr const char* kReturned = "ep.returned";             // window [local rows, H]: dx rows come back here
 constexpr const char* kCombineIn = "ep.combine_in";          // window, saved [local rows, H]: expert rows back
+// send/recv only
+constexpr const char* kCountChunks = "ep.count_chunks";      // [R][count stride] i32: this rank's row, R times
+constexpr const char* kChunksOut = "ep.chunks_out";          // [R][chunk rows, H]: packed rows for each peer
+constexpr const char* kChunksInA = "ep.chunks_in_a";         // window [R][chunk rows, H]: rows from each source
+constexpr const char* kChunksInB = "ep.chunks_in_b";         // window, the other exchanges' staging
 }  // namespace ep
 
-// The rank's place in the group and its barrier.
+// One exchange of rows: this rank's rows of `src` along the `out` table (segments to peers) into
+// `dst`. Peer stores write the peers' copies of dst directly; send/recv unpacks on the receiver
+// along the `in` table (the same rows seen from the receiving side), into `chunks_in`'s staging.
+struct RowMove {
+  const void* src = nullptr;
+  std::string dst;
+  int dst_slot = 0;
+  const char *out = nullptr, *out_prefix = nullptr, *in = nullptr, *in_prefix = nullptr;
+  const char* zero = nullptr;   // row ranges of dst zeroed after the move
+  int zero_count = 0;
+  int64_t out_rows = 0, in_rows = 0;  // bounds on the rows sent and received
+  const char* chunks_in = nullptr;
+};
+
+// The rank's place in the group, its barrier and its exchanges.
 struct EpLink {
-  int rank = 0, ranks = 1;
+  int rank = 0, ranks = 1, experts = 0;
   long long timeout_ns = 0;
+  EpExchange exchange = EpExchange::kPeerStores;
+  int64_t chunk_rows = 0;         // send/recv
+  int64_t count_stride = 0;       // int32 elements per counts row
+  EpComm* comm = nullptr;         // null when sizing only
+  std::size_t row_bytes = 0;
+
+  bool send_recv() const { return exchange == EpExchange::kSendRecv; }
 
   void barrier(const TensorTable& t, DeviceErrorRecord* error, cudaStream_t stream) const {
     kernels::EpBarrierParams b;
@@ -63,36 +99,97 @@ struct EpLink {
     b.error = error;
     kernels::launch_ep_barrier(b, stream);
   }
+
+  // counts[0..E) and the token count to row `rank` of every rank's matrix (slot `slot`); when the
+  // stream passes this, every rank's row has arrived.
+  void share_counts(const TensorTable& t, int slot, const int32_t* counts, const int32_t* tokens,
+                    DeviceErrorRecord* error, cudaStream_t stream) const {
+    if (!send_recv()) {
+      kernels::launch_ep_share_counts(counts, tokens, experts, rank, ranks, t.peers(ep::kMatrix, slot), stream);
+      barrier(t, error, stream);
+      return;
+    }
+    kernels::PeerBases chunks;
+    int32_t* local = t.get<int32_t>(ep::kCountChunks);
+    for (int d = 0; d < ranks; ++d) chunks.base[d] = reinterpret_cast<char*>(local + d * count_stride);
+    kernels::launch_ep_share_counts(counts, tokens, experts, 0, ranks, chunks, stream);
+    comm->all_to_all(local, t.get(ep::kMatrix, slot), count_stride * sizeof(int32_t), error, stream);
+  }
+
+  // The move, complete on every rank when the stream passes it (a barrier, or the transport's own).
+  void move(const TensorTable& t, int slot, const RowMove& m, DeviceErrorRecord* error, cudaStream_t stream) const {
+    kernels::EpExchangeParams x;
+    x.row_bytes = row_bytes;
+    x.count = experts;
+    if (!send_recv()) {
+      x.src = m.src;
+      x.dst = t.peers(m.dst, m.dst_slot);
+      x.segments = t.get<kernels::EpSegment>(m.out, slot);
+      x.prefix = t.get<int64_t>(m.out_prefix, slot);
+      x.zero_ranges = t.get<int64_t>(m.zero, slot);
+      x.zero_count = m.zero_count;
+      x.local_dst = t.get(m.dst, m.dst_slot);
+      x.max_rows = m.out_rows;
+      kernels::launch_ep_exchange(x, stream);
+      barrier(t, error, stream);
+      return;
+    }
+    x.chunk_rows = chunk_rows;
+    x.segments_per_peer = experts / ranks;
+    x.mode = kernels::EpRowsMode::kPack;
+    x.src = m.src;
+    x.segments = t.get<kernels::EpSegment>(m.out, slot);
+    x.prefix = t.get<int64_t>(m.out_prefix, slot);
+    x.local_dst = t.get(ep::kChunksOut);
+    x.max_rows = m.out_rows;
+    kernels::launch_ep_exchange(x, stream);
+    comm->all_to_all(t.get(ep::kChunksOut), t.get(m.chunks_in), static_cast<std::size_t>(chunk_rows) * row_bytes,
+                     error, stream);
+    x.mode = kernels::EpRowsMode::kUnpack;
+    x.src = t.get(m.chunks_in);
+    x.segments = t.get<kernels::EpSegment>(m.in, slot);
+    x.prefix = t.get<int64_t>(m.in_prefix, slot);
+    x.zero_ranges = t.get<int64_t>(m.zero, slot);
+    x.zero_count = m.zero_count;
+    x.local_dst = t.get(m.dst, m.dst_slot);
+    x.max_rows = m.in_rows;
+    kernels::launch_ep_exchange(x, stream);
+  }
+
+  // What both operators declare for the exchange: the staging of send/recv, or the barrier's flags.
+  void declare(TensorTable& t) const {
+    const auto step = Lifetime::kStep;
+    const auto window = Placement::kWindow;
+    if (!send_recv()) {
+      t.declare(ep::kFlags, checked_mul(ep::kFlags, ranks, sizeof(uint32_t)), step, window);
+      t.declare(ep::kEpoch, sizeof(uint32_t), step, window);
+      return;
+    }
+    const std::size_t chunks = checked_mul("send/recv chunks", ranks, chunk_rows, row_bytes);
+    t.declare(ep::kCountChunks, checked_mul(ep::kCountChunks, ranks, count_stride, sizeof(int32_t)), step);
+    t.declare(ep::kChunksOut, chunks, step);
+    t.declare(ep::kChunksInA, chunks, step, window);
+    t.declare(ep::kChunksInB, chunks, step, window);
+  }
 };
 
 // `comm` is null when sizing only (LayerProgram checked it against the options otherwise).
-EpLink link_of(const MoeLayerOptions& o, const EpComm* comm) {
+EpLink link_of(const MoeLayerOptions& o, EpComm* comm) {
   EpLink l;
   l.ranks = o.expert_parallel;
+  l.experts = o.experts;
+  l.exchange = o.ep_exchange;
+  l.chunk_rows = o.ep_exchange == EpExchange::kSendRecv ? moe_ep_chunk_rows(o) : 0;
+  // send/recv chunks are multiples of 16 bytes
+  l.count_stride = o.ep_exchange == EpExchange::kSendRecv ? checked_align_up("counts row", o.experts + 1, 4)
+                                                          : o.experts + 1;
+  l.row_bytes = checked_mul("row bytes", o.hidden, dtype_size(o.dtype));
+  l.comm = comm;
   if (comm != nullptr) {
     l.rank = comm->rank();
     l.timeout_ns = comm->barrier_timeout_ns();
   }
   return l;
-}
-
-// Rows of `src` to the peers' copies of `dst` along a saved segment table, zeroing `zero` ranges
-// of this rank's own copy.
-void push_rows(const TensorTable& t, int slot, const void* src, std::size_t row_bytes, const std::string& dst,
-               int dst_slot, const char* table, const char* prefix, int count, const char* zero, int zero_count,
-               int64_t max_rows, cudaStream_t stream) {
-  kernels::EpExchangeParams x;
-  x.src = src;
-  x.row_bytes = row_bytes;
-  x.dst = t.peers(dst, dst_slot);
-  x.segments = t.get<kernels::EpSegment>(table, slot);
-  x.prefix = t.get<int64_t>(prefix, slot);
-  x.count = count;
-  x.zero_ranges = t.get<int64_t>(zero, slot);
-  x.zero_count = zero_count;
-  x.local_dst = t.get(dst, dst_slot);
-  x.max_rows = max_rows;
-  kernels::launch_ep_exchange(x, stream);
 }
 
 class EpDispatchOp final : public LayerOp {
@@ -136,15 +233,16 @@ class EpDispatchOp final : public LayerOp {
     t.declare("dispatch.workspace", kernels::dispatch_workspace_bytes(tk, o_.experts, o_.top_k), step);
     t.declare("ep.plan_scratch", kernels::ep_plan_scratch_bytes(o_.expert_parallel, o_.experts), step);
     t.declare(ep::kSend, checked_mul(ep::kSend, local_rows_, row), step);
-    t.declare(ep::kMatrix, checked_mul(ep::kMatrix, r, e + 1, sizeof(int32_t)), saved, window);
-    t.declare(ep::kFlags, checked_mul(ep::kFlags, r, sizeof(uint32_t)), step, window);
-    t.declare(ep::kEpoch, sizeof(uint32_t), step, window);
+    t.declare(ep::kMatrix, checked_mul(ep::kMatrix, r, link_.count_stride, sizeof(int32_t)), saved, window);
+    link_.declare(t);
+    // Buffers rows are moved into: peers store into them (windows), or this rank unpacks into them.
+    const Placement moved = link_.send_recv() ? Placement::kWorkspace : window;
     // The receive buffer: FC1's input in forward, FC2's output gradient in backward (the combine
     // names it so); the two uses never overlap (a phase's barrier lies between them).
-    t.declare(tensor::kPermutedX, checked_mul(tensor::kPermutedX, recv_rows_, row), step, window);
+    t.declare(tensor::kPermutedX, checked_mul(tensor::kPermutedX, recv_rows_, row), step, moved);
     if (!training) return;
     t.declare(tensor::kDTopkWeights, checked_mul(tensor::kDTopkWeights, tk, k, sizeof(float)), step);
-    t.declare(ep::kReturned, checked_mul(ep::kReturned, local_rows_, row), step, window);
+    t.declare(ep::kReturned, checked_mul(ep::kReturned, local_rows_, row), step, moved);
   }
 
   void bind(TensorTable&) override { records_.bind(); }
@@ -160,15 +258,15 @@ class EpDispatchOp final : public LayerOp {
     kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
                                  t.get(ep::kSend), stream);
 
-    kernels::launch_ep_share_counts(d.counts, tokens, o_.experts, link_.rank, link_.ranks, t.peers(ep::kMatrix, s),
-                                    stream);
-    link_.barrier(t, records_.error(), stream);
+    link_.share_counts(t, s, d.counts, tokens, records_.error(), stream);
     kernels::EpPlanParams plan;
     plan.matrix = t.get<int32_t>(ep::kMatrix, s);
     plan.rank = link_.rank, plan.ranks = link_.ranks, plan.experts = o_.experts, plan.row_align = o_.row_align;
     plan.max_tokens = o_.max_tokens;
     plan.local_rows = local_rows_;
     plan.recv_rows = recv_rows_;
+    plan.chunk_rows = link_.chunk_rows;
+    plan.matrix_stride = link_.count_stride;
     plan.splits = t.get<int32_t>(tensor::kSplits, s);
     plan.offsets = t.get<int64_t>(tensor::kOffsets, s);
     plan.to_owner = t.get<kernels::EpSegment>(ep::kToOwner, s);
@@ -181,18 +279,28 @@ class EpDispatchOp final : public LayerOp {
     plan.dropped = records_.dropped();
     plan.error = records_.error();
     kernels::launch_ep_plan(plan, stream);
-    push_rows(t, s, t.get(ep::kSend), row_bytes(), tensor::kPermutedX, 0, ep::kToOwner, ep::kToOwnerPrefix,
-              o_.experts, ep::kRecvGaps, local_experts_, local_rows_, stream);
-    link_.barrier(t, records_.error(), stream);
+    RowMove m;
+    m.src = t.get(ep::kSend);
+    m.dst = tensor::kPermutedX;
+    m.out = ep::kToOwner, m.out_prefix = ep::kToOwnerPrefix, m.in = ep::kToSource, m.in_prefix = ep::kToSourcePrefix;
+    m.zero = ep::kRecvGaps, m.zero_count = local_experts_;
+    m.out_rows = local_rows_, m.in_rows = recv_rows_;
+    m.chunks_in = ep::kChunksInA;
+    link_.move(t, s, m, records_.error(), stream);
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {
     const TensorTable& t = *p.tensors;
     MG_CHECK(p.io->dx != nullptr && p.io->dy != nullptr, "backward needs MoeLayerIO::dy and dx");
     const int s = p.slot;
-    push_rows(t, s, t.get(tensor::grad(tensor::kPermutedX)), row_bytes(), ep::kReturned, 0, ep::kToSource,
-              ep::kToSourcePrefix, o_.experts, ep::kDroppedRows, o_.experts, recv_rows_, stream);
-    link_.barrier(t, records_.error(), stream);
+    RowMove m;
+    m.src = t.get(tensor::grad(tensor::kPermutedX));
+    m.dst = ep::kReturned;
+    m.out = ep::kToSource, m.out_prefix = ep::kToSourcePrefix, m.in = ep::kToOwner, m.in_prefix = ep::kToOwnerPrefix;
+    m.zero = ep::kDroppedRows, m.zero_count = o_.experts;
+    m.out_rows = recv_rows_, m.in_rows = local_rows_;
+    m.chunks_in = ep::kChunksInB;
+    link_.move(t, s, m, records_.error(), stream);
     const int32_t* tokens = t.get<int32_t>(tensor::kTokens, s);
     const int32_t* row_of = t.get<int32_t>(tensor::kRowOf, s);
     kernels::launch_gather_row_values(t.get<float>(tensor::kDRowWeight), row_of, tokens, o_.max_tokens, o_.top_k,
@@ -205,8 +313,6 @@ class EpDispatchOp final : public LayerOp {
   uint64_t take_dropped() override { return records_.take_dropped(); }
 
  private:
-  std::size_t row_bytes() const { return static_cast<std::size_t>(o_.hidden) * dtype_size(o_.dtype); }
-
   MoeLayerOptions o_;
   std::shared_ptr<EpComm> comm_;
   EpLink link_;
@@ -220,7 +326,8 @@ class EpCombineOp final : public LayerOp {
   EpCombineOp(const OpSpec& spec, const MoeLayerOptions& o, std::shared_ptr<EpComm> comm)
       : spec_(spec),
         o_(o),
-        link_(link_of(o, comm.get())),
+        comm_(std::move(comm)),
+        link_(link_of(o, comm_.get())),
         local_experts_(moe_local_experts(o)),
         local_rows_(checked_mul("local rows", o.max_tokens, o.top_k)),
         recv_rows_(moe_expert_rows(o)) {
@@ -236,7 +343,8 @@ class EpCombineOp final : public LayerOp {
 
   void declare(TensorTable& t, bool training) override {
     const std::size_t row = checked_mul("row bytes", o_.hidden, dtype_size(o_.dtype));
-    t.declare(ep::kCombineIn, checked_mul(ep::kCombineIn, local_rows_, row), Lifetime::kSaved, Placement::kWindow);
+    t.declare(ep::kCombineIn, checked_mul(ep::kCombineIn, local_rows_, row), Lifetime::kSaved,
+              link_.send_recv() ? Placement::kWorkspace : Placement::kWindow);
     if (!training) return;
     t.alias(tensor::grad(spec_.in), tensor::kPermutedX);
     t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, local_rows_, sizeof(float)), Lifetime::kStep);
@@ -251,9 +359,14 @@ class EpCombineOp final : public LayerOp {
     const TensorTable& t = *p.tensors;
     MG_CHECK(p.io->y != nullptr, "MoeLayerIO needs y");
     const int s = p.slot;
-    push_rows(t, s, t.get(spec_.in, s), row_bytes(), ep::kCombineIn, s, ep::kToSource, ep::kToSourcePrefix,
-              o_.experts, ep::kDroppedRows, o_.experts, recv_rows_, stream);
-    link_.barrier(t, error_.as<DeviceErrorRecord>(), stream);
+    RowMove m;
+    m.src = t.get(spec_.in, s);
+    m.dst = ep::kCombineIn, m.dst_slot = s;
+    m.out = ep::kToSource, m.out_prefix = ep::kToSourcePrefix, m.in = ep::kToOwner, m.in_prefix = ep::kToOwnerPrefix;
+    m.zero = ep::kDroppedRows, m.zero_count = o_.experts;
+    m.out_rows = recv_rows_, m.in_rows = local_rows_;
+    m.chunks_in = ep::kChunksInB;
+    link_.move(t, s, m, error_.as<DeviceErrorRecord>(), stream);
     kernels::launch_combine(o_.dtype, t.get(ep::kCombineIn, s), t.get<int32_t>(tensor::kRowOf, s),
                             t.get<float>(tensor::kTopkWeights, s), t.get<int32_t>(tensor::kTokens, s), o_.max_tokens,
                             o_.top_k, o_.hidden, p.io->y, stream);
@@ -268,18 +381,22 @@ class EpCombineOp final : public LayerOp {
                                      t.get<int32_t>(ep::kLocalSplits, s), t.get<int64_t>(ep::kLocalOffsets, s),
                                      o_.experts, o_.hidden, t.get(ep::kSend), t.get<float>(tensor::kDRowWeight),
                                      stream);
-    push_rows(t, s, t.get(ep::kSend), row_bytes(), tensor::grad(spec_.in), 0, ep::kToOwner, ep::kToOwnerPrefix,
-              o_.experts, ep::kRecvGaps, local_experts_, local_rows_, stream);
-    link_.barrier(t, error_.as<DeviceErrorRecord>(), stream);
+    RowMove m;
+    m.src = t.get(ep::kSend);
+    m.dst = tensor::grad(spec_.in);
+    m.out = ep::kToOwner, m.out_prefix = ep::kToOwnerPrefix, m.in = ep::kToSource, m.in_prefix = ep::kToSourcePrefix;
+    m.zero = ep::kRecvGaps, m.zero_count = local_experts_;
+    m.out_rows = local_rows_, m.in_rows = recv_rows_;
+    m.chunks_in = ep::kChunksInA;
+    link_.move(t, s, m, error_.as<DeviceErrorRecord>(), stream);
   }
 
   DeviceErrorRecord take_device_error() override { return take_device_error_record(error_); }
 
  private:
-  std::size_t row_bytes() const { return static_cast<std::size_t>(o_.hidden) * dtype_size(o_.dtype); }
-
   OpSpec spec_;
   MoeLayerOptions o_;
+  std::shared_ptr<EpComm> comm_;
   EpLink link_;
   int local_experts_;
   int64_t local_rows_, recv_rows_;
