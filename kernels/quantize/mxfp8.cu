@@ -206,10 +206,12 @@ __device__ __forceinline__ Tile locate_tile(uint32_t t, uint32_t row_tiles, uint
 
 // Tile t of a walk in bands of `band` row tiles (the last band of a batch may be shorter): down the
 // band's rows of one 128-column strip, then the next strip. band 1 is the row-major walk.
-// band * col_tiles fits 32 bits: check_and_quantize bounds the column tiles.
-__device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tiles, uint32_t col_tiles, uint32_t band) {
+// band * col_tiles fits 32 bits: check_and_quantize bounds the column tiles. One batch (the
+// activations) saves a division.
+__device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tiles, uint32_t col_tiles, uint32_t band,
+                                                   int batches) {
   const uint32_t per_batch = row_tiles * col_tiles;
-  const uint32_t batch = t / per_batch;
+  const uint32_t batch = batches == 1 ? 0 : t / per_batch;
   uint32_t rem = t - batch * per_batch;
   const uint32_t per_band = band * col_tiles;
   const uint32_t band_index = rem / per_band;
@@ -405,6 +407,9 @@ template <class T, bool kRow, bool kCol>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     quantize_mxfp8_staged_kernel(const QuantizeArgs a, const uint32_t band) {
   __shared__ uint4 stages[kStages][kTileRows * kUnitsPerRow];  // (kTileRows, kTileCols) each, swizzled units
+  // Where each stage's tile lies: located once, when its copies are issued (the walk's two or
+  // three integer divisions are a noticeable share of a tile's instructions).
+  __shared__ Tile stage_tiles[kStages];
   const int64_t used = a.used_rows == nullptr ? a.rows : min(max(*a.used_rows, int64_t{0}), a.rows);
   const uint32_t row_tiles = static_cast<uint32_t>((used + kTileRows - 1) / kTileRows);
   const uint32_t col_tiles = static_cast<uint32_t>((a.cols + kTileCols - 1) / kTileCols);
@@ -419,8 +424,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // One commit per tile, an empty group past the end, so that "tile t has landed" is always
   // "at most kStages - 2 groups pending". t < total + kStages * gridDim.x < 2^32.
   const auto issue = [&](uint32_t t, int stage) {
-    if (t < total)
-      issue_tile<kCol>(a, locate_tile_banded(t, row_tiles, col_tiles, band), used, stages[stage], chunk_row, copy_unit);
+    if (t < total) {
+      const Tile tile = locate_tile_banded(t, row_tiles, col_tiles, band, a.batches);
+      if (threadIdx.x == 0) stage_tiles[stage] = tile;
+      issue_tile<kCol>(a, tile, used, stages[stage], chunk_row, copy_unit);
+    }
     cp_async_commit();
   };
 #pragma unroll
@@ -429,11 +437,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   int stage = 0;
   for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
     cp_async_wait<kStages - 2>();  // this thread's copies of tile t have landed
-    // Everyone's have, and every thread is done with tile t - gridDim.x, whose stage the copies of
-    // tile t + (kStages - 1) * gridDim.x take next: one barrier per tile.
+    // Everyone's have (and stage_tiles[stage] is visible), and every thread is done with tile
+    // t - gridDim.x, whose stage (and stage_tiles entry) the copies of tile
+    // t + (kStages - 1) * gridDim.x take next: one barrier per tile.
     __syncthreads();
     issue(t + (kStages - 1) * gridDim.x, stage == 0 ? kStages - 1 : stage - 1);
-    const Tile tile = locate_tile_banded(t, row_tiles, col_tiles, band);
+    const Tile tile = stage_tiles[stage];
     const uint4* shared_tile = stages[stage];
     if constexpr (kRow) {
       const uint4 v[2] = {shared_tile[swizzled_unit(chunk_row, chunk_col / 8)],
