@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -59,5 +60,9 @@ double expected_active_experts(int experts, int top_k, int64_t tokens);
 // Times both on the current device (medians of graph replays; L2 cannot hold the copy's 2 x 1 GiB).
 // Allocates ~2 GiB for the duration of the call.
 Roofline measure_roofline(cudaStream_t stream);
+
+// Enqueues the roofline's copy kernel (16-byte loads and stores, four in flight per thread, eight
+// 256-thread blocks per SM) over `bytes` (a multiple of 16) from src to dst; capturable.
+void launch_copy_kernel(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 
 }  // namespace moegraph::bench

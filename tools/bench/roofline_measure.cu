@@ -87,6 +87,13 @@ double replayed_median(cudaStream_t stream, F work, int replays) {
 
 }  // namespace
 
+void launch_copy_kernel(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
+  int sms = 0, device = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  launch_stream(StreamKind::kCopy, dst, src, bytes, sms * 8, stream);
+}
+
 Roofline measure_roofline(cudaStream_t stream) {
   Roofline r;
   {
@@ -104,7 +111,7 @@ Roofline measure_roofline(cudaStream_t stream) {
     r.memcpy_gbps = gbps(2.0 * bytes, [&] {
       MG_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream));
     });
-    r.copy_kernel_gbps = gbps(2.0 * bytes, [&] { launch_stream(StreamKind::kCopy, dst.get(), src.get(), bytes, grid, stream); });
+    r.copy_kernel_gbps = gbps(2.0 * bytes, [&] { launch_copy_kernel(dst.get(), src.get(), bytes, stream); });
     r.read_gbps = gbps(bytes, [&] { launch_stream(StreamKind::kRead, dst.get(), src.get(), bytes, grid, stream); });
     r.write_gbps = gbps(bytes, [&] { launch_stream(StreamKind::kWrite, dst.get(), nullptr, bytes, grid, stream); });
     r.copy_gbps = std::max({r.memcpy_gbps, r.copy_kernel_gbps, r.read_gbps, r.write_gbps});
