@@ -337,7 +337,8 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
 }
 
 template <class T, bool kRow, bool kCol>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a) {
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
+                                                                                   const uint32_t band) {
   // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
   __shared__ uint4 shared_tiles[kCol ? 2 : 1][kCol ? kTileRows * kUnitsPerRow : 1];
   const int64_t used = a.used_rows == nullptr ? a.rows : min(max(*a.used_rows, int64_t{0}), a.rows);
@@ -350,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
   const int chunk_row = threadIdx.x / kChunksPerRow, chunk_col = threadIdx.x % kChunksPerRow * kChunk;
   const int col = threadIdx.x / 32 * 16 + (lane & 15), half = lane >> 4;  // column role
 
-  Tile tile = locate_tile(blockIdx.x, row_tiles, col_tiles);
+  Tile tile = locate_tile_banded(blockIdx.x, row_tiles, col_tiles, band, a.batches);
   uint4 v[2];
   load_chunk(a, tile, used, chunk_row, chunk_col, v);
   int buf = 0;
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
     Tile next_tile = tile;
     uint4 next_v[2] = {};
     if (next < total) {
-      next_tile = locate_tile(next, row_tiles, col_tiles);
+      next_tile = locate_tile_banded(next, row_tiles, col_tiles, band, a.batches);
       load_chunk(a, next_tile, used, chunk_row, chunk_col, next_v);
     }
     if constexpr (kCol) {
@@ -457,9 +458,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 template <class T, bool kRow, bool kCol>
 void launch_quantize(const QuantizeArgs& a, int variant, cudaStream_t stream) {
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
-  if (variant == kQuantizeRegisterPrefetch) {
+  if (variant == kQuantizeRegisterPrefetch || variant == kQuantizeRegisterBands) {
     const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
-    quantize_mxfp8_kernel<T, kRow, kCol><<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a);
+    const uint32_t band = variant == kQuantizeRegisterBands ? kBandRowTiles : 1;
+    quantize_mxfp8_kernel<T, kRow, kCol><<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, band);
   } else {
     const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_staged_kernel<T, kRow, kCol>, kThreads);
     const uint32_t band = variant == kQuantizeStagedBands ? kBandRowTiles : 1;
@@ -486,7 +488,7 @@ int variant_from_environment() {
   const char* env = std::getenv("MOEGRAPH_QUANTIZE_VARIANT");
   if (env == nullptr || *env == '\0') return kQuantizeStagedBands;
   const std::string v = env;
-  MG_CHECK(v == "0" || v == "1" || v == "2", "MOEGRAPH_QUANTIZE_VARIANT must be 0, 1 or 2, got '", v, "'");
+  MG_CHECK(v == "0" || v == "1" || v == "2" || v == "3", "MOEGRAPH_QUANTIZE_VARIANT must be 0 to 3, got '", v, "'");
   return v[0] - '0';
 }
 
@@ -590,6 +592,7 @@ const char* quantize_variant_name(int variant) {
     case kQuantizeRegisterPrefetch: return "register prefetch";
     case kQuantizeStagedRowMajor: return "staged row-major";
     case kQuantizeStagedBands: return "staged bands";
+    case kQuantizeRegisterBands: return "register bands";
   }
   return "unknown";
 }

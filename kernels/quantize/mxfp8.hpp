@@ -82,8 +82,10 @@ void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t 
 //   2  the staged kernel walking bands of row tiles (the default)
 // The variant in effect: the one forced by set_quantize_variant_for_testing, else the environment
 // variable MOEGRAPH_QUANTIZE_VARIANT (0, 1 or 2, read once per process, at the first launch), else 2.
-constexpr int kQuantizeVariants = 3;
-constexpr int kQuantizeRegisterPrefetch = 0, kQuantizeStagedRowMajor = 1, kQuantizeStagedBands = 2;
+//   3  the register-prefetch kernel walking the same bands
+constexpr int kQuantizeVariants = 4;
+constexpr int kQuantizeRegisterPrefetch = 0, kQuantizeStagedRowMajor = 1, kQuantizeStagedBands = 2,
+              kQuantizeRegisterBands = 3;
 int quantize_variant();
 // Forces `variant` (0 .. kQuantizeVariants - 1) for the launches that follow in this process, or
 // -1: back to the environment's choice. Returns the previously forced value (-1: none). For the
