@@ -2,37 +2,22 @@
 //
 // Quantize: a persistent grid walks the 32 x 128 tiles of the used rows of each batch
 // (activations: one batch; weights: one batch per expert). 32 rows make one column-wise block per
-// column, 128 columns four row-wise blocks per row; each tile is read once. Two kernels, picked by
-// quantize_variant() (a temporary A/B switch, mxfp8.hpp):
-//   - register prefetch (variant 0, the original): row-major walk; each thread loads its 16
-//     elements as two 16-byte vectors into registers, the next tile's before the current one is
-//     converted. The row-wise copy is made from registers (a lane pair per block), the column-wise
-//     one from a swizzled, double-buffered shared-memory transpose (a lane pair per block, 16 rows
-//     each), one barrier per tile.
-//   - staged (variants 1 and 2): the tile lands in shared memory by cp.async, kStages tiles per
-//     block, so three tiles (24 KB) per block stay in flight without holding registers; both roles
-//     read the same swizzled tile. Variant 2 walks the tiles in bands of row tiles (locate_tile_banded).
-// Why the staged kernel, hypothesis by hypothesis (measured on an H100: 1686-2312 GB/s, 0.54-0.73
-// of the copy bandwidth, the 7168-column shapes worst):
-//   1. The group look-up (a dependent binary search in global memory, only with splits) no longer
-//      sits between a tile's consumption and the next tile's loads: it runs when a tile three steps
-//      ahead is issued, and with a column-wise copy once per tile (every group starts on a multiple
-//      of 32, so a tile lies in one group) at one address for the whole block. Row-wise alone keeps
-//      the per-row search: row_align 1 groups may start inside a tile. Probably a small term: the
-//      shapes with more groups (longer searches) were not the slower ones.
-//   2. Bytes in flight: 24 KB per block instead of 8 KB (and no registers for them), 144 KB per SM
-//      at six blocks, more than the copy kernel of tools/bench keeps (128 KB) at 2.8 TB/s.
-//   3. Write locality (variant 2): the column-wise copy [cols, rows] takes 32 bytes per column per
-//      tile at a stride of `rows`. A row-major walk over 56 column tiles (7168 columns) covers about
-//      14 row tiles per wave of 792 resident blocks, so each column gets 448 B per wave, spread over
-//      7168 columns (DRAM pages); at 4096 and 2048 columns it is 792 B and 1584 B, the same order as
-//      the measured bandwidths. Bands of 32 row tiles give 1 KB (eight whole 128-byte lines) per
-//      column per wave at any width while the input and the row-wise copy keep 6.4 KB and 3.2 KB
-//      runs per row, and a 128-byte line of the column-wise copy gets its four sectors from four
-//      consecutive tiles, which run at the same time on neighbouring blocks. Variant 1 (the staged
-//      kernel on the row-major walk) tells this apart from hypotheses 1, 2 and 4.
-//   4. Scale stores: the four row-wise scale bytes of a tile row, and four column-wise ones, go out
-//      as one 32-bit store (when the layout keeps them 4-byte aligned), not one byte per lane pair.
+// column, 128 columns four row-wise blocks per row. Each tile is read once, as 16-byte vectors
+// into registers: the row-wise copy is made from registers (a lane pair per block), the
+// column-wise one from a swizzled shared-memory transpose (a lane pair per block, 16 rows each).
+// The next tile's vectors are loaded before the current one is converted, and the shared tile is
+// double-buffered, so one barrier per tile suffices.
+//
+// Tiles are walked in bands of kBandRowTiles = 32 row tiles (locate_tile_banded): down the band
+// within one 128-column strip, then the next strip. Why: the column-wise copy [cols, rows] gets 32
+// bytes per column from each tile; a row-major walk at 7168 columns (56 column tiles) covers about
+// 14 row tiles per wave of resident blocks, so 448 B per column per wave, while bands give ~1 KB
+// (eight whole 128-byte lines) per column per wave at any width. Measured on an H100 (row-major ->
+// bands, ms; fraction of a same-size copy): 32768 x 7168 0.574 -> 0.508 (0.56 -> 0.64), the same
+// with 256 groups 0.588 -> 0.538 (0.65 -> 0.71); 16384 x 4096 0.125 -> 0.121 (0.75 -> 0.78) and
+// 0.138 -> 0.135; 32768 x 2048 0.125 both (0.85); 32000 x 2048 0.126 -> 0.124; 768 x 4096 0.011
+// both. A cp.async-staged kernel on the same bands was 3% faster on one 7168-column shape (0.523)
+// and 6-8% slower at 2048 and 4096 columns, so it was dropped.
 //
 // This file must be compiled without flush-to-zero (no -ftz=true / --use_fast_math): bf16
 // subnormal inputs and the 2^-127 scale are fp32 subnormals, and the rules keep them exact.
@@ -40,13 +25,9 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 #include <type_traits>
 
-#include "kernels/common/cp_async.cuh"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/quantize/mxfp8.hpp"
@@ -60,18 +41,15 @@ namespace moegraph::kernels {
 namespace {
 
 constexpr int kThreads = 256;
-// Six resident blocks per SM (40 registers; 96 KB of double-buffered tiles, staged: 192 KB of
-// stages): enough 16-byte loads in flight to cover HBM latency.
+// Six resident blocks per SM (40 registers, 96 KB of double-buffered tiles): enough 16-byte loads
+// in flight to cover HBM latency.
 constexpr int kMinBlocksPerSm = 6;
 constexpr int kTileRows = kMxBlock;               // one column-wise block per column
 constexpr int kTileCols = 128;                    // four row-wise blocks per row
 constexpr int kChunk = 16;                        // elements per thread: two 16-byte vectors
 constexpr int kChunksPerRow = kTileCols / kChunk;  // 8
 constexpr int kUnitsPerRow = kTileCols * 2 / 16;  // 16-byte units in a tile row of 16-bit elements
-// Staged kernel: tiles of shared memory per block (8 KB each); kStages - 1 are in flight while one
-// is converted. 6 blocks x 32 KB = 192 KB of the 228 KB per SM (the driver sizes the carveout).
-constexpr int kStages = 4;
-// Variant 2: row tiles per band (1024 rows); see hypothesis 3 above.
+// Row tiles per band of the walk (1024 rows); see the top of this file.
 constexpr uint32_t kBandRowTiles = 32;
 static_assert(kTileRows * kChunksPerRow == kThreads, "row role: one 16-element chunk per thread");
 static_assert(kTileCols * 2 == kThreads, "column role: one half column (16 rows) per thread");
@@ -185,10 +163,6 @@ struct QuantizeArgs {
   // Column-wise scales: block-major [batches, rows / 32, cols] (activations: what the wgrad GEMM
   // reads), or [batches, cols, rows / 32] (weights: the transposed copy is W_e^T row-wise for dgrad).
   bool block_major_scales = false;
-  // Staged kernel: four scale bytes per 32-bit store. Row-wise: cols % 128 == 0 (whole tiles, and
-  // rows of cols / 32 scales keep a tile's four 4-byte aligned) and a 4-byte aligned scales pointer;
-  // column-wise: block-major scales (four consecutive columns) and a 4-byte aligned pointer.
-  bool pack_row_scales = false, pack_col_scales = false;
 };
 
 struct Tile {
@@ -196,17 +170,9 @@ struct Tile {
   uint32_t row_tile;
 };
 
-// Tile t of the row-major walk (the launcher checks that the tile count fits 32 bits).
-__device__ __forceinline__ Tile locate_tile(uint32_t t, uint32_t row_tiles, uint32_t col_tiles) {
-  const uint32_t per_batch = row_tiles * col_tiles;
-  const uint32_t batch = t / per_batch, rem = t - batch * per_batch;
-  const uint32_t row_tile = rem / col_tiles, col_tile = rem - row_tile * col_tiles;
-  return Tile{batch, int64_t{row_tile} * kTileRows, int64_t{col_tile} * kTileCols, row_tile};
-}
-
-// Tile t of a walk in bands of `band` row tiles (the last band of a batch may be shorter): down the
-// band's rows of one 128-column strip, then the next strip. band 1 is the row-major walk.
-// band * col_tiles fits 32 bits: check_and_quantize bounds the column tiles. One batch (the
+// Tile t of the walk in bands of `band` row tiles (kBandRowTiles; the last band of a batch may be
+// shorter): down the band's rows of one 128-column strip, then the next strip. The tile count fits
+// 32 bits, and so does band * col_tiles: check_and_quantize bounds both. One batch (the
 // activations) saves a division.
 __device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tiles, uint32_t col_tiles, uint32_t band,
                                                    int batches) {
@@ -221,26 +187,21 @@ __device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tile
   return Tile{batch, int64_t{row_tile} * kTileRows, int64_t{col_tile} * kTileCols, row_tile};
 }
 
-// Whether row r (below the used rows) holds data given the splits: rows of group e past
-// offsets[e] + splits[e] are alignment gaps. The group is the one that holds row `probe` (the
-// largest e with offsets[e] <= probe): r itself, or any row of r's group.
-__device__ __forceinline__ bool inside_split(const QuantizeArgs& a, int64_t probe, int64_t r) {
-  int lo = 0, hi = a.groups - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (a.offsets[mid] <= probe) lo = mid; else hi = mid - 1;
-  }
-  const int64_t span = a.offsets[lo + 1] - a.offsets[lo], split = a.splits[lo];
-  return r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
-}
-
 // The 16 elements [col, col + 16) of tile row `row` as two 16-byte vectors; zeros past the used
 // rows or the columns (nothing is read there).
 __device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row, int col,
                                            uint4 (&v)[2]) {
   const int64_t r = t.row0 + row, c = t.col0 + col;
   bool data = r < used && c < a.cols;
-  if (data && a.splits != nullptr) data = inside_split(a, r, r);
+  if (data && a.splits != nullptr) {  // the largest group e with offsets[e] <= r holds row r
+    int lo = 0, hi = a.groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (a.offsets[mid] <= r) lo = mid; else hi = mid - 1;
+    }
+    const int64_t span = a.offsets[lo + 1] - a.offsets[lo], split = a.splits[lo];
+    data = r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
+  }
   if (data) {
     const uint4* src = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + r) * a.cols + c);
     v[0] = __ldg(src);
@@ -259,38 +220,22 @@ __device__ __forceinline__ int swizzled_unit(int row, int unit) {
 }
 
 // Row role: this thread's 16 elements and its neighbour lane's (thread ^ 1) form one block.
-// kPackScales (staged kernel): where a.pack_row_scales allows, the eight lanes of a tile row
-// gather their four scale bytes and the first one stores them as one word.
-template <class T, bool kPackScales>
+template <class T>
 __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row,
                                                    int col, const uint4 (&v)[2]) {
   const uint32_t w[8] = {v[0].x, v[0].y, v[0].z, v[0].w, v[1].x, v[1].y, v[1].z, v[1].w};
   uint32_t m = abs_bits_max16(w);
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
   const int64_t r = t.row0 + row, c = t.col0 + col;
-  const bool packed = kPackScales && a.pack_row_scales;  // uniform: the shuffles below are legal
-  uint32_t byte = 0, word = 0;
-  if (packed) {  // block (lane / 2) % 4 of the row puts its byte in byte (lane / 2) % 4
-    byte = block_scale_byte<T>(m);
-    word = byte << (8 * ((threadIdx.x >> 1) & 3));
-    word |= __shfl_xor_sync(0xffffffffu, word, 2);
-    word |= __shfl_xor_sync(0xffffffffu, word, 4);
-  }
   if (r >= used || c >= a.cols) return;
-  if (!packed) byte = block_scale_byte<T>(m);
+  const uint32_t byte = block_scale_byte<T>(m);
   const int64_t at = (t.batch * a.rows + r) * a.cols + c;
   *reinterpret_cast<uint4*>(a.rowwise.data + at) = encode16<T>(w, byte);
-  if (packed) {
-    if ((threadIdx.x & 7) == 0) *reinterpret_cast<uint32_t*>(a.rowwise.scales + at / kMxBlock) = word;
-  } else if ((threadIdx.x & 1) == 0) {
-    a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
-  }
+  if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
 }
 
 // Column role: rows [16 * half, 16 * half + 16) of tile column `col`; lane ^ 16 holds the other half.
-// kPackScales (staged kernel): where a.pack_col_scales allows, four consecutive columns (lanes)
-// gather their scale bytes and the first one stores them as one word.
-template <class T, bool kPackScales>
+template <class T>
 __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, const Tile& t, int64_t used,
                                                      const uint4* tile, int col, int half) {
   const uint16_t* elems = reinterpret_cast<const uint16_t*>(tile);
@@ -305,17 +250,8 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
   uint32_t m = abs_bits_max16(w);
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
   const int64_t c = t.col0 + col;
-  const bool packed = kPackScales && a.pack_col_scales;  // uniform: the shuffles below are legal
-  uint32_t byte = 0, word = 0;
-  if (packed) {  // column col % 4 puts its byte in byte col % 4 (col % 4 == lane % 4)
-    byte = block_scale_byte<T>(m);
-    word = byte << (8 * (col & 3));
-    word |= __shfl_xor_sync(0xffffffffu, word, 1);
-    word |= __shfl_xor_sync(0xffffffffu, word, 2);
-  }
-  // cols % 16 == 0 here, so four columns starting at a multiple of 4 are all inside or all past it.
   if (c >= a.cols) return;
-  if (!packed) byte = block_scale_byte<T>(m);
+  const uint32_t byte = block_scale_byte<T>(m);
   const uint4 q = encode16<T>(w, byte);
   const int64_t r0 = t.row0 + half * 16;
   uint8_t* dst = a.colwise.data + (t.batch * a.cols + c) * a.rows + r0;
@@ -329,13 +265,11 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
   const int64_t blocks = a.rows / kMxBlock;
   const int64_t at = a.block_major_scales ? (t.batch * blocks + t.row_tile) * a.cols + c
                                           : (t.batch * a.cols + c) * blocks + t.row_tile;
-  if (packed) {
-    if (half == 0 && (col & 3) == 0) *reinterpret_cast<uint32_t*>(a.colwise.scales + at) = word;
-  } else if (half == 0) {
-    a.colwise.scales[at] = static_cast<uint8_t>(byte);
-  }
+  if (half == 0) a.colwise.scales[at] = static_cast<uint8_t>(byte);
 }
 
+// `band` is always kBandRowTiles. It stays an argument: so compiled, the kernel is the one measured
+// (the same PTX), and folding the constant in makes ptxas spill 4 bytes in the bf16 row-wise kernel.
 template <class T, bool kRow, bool kCol>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
                                                                                    const uint32_t band) {
@@ -368,12 +302,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
       shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8)] = v[0];
       shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8 + 1)] = v[1];
     }
-    if constexpr (kRow) quantize_row_chunk<T, false>(a, tile, used, chunk_row, chunk_col, v);
+    if constexpr (kRow) quantize_row_chunk<T>(a, tile, used, chunk_row, chunk_col, v);
     if constexpr (kCol) {
       // One barrier per tile: a thread writes buffer `buf` again two tiles later, after every
       // thread has passed the next tile's barrier, so after every read of this tile.
       __syncthreads();
-      quantize_column_half<T, false>(a, tile, used, shared_tiles[buf], col, half);
+      quantize_column_half<T>(a, tile, used, shared_tiles[buf], col, half);
       buf ^= 1;
     }
     tile = next_tile;
@@ -382,115 +316,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
   }
 }
 
-// Staged: cp.async copies of tile `t` into `stage` (kTileRows, kTileCols), swizzled as the roles
-// read it. This thread copies units `unit` and `unit + 8` of tile row `row`, so each warp instruction
-// moves four whole 128-byte lines (four rows, 128 contiguous bytes each); rows past the used ones,
-// alignment-gap rows and columns past the end are zero-filled (nothing is read there).
-// kTileInOneGroup: the tile lies in one group (column-wise copies need 32-aligned group starts),
-// so the group look-up probes the tile's first row, the same address for the whole block.
-template <bool kTileInOneGroup>
-__device__ __forceinline__ void issue_tile(const QuantizeArgs& a, const Tile& t, int64_t used, uint4* stage, int row,
-                                           int unit) {
-  const int64_t r = t.row0 + row;
-  bool data = r < used;
-  if (data && a.splits != nullptr) data = inside_split(a, kTileInOneGroup ? t.row0 : r, r);
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int u = unit + 8 * k;
-    const int64_t c = t.col0 + u * 8;
-    const bool copy = data && c < a.cols;  // cols % 16 == 0: a unit is wholly inside or past the end
-    const uint16_t* src = copy ? a.x + (t.batch * a.rows + r) * a.cols + c : a.x;
-    cp_async_16(stage + swizzled_unit(row, u), src, copy);
-  }
-}
-
 template <class T, bool kRow, bool kCol>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
-    quantize_mxfp8_staged_kernel(const QuantizeArgs a, const uint32_t band) {
-  __shared__ uint4 stages[kStages][kTileRows * kUnitsPerRow];  // (kTileRows, kTileCols) each, swizzled units
-  // Where each stage's tile lies: located once, when its copies are issued (the walk's two or
-  // three integer divisions are a noticeable share of a tile's instructions).
-  __shared__ Tile stage_tiles[kStages];
-  const int64_t used = a.used_rows == nullptr ? a.rows : min(max(*a.used_rows, int64_t{0}), a.rows);
-  const uint32_t row_tiles = static_cast<uint32_t>((used + kTileRows - 1) / kTileRows);
-  const uint32_t col_tiles = static_cast<uint32_t>((a.cols + kTileCols - 1) / kTileCols);
-  const uint32_t total = row_tiles * col_tiles * static_cast<uint32_t>(a.batches);
-  if (blockIdx.x >= total) return;  // uniform over the block
-
-  const int lane = threadIdx.x & 31;
-  const int chunk_row = threadIdx.x / kChunksPerRow, chunk_col = threadIdx.x % kChunksPerRow * kChunk;
-  const int copy_unit = threadIdx.x % kChunksPerRow;  // the copy's row is chunk_row
-  const int col = threadIdx.x / 32 * 16 + (lane & 15), half = lane >> 4;  // column role
-
-  // One commit per tile, an empty group past the end, so that "tile t has landed" is always
-  // "at most kStages - 2 groups pending". t < total + kStages * gridDim.x < 2^32.
-  const auto issue = [&](uint32_t t, int stage) {
-    if (t < total) {
-      const Tile tile = locate_tile_banded(t, row_tiles, col_tiles, band, a.batches);
-      if (threadIdx.x == 0) stage_tiles[stage] = tile;
-      issue_tile<kCol>(a, tile, used, stages[stage], chunk_row, copy_unit);
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) issue(blockIdx.x + s * gridDim.x, s);
-
-  int stage = 0;
-  for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
-    cp_async_wait<kStages - 2>();  // this thread's copies of tile t have landed
-    // Everyone's have (and stage_tiles[stage] is visible), and every thread is done with tile
-    // t - gridDim.x, whose stage (and stage_tiles entry) the copies of tile
-    // t + (kStages - 1) * gridDim.x take next: one barrier per tile.
-    __syncthreads();
-    issue(t + (kStages - 1) * gridDim.x, stage == 0 ? kStages - 1 : stage - 1);
-    const Tile tile = stage_tiles[stage];
-    const uint4* shared_tile = stages[stage];
-    if constexpr (kRow) {
-      const uint4 v[2] = {shared_tile[swizzled_unit(chunk_row, chunk_col / 8)],
-                          shared_tile[swizzled_unit(chunk_row, chunk_col / 8 + 1)]};
-      quantize_row_chunk<T, true>(a, tile, used, chunk_row, chunk_col, v);
-    }
-    if constexpr (kCol) quantize_column_half<T, true>(a, tile, used, shared_tile, col, half);
-    stage = stage == kStages - 1 ? 0 : stage + 1;
-  }
-}
-
-template <class T, bool kRow, bool kCol>
-void launch_quantize(const QuantizeArgs& a, int variant, cudaStream_t stream) {
+void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+  const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
-  if (variant == kQuantizeRegisterPrefetch || variant == kQuantizeRegisterBands) {
-    const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
-    const uint32_t band = variant == kQuantizeRegisterBands ? kBandRowTiles : 1;
-    quantize_mxfp8_kernel<T, kRow, kCol><<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, band);
-  } else {
-    const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_staged_kernel<T, kRow, kCol>, kThreads);
-    const uint32_t band = variant == kQuantizeStagedBands ? kBandRowTiles : 1;
-    quantize_mxfp8_staged_kernel<T, kRow, kCol><<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, band);
-  }
+  quantize_mxfp8_kernel<T, kRow, kCol>
+      <<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
   MG_LAUNCH_CHECK();
 }
 
 template <class T>
-void launch_quantize_layouts(const QuantizeArgs& a, int variant, cudaStream_t stream) {
+void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
   const bool row = a.rowwise.data != nullptr, col = a.colwise.data != nullptr;
-  if (row && col) launch_quantize<T, true, true>(a, variant, stream);
-  else if (row) launch_quantize<T, true, false>(a, variant, stream);
-  else launch_quantize<T, false, true>(a, variant, stream);
+  if (row && col) launch_quantize<T, true, true>(a, stream);
+  else if (row) launch_quantize<T, true, false>(a, stream);
+  else launch_quantize<T, false, true>(a, stream);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-bool aligned4(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 4 == 0; }
-
-// The temporary A/B switch (mxfp8.hpp): a forced variant, else the environment's, read once.
-std::atomic<int> forced_variant{-1};
-
-int variant_from_environment() {
-  const char* env = std::getenv("MOEGRAPH_QUANTIZE_VARIANT");
-  if (env == nullptr || *env == '\0') return kQuantizeStagedBands;
-  const std::string v = env;
-  MG_CHECK(v == "0" || v == "1" || v == "2" || v == "3", "MOEGRAPH_QUANTIZE_VARIANT must be 0 to 3, got '", v, "'");
-  return v[0] - '0';
-}
 
 // Checks shared by the activation and weight quantizers (`rows_name`: what a.rows is called),
 // then the launch.
@@ -508,7 +351,6 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
     MG_CHECK(rowwise->data != nullptr && aligned16(rowwise->data) && rowwise->scales != nullptr, who,
              ": the row-wise output needs a 16-byte aligned data pointer and a scales pointer");
     a.rowwise = *rowwise;
-    a.pack_row_scales = a.cols % kTileCols == 0 && aligned4(rowwise->scales);
   }
   if (colwise != nullptr) {
     MG_CHECK(a.rows % kMxBlock == 0, who, ": column-wise blocks need ", rows_name, " to be a multiple of 32, got ",
@@ -517,10 +359,8 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
     MG_CHECK(colwise->data != nullptr && aligned16(colwise->data) && colwise->scales != nullptr, who,
              ": the column-wise output needs a 16-byte aligned data pointer and a scales pointer");
     a.colwise = *colwise;
-    a.pack_col_scales = a.block_major_scales && aligned4(colwise->scales);
   }
-  const int variant = quantize_variant();
-  with_16bit_type(in, who, [&](auto t) { launch_quantize_layouts<decltype(t)>(a, variant, stream); });
+  with_16bit_type(in, who, [&](auto t) { launch_quantize_layouts<decltype(t)>(a, stream); });
 }
 
 // ---- Dequantize (row-wise) --------------------------------------------------------------------
@@ -573,29 +413,6 @@ void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int6
 }
 
 }  // namespace
-
-int quantize_variant() {
-  const int forced = forced_variant.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced;
-  static const int from_environment = variant_from_environment();
-  return from_environment;
-}
-
-int set_quantize_variant_for_testing(int variant) {
-  MG_CHECK(variant >= -1 && variant < kQuantizeVariants, "set_quantize_variant_for_testing: the variant must be -1 .. ",
-           kQuantizeVariants - 1, ", got ", variant);
-  return forced_variant.exchange(variant, std::memory_order_relaxed);
-}
-
-const char* quantize_variant_name(int variant) {
-  switch (variant) {
-    case kQuantizeRegisterPrefetch: return "register prefetch";
-    case kQuantizeStagedRowMajor: return "staged row-major";
-    case kQuantizeStagedBands: return "staged bands";
-    case kQuantizeRegisterBands: return "register bands";
-  }
-  return "unknown";
-}
 
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols, const int64_t* offsets,
                            const int32_t* splits, int groups, const Mxfp8Rowwise* rowwise,

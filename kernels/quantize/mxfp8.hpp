@@ -53,11 +53,9 @@ constexpr int64_t mxfp8_scale_bytes(int64_t rows, int64_t cols) { return rows * 
 //     lies inside one group. Only capacity_rows is checked: group starts are device data. If
 //     offsets[groups] itself is not a multiple of 32, the last block of each column holds the rows
 //     below it only (the absent rows count as zeros; their bytes are not written).
-//   - row-wise alone works for any offsets (row_align 1 included). With both copies the staged
-//     kernels find the group of a tile's rows once, by its first row, so the splits are then read
-//     under the column-wise precondition for the row-wise copy as well.
-// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles (see mxfp8.cu); which kernel
-// walks them is quantize_variant() at the time of the call (a captured graph keeps that one).
+//   - row-wise alone works for any offsets (row_align 1 included).
+// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles, walked in bands of 32 row
+// tiles (down a band within one 128-column strip, then the next strip; mxfp8.cu says why).
 // `splits` (optional, device [groups]): rows of a group past its split (alignment gaps) are
 // quantized as zeros whatever x holds there, as the grouped GEMMs treat them.
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols,
@@ -71,29 +69,10 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
 //            element (e, n', k') at (e * k + k') * n + n', block j at (e * k + k') * (n / 32) + j
 // That is, the activation layouts above applied to each expert's [n, k] matrix as one group.
 // k is a multiple of 16 (of 32 for rowwise); n is a multiple of 32 for colwise; pointers as above.
+// Launch as above, expert after expert, each expert's [n, k] tiles walked in the same bands.
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,
                                    const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
                                    cudaStream_t stream);
-
-// Temporary A/B switch of the two quantize launchers' kernel, kept until one GPU run has compared
-// them (moegraph-bench --kernels times every variant side by side; mxfp8.cu says what each does):
-//   0  the register-prefetch kernel as it was (one tile of lookahead, row-major walk)
-//   1  the staged kernel (cp.async, three tiles in flight per block, packed scale stores), row-major walk
-//   2  the staged kernel walking bands of row tiles (the default)
-// The variant in effect: the one forced by set_quantize_variant_for_testing, else the environment
-// variable MOEGRAPH_QUANTIZE_VARIANT (0, 1 or 2, read once per process, at the first launch), else 2.
-//   3  the register-prefetch kernel walking the same bands
-constexpr int kQuantizeVariants = 4;
-constexpr int kQuantizeRegisterPrefetch = 0, kQuantizeStagedRowMajor = 1, kQuantizeStagedBands = 2,
-              kQuantizeRegisterBands = 3;
-int quantize_variant();
-// Forces `variant` (0 .. kQuantizeVariants - 1) for the launches that follow in this process, or
-// -1: back to the environment's choice. Returns the previously forced value (-1: none). For the
-// tests and the kernel bench, which run every variant in one process (the environment variable is
-// read once); not meant for concurrent launches from other threads.
-int set_quantize_variant_for_testing(int variant);
-// "register prefetch", "staged row-major" or "staged bands" (printed by the bench).
-const char* quantize_variant_name(int variant);
 
 // y[r, c] = e4m3(data[r, c]) * 2^(scale - 127) in fp32, then rounded to nearest even into `out`
 // (bf16, fp16, or fp32 as is), for the used rows [0, offsets[groups]) of a row-wise copy; a NaN

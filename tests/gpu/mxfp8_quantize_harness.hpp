@@ -1,5 +1,5 @@
-// Shared by the MXFP8 quantizer GPU tests (test_mxfp8_quantize.cpp, and every kernel variant in
-// test_mxfp8_quantize_variants.cpp): poisoned device copies of the two layouts, byte-exact
+// Shared by the MXFP8 quantizer GPU tests (test_mxfp8_quantize.cpp and
+// test_mxfp8_quantize_shapes.cpp): poisoned device copies of the two layouts, byte-exact
 // comparison, random data with several magnitudes per block, edge-case blocks, grouped inputs, one
 // activation quantization run, and its check against the host reference (testing/mxfp8_reference.hpp).
 #pragma once

@@ -292,14 +292,13 @@ Result run_phase(const KernelShape& s, Phase phase, const std::vector<std::vecto
 }
 
 // Quantizing the bf16 activations x [rows, k] (32-aligned groups, one routing) into both MXFP8
-// copies from one read, once per kernel variant (the temporary A/B switch of
-// kernels/quantize/mxfp8.hpp), next to a device copy of the same bytes: the quantizer counts 2
+// copies from one read, next to a device copy of the same bytes: the quantizer counts 2
 // bytes read and 2 x (1 + 1/32) written per used element, the copy reads and writes half of that
 // total each, and is the faster of cudaMemcpyAsync and the roofline's copy kernel (on an H100 the
 // kernel: 2810 against 2434 GB/s). All graph-replayed; the group offsets are computed once, outside
 // the replays, so every one times the data movement alone.
 struct QuantizeTiming {
-  double ms[kernels::kQuantizeVariants] = {};
+  double ms = 0;
   double copy_ms = 0;
   double bytes = 0;  // the quantizer's count, also what the copy moves
   double gbps(double t_ms) const { return bytes / t_ms / 1e6; }
@@ -328,16 +327,10 @@ QuantizeTiming run_quantize(const KernelShape& s, Buffers& b, const MxBuffers& m
     for (int i = 0; i < replays; ++i) t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
     return median(t);
   };
-  // The variant is fixed when the launch is captured; the caller's choice comes back afterwards.
-  const int forced = kernels::set_quantize_variant_for_testing(-1);
-  for (int v = 0; v < kernels::kQuantizeVariants; ++v) {
-    kernels::set_quantize_variant_for_testing(v);
-    timing.ms[v] = replayed_median([&] {
-      kernels::launch_quantize_mxfp8(DType::kBF16, x.get(), mx.cap32, s.k, off32, b.splits.as<int32_t>(), s.groups,
-                                     &row, &col, stream);
-    });
-  }
-  kernels::set_quantize_variant_for_testing(forced);
+  timing.ms = replayed_median([&] {
+    kernels::launch_quantize_mxfp8(DType::kBF16, x.get(), mx.cap32, s.k, off32, b.splits.as<int32_t>(), s.groups, &row,
+                                   &col, stream);
+  });
 
   const std::size_t half = std::max<std::size_t>(16, static_cast<std::size_t>(timing.bytes / 2) / 16 * 16);
   DeviceBuffer src(half), dst(half);
@@ -467,14 +460,10 @@ int run_kernel_bench(const KernelBenchOptions& options) {
       if (mx_shape && routing == Routing::kUniform) {
         MG_CUDA_CHECK(cudaMemcpy(b.splits.get(), routings[0].data(), s.groups * 4, cudaMemcpyHostToDevice));
         const QuantizeTiming q = run_quantize(s, b, mx, replays, stream);
-        for (int v = 0; v < kernels::kQuantizeVariants; ++v) {
-          q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k),
-                       std::to_string(v) + " " + kernels::quantize_variant_name(v), fmt(q.ms[v], 3),
-                       fmt(q.gbps(q.ms[v]), 0), fmt(q.gbps(q.ms[v]) / roof.copy_gbps, 2), fmt(q.copy_ms, 3),
-                       fmt(q.copy_ms / q.ms[v], 2)});
-          out["quantize"].push_back({{"shape", s.name}, {"variant", v}, {"name", kernels::quantize_variant_name(v)},
-                                     {"ms", q.ms[v]}, {"bytes", q.bytes}, {"same_size_copy_ms", q.copy_ms}});
-        }
+        q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), fmt(q.ms, 3), fmt(q.gbps(q.ms), 0),
+                     fmt(q.gbps(q.ms) / roof.copy_gbps, 2), fmt(q.copy_ms, 3), fmt(q.copy_ms / q.ms, 2)});
+        out["quantize"].push_back(
+            {{"shape", s.name}, {"ms", q.ms}, {"bytes", q.bytes}, {"same_size_copy_ms", q.copy_ms}});
       }
       for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad, Phase::kWgradMainGrad}) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
@@ -517,12 +506,10 @@ int run_kernel_bench(const KernelBenchOptions& options) {
               " (MXFP8 wgrad: groups 32-row aligned)\n");
   mx_table.print({"shape", "routing", "phase", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
                   "mxfp8 speed-up"});
-  std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing, one "
-              "row per kernel variant (MOEGRAPH_QUANTIZE_VARIANT); same-size copy: the faster of cudaMemcpyAsync and "
-              "the copy kernel over the same bytes (half read, half written), graph-replayed like the quantizer; "
-              "of same-size copy = its time / the quantizer's\n");
-  q_table.print({"shape", "x", "variant", "ms", "GB/s moved", "of copy bandwidth", "same-size copy ms",
-                 "of same-size copy"});
+  std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing; "
+              "same-size copy: the faster of cudaMemcpyAsync and the copy kernel over the same bytes (half read, half "
+              "written), graph-replayed like the quantizer; of same-size copy = its time / the quantizer's\n");
+  q_table.print({"shape", "x", "ms", "GB/s moved", "of copy bandwidth", "same-size copy ms", "of same-size copy"});
   cudaStreamDestroy(stream);
   if (!options.json_path.empty()) {
     std::ofstream f(options.json_path);
