@@ -67,7 +67,8 @@ class MoeLayerOptions(_Sized):
                 ("aux_loss_coef", c_double), ("capacity_factor", c_double), ("fuse_weights", c_int),
                 ("max_tokens", c_int64), ("row_align", c_int), ("dtype", c_int), ("training", c_int),
                 ("wgrad_slots", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("recipe", c_int),
-                ("expert_parallel", c_int), ("ep_recv_rows", c_int64), ("prequantized_weights", c_int)]
+                ("expert_parallel", c_int), ("ep_recv_rows", c_int64), ("prequantized_weights", c_int),
+                ("ep_exchange", c_int), ("ep_chunk_rows", c_int64)]
 
 
 class MoeLayerWeights(_Sized):

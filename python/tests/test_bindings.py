@@ -71,6 +71,7 @@ class LibraryWithoutAGpu(unittest.TestCase):
         o = _lib.MoeLayerOptions()
         _lib.lib().mg_moe_layer_options_init(ctypes.byref(o))
         self.assertEqual((o.struct_size, o.expert_parallel, o.ep_recv_rows), (ctypes.sizeof(o), 1, 0))
+        self.assertEqual((o.ep_exchange, o.ep_chunk_rows), (0, 0))  # MG_EP_PEER_STORES, worst-case chunks
         o.experts, o.hidden, o.ffn, o.top_k, o.max_tokens = 8, 256, 256, 2, 64
         size = ctypes.c_size_t()
         _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(size))
@@ -78,6 +79,12 @@ class LibraryWithoutAGpu(unittest.TestCase):
         o.expert_parallel = 2
         _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(size))
         self.assertGreater(size.value, 0)
+        o.ep_exchange, o.ep_chunk_rows = 1, 16  # MG_EP_SEND_RECV, chunks of 16 rows: a smaller window
+        chunked = ctypes.c_size_t()
+        _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(chunked))
+        self.assertGreater(chunked.value, 0)
+        self.assertLess(chunked.value, size.value)
+        o.ep_exchange, o.ep_chunk_rows = 0, 0
         o.expert_parallel = 3
         with self.assertRaises(_lib.MoegraphError) as e:
             _lib.call("mg_moe_layer_window_bytes", ctypes.byref(o), ctypes.byref(size))
