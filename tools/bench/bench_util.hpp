@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "graphs/graph_exec.hpp"
 #include "moegraph/error.hpp"
 #include "testing/data.hpp"
 
@@ -48,6 +49,19 @@ inline double median(std::vector<float> v) {
 
 // Routings come from the verification library (testing/): the same draws as the tests.
 using testing::Routing;
+// The median time of `replays` graph replays of `work` (captured once, after one warm-up run outside
+// capture for module loading, library heuristics and occupancy queries).
+template <class F>
+double replayed_median(cudaStream_t stream, F work, int replays) {
+  work();
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+  GraphExec graph(stream, work);
+  EventTimer timer;
+  std::vector<float> t;
+  for (int i = 0; i < replays; ++i) t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
+  return median(t);
+}
+
 inline const char* routing_name(Routing r) { return r == Routing::kUniform ? "uniform" : "zipf1.2"; }
 
 inline std::string fmt(double v, int digits) {

@@ -318,16 +318,8 @@ QuantizeTiming run_quantize(const KernelShape& s, Buffers& b, const MxBuffers& m
   QuantizeTiming timing;
   timing.bytes = static_cast<double>(offsets.back()) * s.k * (2.0 + 2 * (1 + 1.0 / 32));
 
-  auto replayed_median = [&](auto work) {
-    work();  // warm-up outside capture: module loading, the launchers' occupancy queries
-    MG_CUDA_CHECK(cudaStreamSynchronize(stream));
-    GraphExec graph(stream, work);
-    EventTimer timer;
-    std::vector<float> t;
-    for (int i = 0; i < replays; ++i) t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
-    return median(t);
-  };
-  timing.ms = replayed_median([&] {
+  auto replayed = [&](auto work) { return replayed_median(stream, work, replays); };
+  timing.ms = replayed([&] {
     kernels::launch_quantize_mxfp8(DType::kBF16, x.get(), mx.cap32, s.k, off32, b.splits.as<int32_t>(), s.groups, &row,
                                    &col, stream);
   });
@@ -336,9 +328,8 @@ QuantizeTiming run_quantize(const KernelShape& s, Buffers& b, const MxBuffers& m
   DeviceBuffer src(half), dst(half);
   MG_CUDA_CHECK(cudaMemsetAsync(src.get(), 0x3c, half, stream));
   timing.copy_ms = std::min(
-      replayed_median(
-          [&] { MG_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), half, cudaMemcpyDeviceToDevice, stream)); }),
-      replayed_median([&] { launch_copy_kernel(dst.get(), src.get(), half, stream); }));
+      replayed([&] { MG_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), half, cudaMemcpyDeviceToDevice, stream)); }),
+      replayed([&] { launch_copy_kernel(dst.get(), src.get(), half, stream); }));
   return timing;
 }
 

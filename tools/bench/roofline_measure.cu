@@ -73,18 +73,6 @@ void launch_stream(StreamKind kind, void* dst, const void* src, std::size_t byte
   MG_LAUNCH_CHECK();
 }
 
-
-template <class F>
-double replayed_median(cudaStream_t stream, F work, int replays) {
-  work();  // warm-up outside capture (cuBLASLt heuristics, module loading)
-  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
-  GraphExec graph(stream, work);
-  EventTimer timer;
-  std::vector<float> t;
-  for (int i = 0; i < replays; ++i) t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
-  return median(t);
-}
-
 }  // namespace
 
 void launch_copy_kernel(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
