@@ -68,7 +68,8 @@ struct Releases<mg_backward_args> {
 template <>
 struct Releases<mg_moe_layer_options> {
   static constexpr std::array ends{offsetof(mg_moe_layer_options, expert_parallel),
-                                   offsetof(mg_moe_layer_options, prequantized_weights), sizeof(mg_moe_layer_options)};
+                                   offsetof(mg_moe_layer_options, prequantized_weights),
+                                   offsetof(mg_moe_layer_options, ep_exchange), sizeof(mg_moe_layer_options)};
 };
 template <>
 struct Releases<mg_moe_layer_weights> {

@@ -327,6 +327,18 @@ TEST(CAbiEp, SendRecvExchangeFollowsTheCppApi) {
   cpp.ep_exchange = EpExchange::kPeerStores;
   cpp.ep_chunk_rows = 0;
   EXPECT_EQ(old_window, MoeLayer::window_bytes(cpp));
+  // The release before keeps its own last field: prequantized_weights is read (bf16 refuses it by
+  // name) at that release's end and at its sizeof, which may cover the new field's first bytes.
+  const size_t old_sizeof = (fields_end + alignof(int64_t) - 1) / alignof(int64_t) * alignof(int64_t);
+  for (size_t size : {fields_end, old_sizeof}) {
+    SCOPED_TRACE(size);
+    mg_moe_layer_options pre = small_moe();
+    pre.prequantized_weights = 1;
+    std::memset(reinterpret_cast<unsigned char*>(&pre) + fields_end, 0x5a, sizeof(pre) - fields_end);
+    pre.struct_size = size;
+    EXPECT_EQ(mg_moe_layer_workspace_bytes(&pre, &bytes), MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has("prequantized_weights needs the mxfp8 recipe")) << mg_last_error();
+  }
 }
 
 // The communicator is checked with the options, before the layer looks for a device.
