@@ -215,6 +215,24 @@ class LayerHarness {
   std::unique_ptr<MoeLayer> layer_;
 };
 
+// Eager training steps at several token counts, each against the reference, then the inference
+// forward on the same data, whose y must equal forward_train's bit for bit.
+inline void expect_train_steps_match(const LayerCase& c, Recipe recipe, uint64_t seed) {
+  LayerHarness h(options_of(c, recipe), seed);
+  for (int64_t n : {c.max_tokens, c.max_tokens / 2 + 1, int64_t{1}}) {
+    h.set_inputs(n);
+    h.poison();
+    h.train_step();
+    h.layer().check_device_errors(h.stream());
+    const LayerOutputs train = h.read();
+    h.expect_matches_reference(train, detail::concat(c.name, " n=", n));
+    h.poison();
+    h.layer().forward(h.io(), h.stream());
+    const LayerOutputs infer = h.read();
+    EXPECT_TRUE(same_bits(infer.y, train.y)) << c.name << " n=" << n << ": inference y differs from forward_train's";
+  }
+}
+
 // One capture of a training step replayed for other token counts (0 included) and data: every
 // replay matches the reference and an eager run on the same data bit for bit.
 inline void expect_graph_replays_match(const LayerCase& c, Recipe recipe, uint64_t seed) {

@@ -32,20 +32,7 @@ class MoeLayerMxfp8Case : public ::testing::TestWithParam<LayerCase> {};
 
 // Eager train steps at several token counts, then the inference forward on the same data.
 TEST_P(MoeLayerMxfp8Case, TrainStepMatchesReference) {
-  const LayerCase& c = GetParam();
-  LayerHarness h(options_of(c, Recipe::kMXFP8), test_seed(c.name));
-  for (int64_t n : {c.max_tokens, c.max_tokens / 2 + 1, int64_t{1}}) {
-    h.set_inputs(n);
-    h.poison();
-    h.train_step();
-    h.layer().check_device_errors(h.stream());
-    const LayerOutputs train = h.read();
-    h.expect_matches_reference(train, detail::concat(c.name, " n=", n));
-    h.poison();
-    h.layer().forward(h.io(), h.stream());
-    const LayerOutputs infer = h.read();
-    EXPECT_TRUE(same_bits(infer.y, train.y)) << c.name << " n=" << n << ": inference y differs from forward_train's";
-  }
+  expect_train_steps_match(GetParam(), Recipe::kMXFP8, test_seed(GetParam().name));
 }
 
 // One capture replayed for other token counts and data (moe_layer_harness.hpp).
