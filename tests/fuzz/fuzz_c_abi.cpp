@@ -98,6 +98,9 @@ moegraph::MoeLayerOptions cpp_options(const mg_moe_layer_options& o) {
   c.expert_parallel = o.expert_parallel == 0 ? 1 : o.expert_parallel;  // 0: the zeroed field's default
   c.ep_recv_rows = o.ep_recv_rows;
   c.prequantized_weights = o.prequantized_weights != 0;
+  c.ep_exchange = o.ep_exchange == MG_EP_SEND_RECV ? moegraph::EpExchange::kSendRecv
+                                                   : moegraph::EpExchange::kPeerStores;
+  c.ep_chunk_rows = o.ep_chunk_rows;
   return c;
 }
 
