@@ -9,6 +9,7 @@
 #include "graphs/graph_exec.hpp"
 #include "moegraph/expert_parallel.hpp"
 #include "src/core/device_info.hpp"
+#include "src/core/device_scope.hpp"
 
 namespace moegraph {
 
@@ -21,6 +22,7 @@ struct StepGraphs::Memory {
   DeviceBuffer arena;
   DeviceBuffer mxfp8;  // the mxfp8 recipe's weight copies, shared by the buckets (step_owns_mxfp8_weights)
   cudaStream_t stream = nullptr;  // set-up work: warm-up and capture
+  int device = -1;                // set up on; made current for every call (DeviceScope)
   ~Memory() {
     if (stream != nullptr) cudaStreamDestroy(stream);
   }
@@ -65,8 +67,11 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   MG_CHECK(comm_ == nullptr || comm_->ranks() == ranks, "the communicator has ", comm_ ? comm_->ranks() : 0,
            " ranks but expert_parallel is ", ranks);
   check_weights(options_, weights_);
-  require_supported_device();
+  // With a communicator, set-up runs on its device (the creating thread may have another current).
+  const DeviceScope on_device(comm_ != nullptr ? comm_->device() : -1);
+  const int device = require_supported_device().device;
   memory_ = std::make_unique<Memory>();
+  memory_->device = device;
   MG_CUDA_CHECK(cudaStreamCreateWithFlags(&memory_->stream, cudaStreamNonBlocking));
   cudaStream_t s = memory_->stream;
   memory_->arena = DeviceBuffer(plan_.arena_bytes);
@@ -146,6 +151,7 @@ BucketIO StepGraphs::io(int bucket) const {
 }
 
 void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t stream) {
+  const DeviceScope on_device(memory_->device);
   MG_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range [0, ", num_buckets(), ")");
   const bool training_phase = phase != StepPhase::kForward;
   MG_CHECK(!training_phase || options_.layer.training, step_phase_name(phase), " needs training.enabled");
@@ -204,10 +210,12 @@ void StepGraphs::wgrad(int bucket, cudaStream_t stream) { launch(bucket, StepPha
 void StepGraphs::run_eager(int bucket, StepPhase phase, cudaStream_t stream) { launch(bucket, phase, false, stream); }
 
 void StepGraphs::check_device_errors(cudaStream_t stream) {
+  const DeviceScope on_device(memory_->device);
   for (auto& b : buckets_) b->check_device_errors(stream);
 }
 
 void StepGraphs::weights_changed(cudaStream_t stream) {
+  const DeviceScope on_device(memory_->device);
   const MoeLayerOptions& l = options_.layer;
   if (!step_owns_mxfp8_weights(l)) return;
   const int g = moe_local_experts(l);
@@ -216,6 +224,7 @@ void StepGraphs::weights_changed(cudaStream_t stream) {
 }
 
 uint64_t StepGraphs::read_dropped(cudaStream_t stream) {
+  const DeviceScope on_device(memory_->device);
   uint64_t total = 0;
   for (auto& b : buckets_) total += b->read_dropped(stream);
   return total;

@@ -55,6 +55,10 @@ class MOEGRAPH_API EpComm {
   virtual int ranks() const = 0;
   // "nccl device API (symmetric windows, LSA peer pointers)", "emulated ranks on one GPU", ...
   virtual std::string transport() const = 0;
+  // The CUDA device this rank runs on (current when the communicator was created), or -1 when the
+  // communicator does not say: the layers and steps made with it are set up on this device, whatever
+  // device the creating thread has current.
+  virtual int device() const { return -1; }
   // Collective (see above). Set-up only: allocates and may synchronize.
   virtual std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) = 0;
   // How long a device barrier waits for a peer before it reports kDeviceErrorPeerTimeout (set-up

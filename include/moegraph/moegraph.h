@@ -17,7 +17,8 @@
  *   graph-capturable, as in the C++ API; create, destroy, read_dropped and check_device_errors are
  *   not (they may allocate or synchronize).
  * - Threading: a handle is used by one thread at a time and is bound to the device current at
- *   create; distinct handles may run on distinct threads (the whole contract is in
+ *   create, which it makes current for each call (any thread may call it, whatever device that
+ *   thread has current); distinct handles may run on distinct threads (the whole contract is in
  *   moegraph/step_graphs.hpp).
  * Version: MOEGRAPH_VERSION (moegraph/version.h) is the headers', mg_version() the library's. */
 #ifndef MOEGRAPH_MOEGRAPH_H_
@@ -209,7 +210,8 @@ MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* 
  *   NCCL_NVLS_ENABLE=0 in every rank's environment, else creation is refused with
  *   MG_ERR_INVALID_ARGUMENT), or emulated ranks in one process on one GPU (for tests).
  * - A communicator is bound to the device current when it is created; the layers and steps made
- *   with it keep what they need of it alive, so it may be destroyed before them.
+ *   with it are set up on that device (whatever device the creating thread has current) and keep
+ *   what they need of it alive, so it may be destroyed before them.
  * - Each rank is driven by its own host thread (NCCL: its own process): the ranks wait for each
  *   other on the device while their steps run. */
 

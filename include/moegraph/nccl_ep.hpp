@@ -40,8 +40,7 @@ class MOEGRAPH_API NcclEpComm : public EpComm {
                   cudaStream_t stream) override;
   // The communicator (for the caller's own collectives, e.g. a baseline all-to-all).
   ncclComm_t nccl() const;
-  // The CUDA device this rank runs on (current when the communicator was created).
-  int device() const;
+  int device() const override;
   struct State;  // opaque: shared with the windows, which keep the communicator alive
 
   explicit NcclEpComm(std::shared_ptr<State> state);

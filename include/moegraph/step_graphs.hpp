@@ -12,8 +12,10 @@
 //   residency (behind a mutex), and the caller's weights, which any number of handles may read.
 //   Gradients that several handles accumulate into one main_grad must be ordered by the caller
 //   (one stream, or events).
-// - A handle is bound to the device current when it was created: call it with that device current
-//   and with streams of that device.
+// - A handle is bound to the device current when it was created, and makes that device current
+//   for each of its calls (giving the caller's back after), so any thread may call it whatever
+//   device it has current (tests/gpu/test_threads.cpp, on two GPUs). Pass streams of the handle's
+//   device.
 // - Set-up (constructors, weights_changed of StepGraphs at construction, check_device_errors,
 //   read_dropped) allocates or synchronizes. While any thread captures in
 //   cudaStreamCaptureModeGlobal (StepGraphs's constructor does by default, to prove its enqueue

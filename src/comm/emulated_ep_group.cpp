@@ -22,6 +22,7 @@ struct EmulatedEpGroup::State {
     std::vector<DeviceBuffer> buffers;  // one per rank
   };
   int ranks = 0;
+  int device = -1;  // current at the group's creation; every rank's
   long long timeout_ns = 0;
   std::mutex mutex;
   std::vector<std::shared_ptr<Allocation>> allocations;
@@ -56,6 +57,7 @@ class EmulatedComm final : public EpComm {
   int rank() const override { return rank_; }
   int ranks() const override { return state_->ranks; }
   std::string transport() const override { return "emulated ranks on one GPU"; }
+  int device() const override { return state_->device; }
   long long barrier_timeout_ns() const override { return state_->timeout_ns; }
 
   std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) override {
@@ -138,7 +140,7 @@ EmulatedEpGroup::EmulatedEpGroup(int ranks) : state_(std::make_shared<State>()) 
            "emulated expert-parallel ranks wait for each other on one GPU, so every kernel must be loaded before "
            "the first step: run with CUDA_MODULE_LOADING=EAGER (set before CUDA initializes; got ",
            loading ? loading : "unset, which means LAZY", ")");
-  require_supported_device();
+  state_->device = require_supported_device().device;
   state_->ranks = ranks;
   state_->timeout_ns = comm::barrier_timeout_ns_from_environment();
   state_->calls.assign(ranks, 0);

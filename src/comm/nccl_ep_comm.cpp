@@ -42,9 +42,14 @@ class NcclWindow final : public EpWindow {
              std::size_t bytes)
       : EpWindow(state->rank, std::move(peers), bytes), state_(std::move(state)), memory_(memory), window_(window) {}
   ~NcclWindow() override {
-    // Collective like the registration: every rank frees the same windows in the same order.
+    // Collective like the registration: every rank frees the same windows in the same order, on
+    // the communicator's device whichever device the destroying thread has current.
+    int caller = -1;
+    const bool moved = cudaGetDevice(&caller) == cudaSuccess && caller != state_->device &&
+                       cudaSetDevice(state_->device) == cudaSuccess;
     ncclCommWindowDeregister(state_->comm, window_);
     ncclMemFree(memory_);
+    if (moved) cudaSetDevice(caller);
   }
 
  private:
@@ -52,6 +57,20 @@ class NcclWindow final : public EpWindow {
   void* memory_;
   ncclWindow_t window_;
 };
+
+// Captured grouped ncclSend / ncclRecv of megabyte chunks, received into symmetric windows, never
+// completed on two H200s with NCCL 2.28 while NCCL registered the buffers of captured operations
+// itself (NCCL_GRAPH_REGISTER, on by default): both ranks spun in NCCL's SendRecv kernel. With
+// NCCL_GRAPH_REGISTER=0 (and nothing else changed) the same steps ran. Refused rather than hung;
+// docs/expert-parallel.md has the record. Kilobyte chunks completed either way.
+void require_graph_register_off() {
+  const char* reg = std::getenv("NCCL_GRAPH_REGISTER");
+  MG_CHECK(reg != nullptr && std::string(reg) == "0",
+           "the send/recv exchange over NCCL needs NCCL_GRAPH_REGISTER=0 in the environment of every rank, set "
+           "before the first NCCL call (got ", reg ? std::string("\"") + reg + "\"" : std::string("unset"),
+           "): with NCCL's registration of captured buffers the exchange hangs (docs/expert-parallel.md); "
+           "scripts/launch sets it");
+}
 
 void require_nvls_off() {
   const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
@@ -167,6 +186,7 @@ std::string NcclEpComm::transport() const { return "nccl device api (symmetric w
 void NcclEpComm::all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord*,
                             cudaStream_t stream) {
   MG_CHECK(chunk_bytes % 16 == 0, "all_to_all: ", chunk_bytes, " bytes per chunk must be a multiple of 16");
+  require_graph_register_off();
   const auto* from = static_cast<const char*>(send);
   auto* to = static_cast<char*>(recv);
   MG_NCCL_CHECK(ncclGroupStart());

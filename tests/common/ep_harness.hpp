@@ -173,7 +173,9 @@ class EpHarness {
     for (auto& r : ranks_) r->poison();
   }
   // Every driven rank's step enqueued by its own host thread on its own stream, as one process per
-  // GPU would (they meet at the device barriers).
+  // GPU would (they meet at the device barriers). The threads leave their current device at 0: a
+  // rank on another GPU is driven from a thread with another device current, which the layers
+  // handle (they make their own device current for each call).
   void train_ranks() {
     on_every_rank([](LayerSlot& s) { s.train_step(); });
   }

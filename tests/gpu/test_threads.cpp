@@ -1,10 +1,13 @@
 // The threading contract (include/moegraph/step_graphs.hpp): eight threads, each with its own
 // stream, weights and StepGraphs of the whole layer, set up, capture (thread-local mode) and replay
 // at the same time. Each thread's replays equal its eager steps bit for bit, and every thread
-// computes the same bits as the others for the same inputs (no state leaks between handles).
+// computes the same bits as the others for the same inputs (no state leaks between handles). On a
+// machine of two or more GPUs, a handle also runs on its own device when called from a thread that
+// has another device current.
 #include <gtest/gtest.h>
 
 #include <barrier>
+#include <memory>
 #include <random>
 #include <thread>
 
@@ -73,6 +76,55 @@ TEST(Threads, EightThreadsSetUpCaptureAndReplayConcurrently) {
   std::size_t finite = 0;
   for (uint16_t bits : results[0][0].y) finite += (bits & 0x7f80) != 0x7f80 && bits != 0;
   EXPECT_GT(finite, results[0][0].y.size() / 2);
+}
+
+
+// A handle keeps the device it was created on and makes it current for each call, giving the
+// caller's back after: a thread with another device current (a pool's worker, an expert-parallel
+// rank's worker) drives it. Its steps equal the bits of the same step set up and driven on the
+// caller's own device. Needs two GPUs (the multi-GPU machines); skipped on one.
+TEST(Threads, AHandleRunsOnItsDeviceWhenCalledWithAnotherCurrent) {
+  int devices = 0, home = 0;
+  MG_CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (devices < 2) GTEST_SKIP() << "needs two GPUs, this machine has " << devices;
+  MG_CUDA_CHECK(cudaGetDevice(&home));
+  const int away = home == 0 ? 1 : 0;
+  const StepGraphsOptions o = small_layer_step(16, 2, kTokens);
+  StepDriver here(o);
+  MG_CUDA_CHECK(cudaSetDevice(away));
+  std::unique_ptr<StepDriver> there;
+  try {
+    there = std::make_unique<StepDriver>(o);
+  } catch (...) {
+    cudaSetDevice(home);
+    throw;
+  }
+  MG_CUDA_CHECK(cudaSetDevice(home));
+  for (int r = 0; r < 3; ++r) {
+    const Inputs in = inputs_of_round(r == 2 ? 3 : r, here.hidden());
+    here.write_inputs(in.x, in.dy, in.tokens);
+    here.reset_outputs();
+    here.train_step(/*graph=*/r != 1);
+    const StepBits want = here.read();
+    // The inputs are written on the handle's device; only the library's calls see `home` current.
+    MG_CUDA_CHECK(cudaSetDevice(away));
+    there->write_inputs(in.x, in.dy, in.tokens);
+    there->reset_outputs();
+    MG_CUDA_CHECK(cudaSetDevice(home));
+    there->train_step(/*graph=*/r != 1);
+    int current = -1;
+    MG_CUDA_CHECK(cudaGetDevice(&current));
+    EXPECT_EQ(current, home) << "the caller's device is given back";
+    MG_CUDA_CHECK(cudaSetDevice(away));
+    const StepBits got = there->read();
+    there->step().check_device_errors(there->stream());
+    MG_CUDA_CHECK(cudaSetDevice(home));
+    EXPECT_TRUE(got == want) << "round " << r << (r == 1 ? " (eager)" : " (graphs)")
+                             << ": the handle on device " << away << " differs from the one on " << home;
+  }
+  MG_CUDA_CHECK(cudaSetDevice(away));
+  there.reset();
+  MG_CUDA_CHECK(cudaSetDevice(home));
 }
 
 }  // namespace

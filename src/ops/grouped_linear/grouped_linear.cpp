@@ -12,6 +12,7 @@
 #include "src/core/checked.hpp"
 #include "src/core/device_buffer.hpp"
 #include "src/core/device_info.hpp"
+#include "src/core/device_scope.hpp"
 #include "src/core/layout.hpp"
 #include "src/ops/group_layout.hpp"
 #include "src/ops/grouped_linear/linear_backend.hpp"
@@ -35,6 +36,7 @@ struct GroupedLinear::Scratch {
   DeviceBuffer owned_workspace;      // when the operator allocated its workspace itself
   std::size_t workspace_bytes = 0;
   int sm_count = 0;
+  int device = -1;  // set up on; made current for every call (DeviceScope)
 };
 
 namespace linear {
@@ -174,7 +176,9 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   scratch_ = std::make_unique<Scratch>();
   // Sized before the device is looked at: a workspace too large to lay out fails the same without a GPU.
   scratch_->workspace_bytes = workspace_bytes(options_);
-  scratch_->sm_count = require_supported_device().sm_count;
+  const DeviceInfo device = require_supported_device();
+  scratch_->sm_count = device.sm_count;
+  scratch_->device = device.device;
   if (workspace == nullptr) {
     scratch_->owned_workspace = DeviceBuffer(scratch_->workspace_bytes);
     workspace = scratch_->owned_workspace.get();
@@ -227,16 +231,19 @@ const int64_t* GroupedLinear::group_offsets(const ForwardArgs& args, int64_t* co
 }
 
 void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
+  const DeviceScope on_device(scratch_->device);
   check_forward_args(options_, args);
   const linear::Groups groups{args.splits, group_offsets(args, scratch_->offsets, stream)};
   backend_->fprop(args, groups, -1, stream);
 }
 
 void GroupedLinear::weights_changed(const void* weight, cudaStream_t stream) {
+  const DeviceScope on_device(scratch_->device);
   backend_->weights_changed(weight, stream);
 }
 
 void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) {
+  const DeviceScope on_device(scratch_->device);
   check_forward_args(options_, args);
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold forward contexts: run backward / backward_dw before the next forward_train");
@@ -261,6 +268,7 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
 }
 
 void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStream_t stream) {
+  const DeviceScope on_device(scratch_->device);
   MG_CHECK(!backward_queue_.empty(), "backward without a pending forward_train");
   MG_CHECK(args.dy != nullptr, "backward needs dy");
   if (options_.prequantized_weights)
@@ -300,6 +308,7 @@ void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStrea
 }
 
 void GroupedLinear::backward_dw(cudaStream_t stream) {
+  const DeviceScope on_device(scratch_->device);
   MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued wgrad");
   const QueuedWgrad q = wgrad_queue_.front();
   const Slot& slot = slots_[q.slot];
@@ -309,6 +318,7 @@ void GroupedLinear::backward_dw(cudaStream_t stream) {
 }
 
 void GroupedLinear::check_device_errors(cudaStream_t stream) {
+  const DeviceScope on_device(scratch_->device);
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   const DeviceErrorRecord record = take_device_error_record(scratch_->error);
   if (record.code == kDeviceErrorNone) return;

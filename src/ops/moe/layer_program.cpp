@@ -5,6 +5,7 @@
 
 #include "moegraph/error.hpp"
 #include "src/core/device_info.hpp"
+#include "src/core/device_scope.hpp"
 #include "src/ops/group_layout.hpp"
 #include "src/ops/moe/op_events.hpp"
 
@@ -30,7 +31,9 @@ LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights
     MG_CHECK(comm_->ranks() == options.expert_parallel, "the communicator has ", comm_->ranks(),
              " ranks but expert_parallel is ", options.expert_parallel);
   }
-  require_supported_device();
+  // With a communicator, set-up runs on its device (the creating thread may have another current).
+  const DeviceScope on_device(comm_ != nullptr ? comm_->device() : -1);
+  device_ = require_supported_device().device;
   if (workspace == nullptr) {
     owned_ = DeviceBuffer(bytes);
     workspace = owned_.get();
@@ -84,6 +87,7 @@ void LayerProgram::run_forward(const MoeLayerIO& io, int slot, bool train, cudaS
 }
 
 void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   // Inference borrows slot 0's saved tensors; a micro-batch holding them must finish first.
   MG_CHECK(std::find(free_slots_.begin(), free_slots_.end(), 0) != free_slots_.end(),
            "inference forward shares slot 0 with a training micro-batch in flight (", backward_queue_.size(),
@@ -92,6 +96,7 @@ void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
 }
 
 void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   MG_CHECK(options_.training, "forward_train needs MoeLayerOptions::training");
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold micro-batches in flight: run backward / backward_dw first");
@@ -102,6 +107,7 @@ void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
 }
 
 void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   MG_CHECK(!backward_queue_.empty(), "backward without a forward_train");
   const int slot = backward_queue_.front();
   const WgradMode mode = options_.delay_wgrad ? WgradMode::kDelayed : WgradMode::kImmediate;
@@ -113,6 +119,7 @@ void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
 }
 
 void LayerProgram::backward_dw(cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued weight gradient (delay_wgrad backward first)");
   for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->wgrad(stream), after(**it, "wgrad", stream);
   free_slots_.push_back(wgrad_queue_.front());
@@ -120,10 +127,12 @@ void LayerProgram::backward_dw(cudaStream_t stream) {
 }
 
 void LayerProgram::weights_changed(cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   for (auto& op : ops_) op->weights_changed(stream);
 }
 
 uint64_t LayerProgram::read_dropped(cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   uint64_t total = 0;
   for (auto& op : ops_) total += op->take_dropped();
@@ -131,6 +140,7 @@ uint64_t LayerProgram::read_dropped(cudaStream_t stream) {
 }
 
 void LayerProgram::check_device_errors(cudaStream_t stream) {
+  const DeviceScope on_device(device_);
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   std::string first;  // every record is read and cleared; the first problem is reported
   for (auto& op : ops_) {

@@ -59,6 +59,7 @@ class LayerProgram {
   std::vector<int> free_slots_;
   std::deque<int> backward_queue_, wgrad_queue_;
   int last_slot_ = 0;
+  int device_ = -1;  // set up on; made current for every call (DeviceScope); -1: sizing only
 };
 
 }  // namespace moegraph::layer

@@ -1,0 +1,44 @@
+// Makes an operator's device current for one call and gives the caller's back after it.
+//
+// An operator is set up on the current device and keeps its number. The host thread that enqueues
+// its work later may have another device current: a server's thread pool, a rank's worker thread,
+// Python. cuBLASLt handles, kernel attributes and lazily loaded kernels belong to the device that
+// was current when they were made; called from another device they fail (cuBLASLt answers
+// CUBLAS_STATUS_INTERNAL_ERROR) or reach the wrong context. cudaGetDevice and cudaSetDevice are
+// host-side only: no synchronization, and legal while a stream is being captured.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "moegraph/error.hpp"
+
+namespace moegraph {
+
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    MG_CUDA_CHECK(cudaGetDevice(&caller_));
+    if (device >= 0 && device != caller_) {
+      MG_CUDA_CHECK(cudaSetDevice(device));
+      restore_ = true;
+    }
+  }
+  ~DeviceScope() {
+    if (restore_) cudaSetDevice(caller_);  // a destructor does not throw; the device was valid before
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int caller_ = 0;
+  bool restore_ = false;
+};
+
+// The current device, for an operator to keep at set-up.
+inline int current_device() {
+  int d = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&d));
+  return d;
+}
+
+}  // namespace moegraph
