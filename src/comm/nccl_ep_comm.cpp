@@ -59,17 +59,19 @@ class NcclWindow final : public EpWindow {
 };
 
 // Captured grouped ncclSend / ncclRecv of megabyte chunks, received into symmetric windows, never
-// completed on two H200s with NCCL 2.28 while NCCL registered the buffers of captured operations
-// itself (NCCL_GRAPH_REGISTER, on by default): both ranks spun in NCCL's SendRecv kernel. With
-// NCCL_GRAPH_REGISTER=0 (and nothing else changed) the same steps ran. Refused rather than hung;
-// docs/expert-parallel.md has the record. Kilobyte chunks completed either way.
-void require_graph_register_off() {
-  const char* reg = std::getenv("NCCL_GRAPH_REGISTER");
-  MG_CHECK(reg != nullptr && std::string(reg) == "0",
-           "the send/recv exchange over NCCL needs NCCL_GRAPH_REGISTER=0 in the environment of every rank, set "
-           "before the first NCCL call (got ", reg ? std::string("\"") + reg + "\"" : std::string("unset"),
-           "): with NCCL's registration of captured buffers the exchange hangs (docs/expert-parallel.md); "
-           "scripts/launch sets it");
+// completed on two H200s with NCCL 2.28 while NCCL registered user buffers itself: both ranks spun
+// in NCCL's SendRecv kernel. With NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0 the same steps
+// ran; NCCL_LOCAL_REGISTER=0 alone did not help (docs/bench/2026-11-24-h200x2-ep-second-run.txt).
+// Refused rather than hung. Kilobyte chunks completed either way.
+void require_user_buffer_registration_off() {
+  for (const char* name : {"NCCL_GRAPH_REGISTER", "NCCL_LOCAL_REGISTER"}) {
+    const char* v = std::getenv(name);
+    MG_CHECK(v != nullptr && std::string(v) == "0", "the send/recv exchange over NCCL needs ", name,
+             "=0 in the environment of every rank, set before the first NCCL call (got ",
+             v ? std::string("\"") + v + "\"" : std::string("unset"),
+             "): while NCCL registers the exchange's buffers itself it hangs (docs/expert-parallel.md); "
+             "scripts/launch sets NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0 unless given");
+  }
 }
 
 void require_nvls_off() {
@@ -186,7 +188,7 @@ std::string NcclEpComm::transport() const { return "nccl device api (symmetric w
 void NcclEpComm::all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord*,
                             cudaStream_t stream) {
   MG_CHECK(chunk_bytes % 16 == 0, "all_to_all: ", chunk_bytes, " bytes per chunk must be a multiple of 16");
-  require_graph_register_off();
+  require_user_buffer_registration_off();
   const auto* from = static_cast<const char*>(send);
   auto* to = static_cast<char*>(recv);
   MG_NCCL_CHECK(ncclGroupStart());
