@@ -208,7 +208,9 @@ MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* 
  *   MOEGRAPH_EP_TIMEOUT_MS (default 20000) milliseconds, which check_device_errors reports.
  * - Transports: NCCL (one process per GPU of one host's NVLink domain: NCCL 2.28 or newer, and
  *   NCCL_NVLS_ENABLE=0 in every rank's environment, else creation is refused with
- *   MG_ERR_INVALID_ARGUMENT), or emulated ranks in one process on one GPU (for tests).
+ *   MG_ERR_INVALID_ARGUMENT; the send/recv exchange also needs NCCL_GRAPH_REGISTER=0 and
+ *   NCCL_LOCAL_REGISTER=0, else its first exchange fails), or emulated ranks in one process on one
+ *   GPU (for tests).
  * - A communicator is bound to the device current when it is created; the layers and steps made
  *   with it are set up on that device (whatever device the creating thread has current) and keep
  *   what they need of it alive, so it may be destroyed before them.
