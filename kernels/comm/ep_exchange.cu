@@ -197,13 +197,14 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
     const auto chunk_row = [&] {
       return seg.peer * p.chunk_rows + (p.prefix[s] - p.prefix[seg.peer * p.segments_per_peer]) + k;
     };
+    const auto source_row = [&](int64_t r) -> int64_t { return p.src_rows != nullptr ? p.src_rows[r] : r; };
     const char* src_base = static_cast<const char*>(p.src);
     char* local = static_cast<char*>(p.local_dst);
     const uint4* src;
     uint4* dst;
     switch (p.mode) {
       case EpRowsMode::kPack:
-        src = reinterpret_cast<const uint4*>(src_base + (seg.src_row + k) * p.row_bytes);
+        src = reinterpret_cast<const uint4*>(src_base + source_row(seg.src_row + k) * p.row_bytes);
         dst = reinterpret_cast<uint4*>(local + chunk_row() * p.row_bytes);
         break;
       case EpRowsMode::kUnpack:
@@ -211,7 +212,7 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
         dst = reinterpret_cast<uint4*>(local + (seg.src_row + k) * p.row_bytes);
         break;
       default:
-        src = reinterpret_cast<const uint4*>(src_base + (seg.src_row + k) * p.row_bytes);
+        src = reinterpret_cast<const uint4*>(src_base + source_row(seg.src_row + k) * p.row_bytes);
         dst = reinterpret_cast<uint4*>(p.dst.base[seg.peer] + (seg.dst_row + k) * p.row_bytes);
     }
     for (int64_t v = lane; v < vectors; v += lanes) dst[v] = src[v];

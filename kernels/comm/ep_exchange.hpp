@@ -115,6 +115,9 @@ struct EpExchangeParams {
   int64_t chunk_rows = 0;           // kPack, kUnpack: rows of each peer's chunk
   int segments_per_peer = 1;        // kPack, kUnpack: L (segment i belongs to peer i / L)
   const void* src = nullptr;
+  // kPeerStore, kPack: when set, the source's row r (the segments' src_row + k) is row src_rows[r]
+  // of `src`: the dispatch reads its tokens' rows of x in place instead of a sorted copy.
+  const int32_t* src_rows = nullptr;
   std::size_t row_bytes = 0;
   PeerBases dst;
   const EpSegment* segments = nullptr;

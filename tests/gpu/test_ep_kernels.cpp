@@ -59,6 +59,8 @@ TEST(EpKernels, BarrierRoundsOnConcurrentStreams) {
 // The plan and the row stores of R ranks run one after another on one stream (so no barrier is
 // needed, and the sanitizer can run them): every row lands where a host model of the layout says,
 // alignment gaps and dropped rows are zero, and the rows that come back are the rows that left.
+// The unbounded round sends from a sorted buffer; the bounded one gathers the same rows from a
+// scattered copy (EpExchangeParams::src_rows), so both ways of reading the source are checked.
 TEST(EpKernels, PlanAndRowsMatchAHostModel) {
   constexpr int R = 3, E = 6, L = E / R, kAlign = 4, kWords = 4;  // rows of 16 bytes
   constexpr int64_t kLocalRows = 24;
@@ -99,6 +101,7 @@ TEST(EpKernels, PlanAndRowsMatchAHostModel) {
       DeviceArray<int64_t> offsets{L + 1}, owner_prefix{E + 1}, source_prefix{E + 1}, gaps{2 * L}, drops{2 * E};
       DeviceArray<kernels::EpSegment> to_owner{E}, to_source{E};
       DeviceArray<int32_t> send, recv, back;
+      DeviceArray<int32_t> x, row_of_x{kLocalRows};  // the send rows scattered, and where each is
       DeviceArray<unsigned long long> dropped{1};
       DeviceArray<DeviceErrorRecord> error{1};
     };
@@ -114,6 +117,16 @@ TEST(EpKernels, PlanAndRowsMatchAHostModel) {
       for (int64_t i = 0; i < kLocalRows; ++i)
         for (int w = 0; w < kWords; ++w) rows[i * kWords + w] = static_cast<int32_t>(1000 * r + 10 * i + w + 1);
       k.send.upload(rows);
+      // The same rows scattered (row i at (7 i + 3) mod 24, a bijection): the bounded round
+      // gathers them along row_of_x, as the dispatch reads x in place.
+      std::vector<int32_t> scattered(kLocalRows * kWords), where(kLocalRows);
+      for (int64_t i = 0; i < kLocalRows; ++i) {
+        where[i] = static_cast<int32_t>((7 * i + 3) % kLocalRows);
+        for (int w = 0; w < kWords; ++w) scattered[where[i] * kWords + w] = rows[i * kWords + w];
+      }
+      k.x = DeviceArray<int32_t>(kLocalRows * kWords);
+      k.x.upload(scattered);
+      k.row_of_x.upload(where);
       k.recv.poison(), k.back.poison();
       testing::memset_and_wait(k.dropped.get(), 0, sizeof(unsigned long long));
       testing::memset_and_wait(k.error.get(), 0, sizeof(DeviceErrorRecord));
@@ -139,7 +152,8 @@ TEST(EpKernels, PlanAndRowsMatchAHostModel) {
     auto exchange = [&](int r, bool to_owner) {
       Rank& k = ranks[r];
       kernels::EpExchangeParams x;
-      x.src = to_owner ? k.send.get() : k.recv.get();
+      x.src = to_owner ? (bound > 0 ? k.x.get() : k.send.get()) : k.recv.get();
+      x.src_rows = to_owner && bound > 0 ? k.row_of_x.get() : nullptr;
       x.row_bytes = kWords * sizeof(int32_t);
       x.dst = to_owner ? recv : back;
       x.segments = to_owner ? k.to_owner.get() : k.to_source.get();

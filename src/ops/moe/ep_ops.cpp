@@ -3,8 +3,9 @@
 // peers' windows, then a device barrier publishes them.
 //
 //   forward   dispatch: local counting sort by expert (row_align 1) -> counts to every rank ->
-//                       barrier -> receive plan -> own rows to their owners' receive buffers
-//                       (grouped by local expert: FC1 reads them as its group layout) -> barrier
+//                       barrier -> receive plan -> own rows, read from x in place, to their
+//                       owners' receive buffers (grouped by local expert: FC1 reads them as its
+//                       group layout) -> barrier
 //             experts (FC1, SwiGLU, FC2 on this rank's El experts)
 //             combine:  the experts' rows back to their sources' windows (local row order) ->
 //                       barrier -> the weighted sum per token, locally
@@ -54,7 +55,7 @@ constexpr const char* kToSource = "ep.to_source";            // saved [E] EpSegm
 constexpr const char* kToSourcePrefix = "ep.to_source_prefix";
 constexpr const char* kRecvGaps = "ep.recv_gaps";            // saved [L][2] i64
 constexpr const char* kDroppedRows = "ep.dropped_rows";      // saved [E][2] i64
-constexpr const char* kSend = "ep.send";                     // [local rows, H]: rows leaving this rank
+constexpr const char* kSend = "ep.send";                     // [local rows, H]: row gradients leaving (combine bwd)
 constexpr const char* kReturned = "ep.returned";             // window [local rows, H]: dx rows come back here
 constexpr const char* kCombineIn = "ep.combine_in";          // window, saved [local rows, H]: expert rows back
 // send/recv only
@@ -69,6 +70,7 @@ constexpr const char* kChunksInB = "ep.chunks_in_b";         // window, the othe
 // along the `in` table (the same rows seen from the receiving side), into `chunks_in`'s staging.
 struct RowMove {
   const void* src = nullptr;
+  const int32_t* src_rows = nullptr;  // set: a gather (EpExchangeParams::src_rows)
   std::string dst;
   int dst_slot = 0;
   const char *out = nullptr, *out_prefix = nullptr, *in = nullptr, *in_prefix = nullptr;
@@ -123,6 +125,7 @@ struct EpLink {
     x.count = experts;
     if (!send_recv()) {
       x.src = m.src;
+      x.src_rows = m.src_rows;
       x.dst = t.peers(m.dst, m.dst_slot);
       x.segments = t.get<kernels::EpSegment>(m.out, slot);
       x.prefix = t.get<int64_t>(m.out_prefix, slot);
@@ -138,6 +141,7 @@ struct EpLink {
     x.segments_per_peer = experts / ranks;
     x.mode = kernels::EpRowsMode::kPack;
     x.src = m.src;
+    x.src_rows = m.src_rows;
     x.segments = t.get<kernels::EpSegment>(m.out, slot);
     x.prefix = t.get<int64_t>(m.out_prefix, slot);
     x.local_dst = t.get(ep::kChunksOut);
@@ -147,6 +151,7 @@ struct EpLink {
                      error, stream);
     x.mode = kernels::EpRowsMode::kUnpack;
     x.src = t.get(m.chunks_in);
+    x.src_rows = nullptr;
     x.segments = t.get<kernels::EpSegment>(m.in, slot);
     x.prefix = t.get<int64_t>(m.in_prefix, slot);
     x.zero_ranges = t.get<int64_t>(m.zero, slot);
@@ -232,7 +237,6 @@ class EpDispatchOp final : public LayerOp {
     t.declare(ep::kDroppedRows, checked_mul(ep::kDroppedRows, e, 2, sizeof(int64_t)), saved);
     t.declare("dispatch.workspace", kernels::dispatch_workspace_bytes(tk, o_.experts, o_.top_k), step);
     t.declare("ep.plan_scratch", kernels::ep_plan_scratch_bytes(o_.expert_parallel, o_.experts), step);
-    t.declare(ep::kSend, checked_mul(ep::kSend, local_rows_, row), step);
     t.declare(ep::kMatrix, checked_mul(ep::kMatrix, r, link_.count_stride, sizeof(int32_t)), saved, window);
     link_.declare(t);
     // Buffers rows are moved into: peers store into them (windows), or this rank unpacks into them.
@@ -241,6 +245,7 @@ class EpDispatchOp final : public LayerOp {
     // names it so); the two uses never overlap (a phase's barrier lies between them).
     t.declare(tensor::kPermutedX, checked_mul(tensor::kPermutedX, recv_rows_, row), step, moved);
     if (!training) return;
+    t.declare(ep::kSend, checked_mul(ep::kSend, local_rows_, row), step);
     t.declare(tensor::kDTopkWeights, checked_mul(tensor::kDTopkWeights, tk, k, sizeof(float)), step);
     t.declare(ep::kReturned, checked_mul(ep::kReturned, local_rows_, row), step, moved);
   }
@@ -255,8 +260,6 @@ class EpDispatchOp final : public LayerOp {
     const kernels::DispatchParams d = dispatch_params(t, s, o_, ep::kLocalSplits, ep::kLocalOffsets, 1, local_rows_,
                                                       0.0, records_);
     kernels::launch_dispatch(d, stream);
-    kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
-                                 t.get(ep::kSend), stream);
 
     link_.share_counts(t, s, d.counts, tokens, records_.error(), stream);
     kernels::EpPlanParams plan;
@@ -279,8 +282,10 @@ class EpDispatchOp final : public LayerOp {
     plan.dropped = records_.dropped();
     plan.error = records_.error();
     kernels::launch_ep_plan(plan, stream);
+    // The rows leave straight from x (gathered along token_of_row): no sorted copy in between.
     RowMove m;
-    m.src = t.get(ep::kSend);
+    m.src = p.io->x;
+    m.src_rows = d.token_of_row;
     m.dst = tensor::kPermutedX;
     m.out = ep::kToOwner, m.out_prefix = ep::kToOwnerPrefix, m.in = ep::kToSource, m.in_prefix = ep::kToSourcePrefix;
     m.zero = ep::kRecvGaps, m.zero_count = local_experts_;
