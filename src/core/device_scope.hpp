@@ -34,11 +34,4 @@ class DeviceScope {
   bool restore_ = false;
 };
 
-// The current device, for an operator to keep at set-up.
-inline int current_device() {
-  int d = 0;
-  MG_CUDA_CHECK(cudaGetDevice(&d));
-  return d;
-}
-
 }  // namespace moegraph

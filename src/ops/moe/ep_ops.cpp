@@ -123,16 +123,17 @@ struct EpLink {
     kernels::EpExchangeParams x;
     x.row_bytes = row_bytes;
     x.count = experts;
+    // The sending side, the same for both exchanges: this rank's rows along the `out` table.
+    x.src = m.src;
+    x.src_rows = m.src_rows;
+    x.segments = t.get<kernels::EpSegment>(m.out, slot);
+    x.prefix = t.get<int64_t>(m.out_prefix, slot);
+    x.max_rows = m.out_rows;
     if (!send_recv()) {
-      x.src = m.src;
-      x.src_rows = m.src_rows;
       x.dst = t.peers(m.dst, m.dst_slot);
-      x.segments = t.get<kernels::EpSegment>(m.out, slot);
-      x.prefix = t.get<int64_t>(m.out_prefix, slot);
       x.zero_ranges = t.get<int64_t>(m.zero, slot);
       x.zero_count = m.zero_count;
       x.local_dst = t.get(m.dst, m.dst_slot);
-      x.max_rows = m.out_rows;
       kernels::launch_ep_exchange(x, stream);
       barrier(t, error, stream);
       return;
@@ -140,24 +141,20 @@ struct EpLink {
     x.chunk_rows = chunk_rows;
     x.segments_per_peer = experts / ranks;
     x.mode = kernels::EpRowsMode::kPack;
-    x.src = m.src;
-    x.src_rows = m.src_rows;
-    x.segments = t.get<kernels::EpSegment>(m.out, slot);
-    x.prefix = t.get<int64_t>(m.out_prefix, slot);
     x.local_dst = t.get(ep::kChunksOut);
-    x.max_rows = m.out_rows;
     kernels::launch_ep_exchange(x, stream);
     comm->all_to_all(t.get(ep::kChunksOut), t.get(m.chunks_in), static_cast<std::size_t>(chunk_rows) * row_bytes,
                      error, stream);
+    // The receiving side: each source's chunk unpacked along the `in` table.
     x.mode = kernels::EpRowsMode::kUnpack;
     x.src = t.get(m.chunks_in);
     x.src_rows = nullptr;
     x.segments = t.get<kernels::EpSegment>(m.in, slot);
     x.prefix = t.get<int64_t>(m.in_prefix, slot);
+    x.max_rows = m.in_rows;
     x.zero_ranges = t.get<int64_t>(m.zero, slot);
     x.zero_count = m.zero_count;
     x.local_dst = t.get(m.dst, m.dst_slot);
-    x.max_rows = m.in_rows;
     kernels::launch_ep_exchange(x, stream);
   }
 
