@@ -17,6 +17,7 @@
 #include "src/comm/ep_environment.hpp"
 #include "src/core/checks.hpp"
 #include "src/core/device_info.hpp"
+#include "src/core/device_scope.hpp"
 
 namespace moegraph {
 
@@ -44,12 +45,9 @@ class NcclWindow final : public EpWindow {
   ~NcclWindow() override {
     // Collective like the registration: every rank frees the same windows in the same order, on
     // the communicator's device whichever device the destroying thread has current.
-    int caller = -1;
-    const bool moved = cudaGetDevice(&caller) == cudaSuccess && caller != state_->device &&
-                       cudaSetDevice(state_->device) == cudaSuccess;
+    const DeviceScope on_device(state_->device, std::nothrow);
     ncclCommWindowDeregister(state_->comm, window_);
     ncclMemFree(memory_);
-    if (moved) cudaSetDevice(caller);
   }
 
  private:

@@ -10,6 +10,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <new>
+
 #include "moegraph/error.hpp"
 
 namespace moegraph {
@@ -22,6 +24,11 @@ class DeviceScope {
       MG_CUDA_CHECK(cudaSetDevice(device));
       restore_ = true;
     }
+  }
+  // For destructors: a failed query or switch leaves the current device as it is, and throws nothing.
+  DeviceScope(int device, std::nothrow_t) {
+    restore_ = device >= 0 && cudaGetDevice(&caller_) == cudaSuccess && device != caller_ &&
+               cudaSetDevice(device) == cudaSuccess;
   }
   ~DeviceScope() {
     if (restore_) cudaSetDevice(caller_);  // a destructor does not throw; the device was valid before
