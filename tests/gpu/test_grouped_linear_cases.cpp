@@ -34,6 +34,10 @@ std::vector<CaseSpec> cases() {
       {"align128_main_grad", 8, 128, 256, DType::kBF16, 128, {}, 900, R::kUniform, 0, true, false, true},
       {"fp16_odd_bias_scale", 8, 256, 256, fp16, 1, {3, 17, 129, 255, 1, 63, 5, 77}, 0, R::kUniform, 0, true, true},
       {"fp16_main_grad", 16, 512, 256, fp16, 16, {}, 1500, R::kSkewed, 0, false, false, true},
+      // Groups of 1, 2 and 4 row tiles beside one of 17 (two bands in the TMA kernels' raster), fixed
+      // and drawn from a skewed routing.
+      {"g6_heavy_and_light", 6, 128, 384, DType::kBF16, 1, {2100, 5, 0, 130, 1, 400}, 0, R::kUniform, 0, true},
+      {"g32_skewed_long_bands", 32, 128, 640, DType::kBF16, 1, {}, 8000, R::kSkewed, 0, true, true},
       // dW and main_grad tiles that overhang N and K inside a group (the tensor stores must clip there).
       {"g6_partial_tiles_main_grad", 6, 208, 144, DType::kBF16, 1, {}, 700, R::kSkewed, 0, false, false, true},
   };
