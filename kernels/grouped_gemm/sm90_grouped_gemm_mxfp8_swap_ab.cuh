@@ -110,10 +110,45 @@ __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_
   }
 }
 
+// Whether every byte of w lies in [64, 190]: then the product of any two of those E8M0 scales,
+// 2^(e1 + e2 - 254), is a normal fp32 (its biased exponent e1 + e2 - 127 lies in [1, 253]), and
+// neither is 0xFF (NaN). Per byte, without carries between bytes: b >= 64 when bit 6 or 7 is set;
+// b <= 190 when b + 65 does not carry out of the byte.
+__device__ __forceinline__ bool scale_bytes_mid(uint32_t w) {
+  const uint32_t at_least_64 = (w | (w << 1)) & 0x80808080u;
+  const uint32_t over_190 = w & ((w & 0x7f7f7f7fu) + 0x41414141u) & 0x80808080u;
+  return at_least_64 == 0x80808080u && over_190 == 0u;
+}
+
+constexpr uint32_t kMidScales = 0x7f7f7f7fu;  // four scales of 1
+
+// E8M0 byte kb of w, shifted into an fp32's exponent field (kb a compile-time constant after unrolling).
+__device__ __forceinline__ uint32_t exponent_field(uint32_t w, int kb) {
+  return (kb < 3 ? w << (23 - 8 * kb) : w >> 1) & 0x7f800000u;
+}
+
 // acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c) +=
-// partial * sb[m_h][kb] * sa[r][kb], from the stage's scale words.
+// partial * sb[m_h][kb] * sa[r][kb], from the stage's scale words. When all of them are mid-range
+// (`mid`: scale_bytes_mid of every word), the scale product is formed by adding exponent fields,
+// which gives the same fp32 as multiplying the two decoded scales (both are powers of two and the
+// product is normal) in a third of the instructions; otherwise each scale is decoded (0 and 0xFF
+// included) and multiplied.
 __device__ __forceinline__ void promote(float (&acc)[16], const float (&partial)[16], const uint32_t (&wb)[2],
-                                        const uint32_t (&wa)[8], int kb) {
+                                        const uint32_t (&wa)[8], int kb, bool mid) {
+  if (mid) {
+    constexpr uint32_t kBias = 127u << 23;
+    const uint32_t eb0 = exponent_field(wb[0], kb) - kBias, eb1 = exponent_field(wb[1], kb) - kBias;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const uint32_t ea = exponent_field(wa[2 * j + c], kb);
+        acc[4 * j + c] = fmaf(partial[4 * j + c], __uint_as_float(ea + eb0), acc[4 * j + c]);
+        acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], __uint_as_float(ea + eb1), acc[4 * j + 2 + c]);
+      }
+    }
+    return;
+  }
   const float fb0 = e8m0_to_float((wb[0] >> (8 * kb)) & 0xffu), fb1 = e8m0_to_float((wb[1] >> (8 * kb)) & 0xffu);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -174,12 +209,23 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
       sm90::mbar_wait(&full[stage], phase);
       const uint8_t* s = smem + stage * kStageBytes;
       const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
-      const uint32_t wb[2] = {scales[m_local], scales[m_local + 8]};
+      // Weight rows past `cols` and group rows past the group's data produce results that are never
+      // stored (their scales are zero fill, alignment gaps or another group's): they take mid-range
+      // stand-ins, so that they do not send the whole thread down the decoding path.
+      uint32_t wb[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) wb[h] = tile.n0 + m_local + 8 * h < cols ? scales[m_local + 8 * h] : kMidScales;
       uint32_t wa[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int c = 0; c < 2; ++c) wa[2 * j + c] = scales[BM + 8 * j + 2 * (lane % 4) + c];
+        for (int c = 0; c < 2; ++c) {
+          const int r = 8 * j + 2 * (lane % 4) + c;
+          wa[2 * j + c] = r < tile.rows.data_rows ? scales[BM + r] : kMidScales;
+        }
+      bool mid = scale_bytes_mid(wb[0]) && scale_bytes_mid(wb[1]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mid = mid && scale_bytes_mid(wa[i]);
       const uint32_t b_addr = sm90::smem_addr(s + wg * (kTileBytesB / 2));
       const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
       mma_block(partial[0], b_addr, a_addr, 0);
@@ -188,12 +234,12 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
         mma_block(partial[kb & 1], b_addr, a_addr, kb);
         sm90::wgmma_wait<1>();  // block kb-1 is done
         sm90::fence_registers(partial[(kb - 1) & 1]);
-        promote(acc, partial[(kb - 1) & 1], wb, wa, kb - 1);
+        promote(acc, partial[(kb - 1) & 1], wb, wa, kb - 1, mid);
       }
       sm90::wgmma_wait<0>();
       sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
       sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
-      promote(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1);
+      promote(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1, mid);
       if (++stage == STAGES) stage = 0, phase ^= 1;
     }
     // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and 8 group rows r.

@@ -23,13 +23,13 @@ struct Mx {
   Mat values;                         // dequantized
 };
 
-// Random finite codes; scales 2^(e - 127) with e in [127 - spread, 127 + spread].
-Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread) {
+// Random finite codes; scales 2^(e - 127) with e in [center - spread, center + spread].
+Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread, int center = 127) {
   Mx m;
   m.data.resize(rows * k);
   m.scales.resize(rows * k / 32);
   m.values.resize(rows * k);
-  std::uniform_int_distribution<int> code(0, 255), exp(127 - spread, 127 + spread);
+  std::uniform_int_distribution<int> code(0, 255), exp(center - spread, center + spread);
   for (auto& s : m.scales) s = static_cast<uint8_t>(exp(rng));
   for (int64_t i = 0; i < rows * k; ++i) {
     uint8_t c;
@@ -48,6 +48,7 @@ struct GemmCase {
   int row_align;
   bool bias;
   int spread;  // binades of scale spread around 1
+  int shift = 0;  // A's scales centred 2^-shift, B's 2^shift (their products stay near 1)
 };
 
 // Each case runs on both fprop/dgrad kernels: the row-major one (128-row tiles) and swap-AB
@@ -75,8 +76,8 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   testing::Stream stream;
   const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, swap_ab);
 
-  const Mx a = random_mx(rng, capacity, c.k, c.spread);
-  const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread);
+  const Mx a = random_mx(rng, capacity, c.k, c.spread, 127 - c.shift);
+  const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread, 127 + c.shift);
   const Mat bias = c.bias ? random_values(rng, c.groups * c.n, 0.5, DType::kBF16) : Mat{};
   Mat scale = c.bias ? random_values(rng, capacity, 1.0, DType::kFP32) : Mat{};
   DeviceArray<uint8_t> da(a.data.size()), das(a.scales.size()), db(b.data.size()), dbs(b.scales.size());
@@ -139,6 +140,9 @@ const GemmCase kCases[] = {
     {"g8_k512_n384_bias_align32", 8, 512, 384, 32, true, 20},
     {"g3_k1024_n136_partial_tile", 3, 1024, 136, 16, true, 24},
     {"g64_k128_n256", 64, 128, 256, 1, false, 8},
+    // Scales far from 1 (A's E8M0 bytes 37-97, B's 157-217), whose products are still normal: the
+    // swap-AB kernel's promotion decodes them one by one instead of adding exponent fields.
+    {"g8_k512_n256_scales_far_from_one", 8, 512, 256, 32, true, 30, 60},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::Combine(::testing::ValuesIn(kCases), ::testing::Bool()),
                          [](const auto& info) {
