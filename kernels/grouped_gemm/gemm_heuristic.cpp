@@ -97,9 +97,10 @@ bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return p.expected_rows_pe
 // MXFP8 fprop and dgrad of groups of few rows stream the weights for a handful of rows: the swap-AB
 // kernel puts those rows on wgmma's N (32 at a time) and streams the weights by TMA. A group of more
 // rows takes one pass over its weights per 32 rows there, so larger groups keep the 128-row tiles.
-// The bound covers the decode preset's buckets (up to 55 capacity rows per expert, about 24 routed),
-// measured 1.08-1.36x faster on it (docs/PERF.md, "MXFP8 swap-AB"); groups of 32-64 rows were not
-// measured against the row tiles yet, and heavily skewed routing loses (0.9x).
+// The bound covers the decode preset's buckets (up to 55 capacity rows per expert, about 24 routed):
+// 1.52-1.79x bf16 there, 1.25-1.28x with 1536 rows under skewed routing. Forced onto groups of
+// 80-500 rows it mostly loses to the row tiles (docs/PERF.md, "MXFP8 swap-AB: scale products by
+// adding exponents").
 constexpr int64_t kSwapAbMaxRowsPerGroup = 64;
 bool heuristic_mxfp8_swap_ab(const GemmProblem& p) {
   return p.phase != GemmPhase::kWgrad && p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup;

@@ -42,7 +42,6 @@ struct Tile128 {
   static_assert(BM * kStageLd * 4 <= STAGES * kStageBytes, "the epilogue staging reuses the pipeline");
 };
 
-
 // Scales in shared memory, per stage and operand: row-wise operands (fprop, dgrad) bring each
 // row's 4-block word, [row][block]; column-wise operands (wgrad) bring 4 block-rows of 128 bytes,
 // [block][row]. Global layouts: row-wise [rows][K / 32]; column-wise [rows / 32][cols] (block-major,
