@@ -18,24 +18,13 @@
 #include "moegraph/moegraph.h"
 #include "moegraph/mxfp8_weights.hpp"
 #include "src/c_api/c_api_common.hpp"
+#include "tests/common/thrown.hpp"
 #include "tests/host/c_abi_helpers.hpp"
 
 namespace moegraph {
 namespace {
 
 using namespace c_abi_test;
-
-// What the C++ API throws for the same arguments: what(), file and line included, as mg_last_error
-// gives it.
-template <class F>
-std::string cpp_error(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
 
 TEST(CAbiMxfp8, OptionsDefaultToWeightsQuantizedByTheOperator) {
   mg_grouped_linear_options g;
@@ -83,7 +72,7 @@ TEST(CAbiMxfp8, WeightBytesFollowTheCppApi) {
     size_t data = 1, scales = 1;
     EXPECT_EQ(mg_mxfp8_weight_bytes(b.groups, b.n, b.k, &data, &scales), MG_ERR_INVALID_ARGUMENT) << b.expected;
     EXPECT_TRUE(last_error_has(b.expected)) << mg_last_error();
-    EXPECT_EQ(std::string(mg_last_error()), cpp_error([&] { mxfp8_weight_data_bytes(b.groups, b.n, b.k); }));
+    EXPECT_EQ(std::string(mg_last_error()), test::thrown_what([&] { mxfp8_weight_data_bytes(b.groups, b.n, b.k); }));
     EXPECT_EQ(data, 0u);
     EXPECT_EQ(scales, 0u);
   }
@@ -136,7 +125,7 @@ TEST(CAbiMxfp8, QuantizerRefusesBadArgumentsBeforeAnyGpuUse) {
     const DType dtype = c.dtype == MG_DTYPE_FP16 ? DType::kFP16 : DType::kBF16;
     const Mxfp8Weights out{c.data, c.scales, c.data_t, c.scales_t};
     EXPECT_EQ(std::string(mg_last_error()),
-              cpp_error([&] { quantize_mxfp8_weights(dtype, c.w, c.groups, c.n, c.k, out, nullptr); }));
+              test::thrown_what([&] { quantize_mxfp8_weights(dtype, c.w, c.groups, c.n, c.k, out, nullptr); }));
   }
   // A value outside mg_dtype is refused by name, before the sizes are looked at.
   EXPECT_EQ(mg_quantize_mxfp8_weights(static_cast<mg_dtype>(2), p, 0, 32, 32, p, p, nullptr, nullptr, nullptr),
@@ -150,7 +139,7 @@ TEST(CAbiMxfp8, PrequantizedWeightsNeedTheMxfp8RecipeAsInTheCppApi) {
   GroupedLinearOptions cg;
   cg.num_groups = 8, cg.in_features = 256, cg.out_features = 512, cg.capacity_rows = 1024, cg.row_align = 32;
   cg.prequantized_weights = true;
-  const std::string linear_expected = cpp_error([&] { validate(cg); });
+  const std::string linear_expected = test::thrown_what([&] { validate(cg); });
   EXPECT_NE(linear_expected.find(
                 "prequantized_weights needs the mxfp8 recipe (the weights it reads are MXFP8), got recipe bf16"),
             std::string::npos)
@@ -173,7 +162,7 @@ TEST(CAbiMxfp8, PrequantizedWeightsNeedTheMxfp8RecipeAsInTheCppApi) {
   MoeLayerOptions cm;
   cm.experts = 8, cm.hidden = 256, cm.ffn = 256, cm.top_k = 2, cm.max_tokens = 64, cm.row_align = 32;
   cm.prequantized_weights = true;
-  const std::string layer_expected = cpp_error([&] { validate(cm); });
+  const std::string layer_expected = test::thrown_what([&] { validate(cm); });
   EXPECT_NE(layer_expected.find(
                 "prequantized_weights needs the mxfp8 recipe (the weights it reads are MXFP8), got recipe bf16"),
             std::string::npos)

@@ -9,27 +9,19 @@
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/mxfp8_weights.hpp"
 #include "moegraph/step_graphs.hpp"
+#include "tests/common/thrown.hpp"
 
 namespace moegraph::test {
 namespace {
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  return "(no error)";
-}
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 TEST(PrequantizedWeights, SizesFollowTheLayout) {
   EXPECT_EQ(mxfp8_weight_data_bytes(3, 96, 160), 3u * 96 * 160);
   EXPECT_EQ(mxfp8_weight_scale_bytes(3, 96, 160), 3u * 96 * 160 / 32);
-  EXPECT_TRUE(has(error_of([] { mxfp8_weight_data_bytes(0, 32, 32); }), "groups must be in [1, 1024], got 0"));
-  EXPECT_TRUE(has(error_of([] { mxfp8_weight_data_bytes(1, 48, 32); }), "n must be a multiple of 32"));
-  EXPECT_TRUE(has(error_of([] { mxfp8_weight_scale_bytes(1, 32, int64_t{1} << 22); }), "k must be a multiple of 32"));
+  EXPECT_TRUE(has(thrown_message([] { mxfp8_weight_data_bytes(0, 32, 32); }), "groups must be in [1, 1024], got 0"));
+  EXPECT_TRUE(has(thrown_message([] { mxfp8_weight_data_bytes(1, 48, 32); }), "n must be a multiple of 32"));
+  EXPECT_TRUE(has(thrown_message([] { mxfp8_weight_scale_bytes(1, 32, int64_t{1} << 22); }), "k must be a multiple of 32"));
 }
 
 // Every refusal comes before the quantizer touches a device (the pointer below is never read).
@@ -40,17 +32,17 @@ TEST(PrequantizedWeights, QuantizerArgumentsAreChecked) {
   half.data = fake;
   Mxfp8Weights odd;
   odd.data = fake + 1, odd.scales = fake;
-  EXPECT_TRUE(has(error_of([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, none, nullptr); }),
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, none, nullptr); }),
                   "nothing to write"));
-  EXPECT_TRUE(has(error_of([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, half, nullptr); }),
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, half, nullptr); }),
                   "data and its scales come together"));
-  EXPECT_TRUE(has(error_of([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, odd, nullptr); }),
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, odd, nullptr); }),
                   "must be 16-byte aligned"));
   Mxfp8Weights ok;
   ok.data = fake, ok.scales = fake;
-  EXPECT_TRUE(has(error_of([&] { quantize_mxfp8_weights(DType::kBF16, nullptr, 1, 32, 32, ok, nullptr); }),
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kBF16, nullptr, 1, 32, 32, ok, nullptr); }),
                   "w must be a 16-byte aligned device pointer"));
-  EXPECT_TRUE(has(error_of([&] { quantize_mxfp8_weights(DType::kFP32, fake, 1, 32, 32, ok, nullptr); }),
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kFP32, fake, 1, 32, 32, ok, nullptr); }),
                   "w must be bf16 or fp16"));
 }
 
@@ -58,20 +50,20 @@ TEST(PrequantizedWeights, NeedTheMxfp8RecipeAtEveryLevel) {
   GroupedLinearOptions g;
   g.num_groups = 2, g.in_features = 128, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
   g.prequantized_weights = true;
-  EXPECT_TRUE(has(error_of([&] { validate(g); }), "prequantized_weights needs the mxfp8 recipe"));
+  EXPECT_TRUE(has(thrown_message([&] { validate(g); }), "prequantized_weights needs the mxfp8 recipe"));
   g.recipe = Recipe::kMXFP8;
   EXPECT_NO_THROW(validate(g));
 
   MoeLayerOptions l;
   l.experts = 8, l.hidden = 128, l.ffn = 128, l.top_k = 2, l.max_tokens = 64, l.row_align = 32;
   l.prequantized_weights = true;
-  EXPECT_TRUE(has(error_of([&] { validate(l); }), "prequantized_weights needs the mxfp8 recipe"));
+  EXPECT_TRUE(has(thrown_message([&] { validate(l); }), "prequantized_weights needs the mxfp8 recipe"));
   l.recipe = Recipe::kMXFP8;
   EXPECT_NO_THROW(validate(l));
 
   const std::string bad = R"({"layer": {"experts": 8, "hidden": 128, "ffn": 128, "top_k": 2},
                               "precision": {"prequantized_weights": true}, "buckets": [64], "row_align": 32})";
-  EXPECT_TRUE(has(error_of([&] { parse_config(bad, "cfg.json"); }),
+  EXPECT_TRUE(has(thrown_message([&] { parse_config(bad, "cfg.json"); }),
                   "precision.prequantized_weights needs precision.recipe \"mxfp8\""));
   const std::string good = R"({"layer": {"experts": 8, "hidden": 128, "ffn": 128, "top_k": 2},
                                "precision": {"recipe": "mxfp8", "prequantized_weights": true}, "buckets": [64],
