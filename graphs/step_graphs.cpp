@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "graphs/bucket_step.hpp"
+#include "graphs/sharded_weights.hpp"
 #include "graphs/step_weights.hpp"
 #include "src/core/device_buffer.hpp"
 #include "graphs/graph_exec.hpp"
@@ -42,10 +43,15 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
       MG_CHECK(!l.training || (m->data_t != nullptr && m->scales_t != nullptr), "StepWeights needs ", name,
                ".data_t and .scales_t for training (dgrad reads them)");
     }
-  } else {
+  } else if (o.sharding.ranks == 1) {  // shards are checked by ShardedWeights (a rank may hold none)
     MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "StepWeights needs w1 and w2");
   }
   MG_CHECK(!layer || w.router != nullptr, "StepWeights needs the router weight for the whole-layer step");
+  if (o.sharding.ranks > 1) {
+    MG_CHECK(!l.training || !layer || (l.main_grad_fp32 ? w.main_grad_router != nullptr : w.d_router != nullptr),
+             "StepWeights needs the router's gradient (", l.main_grad_fp32 ? "main_grad_router" : "d_router", ")");
+    return;
+  }
   MG_CHECK(!l.bias || (w.b1 != nullptr && w.b2 != nullptr), "StepWeights needs b1 and b2 (layer.bias)");
   if (!l.training) return;
   if (l.main_grad_fp32)
@@ -59,16 +65,20 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
 }
 }  // namespace
 
-StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm)
+StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm,
+                       std::shared_ptr<EpComm> shard_comm)
     : options_(options), plan_(plan_step(options)), weights_(weights), comm_(std::move(comm)) {
   const int ranks = options_.layer.expert_parallel;
   MG_CHECK(ranks == 1 || comm_ != nullptr, "expert_parallel = ", ranks,
            ": StepGraphs needs this rank's communicator (moegraph/nccl_ep.hpp, or moegraph/expert_parallel.hpp)");
   MG_CHECK(comm_ == nullptr || comm_->ranks() == ranks, "the communicator has ", comm_ ? comm_->ranks() : 0,
            " ranks but expert_parallel is ", ranks);
+  const bool sharded = options_.sharding.ranks > 1;
+  MG_CHECK(!sharded || shard_comm != nullptr, "sharding.ranks = ", options_.sharding.ranks,
+           ": StepGraphs needs this rank's communicator of the data-parallel group (shard_comm)");
   check_weights(options_, weights_);
   // With a communicator, set-up runs on its device (the creating thread may have another current).
-  const DeviceScope on_device(comm_ != nullptr ? comm_->device() : -1);
+  const DeviceScope on_device(comm_ != nullptr ? comm_->device() : shard_comm != nullptr ? shard_comm->device() : -1);
   const int device = require_supported_device().device;
   memory_ = std::make_unique<Memory>();
   memory_->device = device;
@@ -78,6 +88,10 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   MG_CUDA_CHECK(cudaMemsetAsync(memory_->arena.get(), 0, plan_.arena_bytes, s));
   const MoeLayerOptions& l = options_.layer;
   bucket_weights_ = weights_;
+  if (sharded) {
+    sharded_ = std::make_unique<ShardedWeights>(options_, weights_, shard_comm);
+    bucket_weights_ = sharded_->full();
+  }
   if (step_owns_mxfp8_weights(l)) {
     // One quantized copy for every bucket: the buckets' layers read it as prequantized weights.
     memory_->mxfp8 = DeviceBuffer(plan_.mxfp8_copy_bytes);
@@ -91,6 +105,10 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   for (int slot = slots_of(l) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
   weights_changed(s);  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold)
   if (ranks > 1) comm_->set_up_barrier();  // every rank's allocations done before any warm-up step waits
+  if (sharded) {
+    shard_comm->set_up_barrier();
+    sharded_->exchange_shards(s);
+  }
 
   // Warm-up: one eager step per bucket (no tokens, or all experts empty: valid, and every kernel
   // is loaded).
@@ -114,13 +132,15 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
     BucketStep& bucket = *buckets_[b];
     auto g = std::make_unique<Graphs>();
     const cudaStreamCaptureMode mode = options_.capture_mode;
-    g->forward = GraphExec(s, [&] { bucket.forward(s); }, mode);
+    g->forward = GraphExec(s, [&] { enqueue(bucket, StepPhase::kForward, 0, s); }, mode);
     if (l.training) {
       for (int slot = 0; slot < slots; ++slot)
-        g->forward_train.emplace_back(s, [&] { bucket.forward_train(slot, s); }, mode);
-      for (int slot = 0; slot < slots; ++slot) g->backward.emplace_back(s, [&] { bucket.backward(slot, s); }, mode);
+        g->forward_train.emplace_back(s, [&] { enqueue(bucket, StepPhase::kForwardTrain, slot, s); }, mode);
+      for (int slot = 0; slot < slots; ++slot)
+        g->backward.emplace_back(s, [&] { enqueue(bucket, StepPhase::kBackward, slot, s); }, mode);
       if (l.delay_wgrad)
-        for (int slot = 0; slot < slots; ++slot) g->wgrad.emplace_back(s, [&] { bucket.wgrad(s); }, mode);
+        for (int slot = 0; slot < slots; ++slot)
+          g->wgrad.emplace_back(s, [&] { enqueue(bucket, StepPhase::kWgrad, slot, s); }, mode);
     }
     graphs_.push_back(std::move(g));
     capture_ms_.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
@@ -129,6 +149,33 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
 }
 
 StepGraphs::~StepGraphs() = default;
+
+void StepGraphs::enqueue(BucketStep& bucket, StepPhase phase, int slot, cudaStream_t stream) {
+  ShardedWeights* sh = sharded_.get();
+  const bool delay = options_.layer.delay_wgrad;
+  switch (phase) {
+    case StepPhase::kForward:
+      if (sh) sh->gather(stream);
+      bucket.forward(stream);
+      return;
+    case StepPhase::kForwardTrain:
+      if (sh) sh->gather(stream);
+      bucket.forward_train(slot, stream);
+      return;
+    case StepPhase::kBackward:
+      if (sh && !delay) sh->zero_weight_gradients(stream);
+      bucket.backward(slot, stream);
+      if (sh) sh->reduce(/*weights=*/!delay, /*biases=*/true, stream);
+      return;
+    case StepPhase::kWgrad:
+      if (sh) sh->zero_weight_gradients(stream);
+      bucket.wgrad(stream);
+      if (sh) sh->reduce(/*weights=*/true, /*biases=*/false, stream);
+      return;
+  }
+}
+
+std::string StepGraphs::describe_shards() const { return sharded_ ? sharded_->describe() : std::string(); }
 
 int StepGraphs::graph_count() const {
   int n = 0;
@@ -167,14 +214,14 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
   switch (phase) {
     case StepPhase::kForward:
       if (use_graph) graphs().forward.launch(stream);
-      else bucket.forward(stream);
+      else enqueue(bucket, phase, 0, stream);
       return;
     case StepPhase::kForwardTrain: {
       MG_CHECK(!free_slots_.empty(), "all ", slots_of(options_.layer),
                " wgrad_slots hold micro-batches in flight: run backward/wgrad first");
       const int slot = free_slots_.back();
       if (use_graph) graphs().forward_train[slot].launch(stream);
-      else bucket.forward_train(slot, stream);
+      else enqueue(bucket, phase, slot, stream);
       free_slots_.pop_back();
       awaiting_backward_.push_back(slot);
       active_bucket_ = b;
@@ -184,7 +231,7 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
       MG_CHECK(!awaiting_backward_.empty(), "backward of bucket ", b, " without a forward_train");
       const int slot = awaiting_backward_.front();
       if (use_graph) graphs().backward[slot].launch(stream);
-      else bucket.backward(slot, stream);
+      else enqueue(bucket, phase, slot, stream);
       awaiting_backward_.pop_front();
       if (options_.layer.delay_wgrad) awaiting_wgrad_.push_back(slot);
       else free_slots_.push_back(slot);
@@ -194,7 +241,7 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
       MG_CHECK(!awaiting_wgrad_.empty(), "wgrad of bucket ", b, " without a queued backward");
       const int slot = awaiting_wgrad_.front();
       if (use_graph) graphs().wgrad[slot].launch(stream);
-      else bucket.wgrad(stream);
+      else enqueue(bucket, phase, slot, stream);
       awaiting_wgrad_.pop_front();
       free_slots_.push_back(slot);
       break;
@@ -212,6 +259,7 @@ void StepGraphs::run_eager(int bucket, StepPhase phase, cudaStream_t stream) { l
 void StepGraphs::check_device_errors(cudaStream_t stream) {
   const DeviceScope on_device(memory_->device);
   for (auto& b : buckets_) b->check_device_errors(stream);
+  if (sharded_) sharded_->check_device_errors(stream);
 }
 
 void StepGraphs::weights_changed(cudaStream_t stream) {

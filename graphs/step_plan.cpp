@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "graphs/bucket_step.hpp"
+#include "graphs/sharded_weights.hpp"
 #include "graphs/step_weights.hpp"
 #include "moegraph/config.hpp"
 #include "moegraph/grouped_linear.hpp"
@@ -36,6 +37,15 @@ void validate(const StepGraphsOptions& o) {
   MG_CHECK(!o.buckets.empty(), "buckets must list at least one capacity in tokens");
   MG_CHECK(o.layer.expert_parallel == 1 || o.step == StepKind::kMoeLayer, "expert_parallel = ",
            o.layer.expert_parallel, " needs step \"moe_layer\": the experts-only step has no dispatch to exchange rows");
+  const WeightSharding& sh = o.sharding;
+  MG_CHECK(sh.ranks >= 1 && sh.ranks <= kMaxShardRanks, "sharding.ranks must be 1 to ", kMaxShardRanks, ", got ",
+           sh.ranks);
+  if (sh.ranks > 1) {
+    MG_CHECK(o.layer.recipe == Recipe::kBF16, "sharding.ranks = ", sh.ranks, " needs the bf16 recipe, got ",
+             recipe_name(o.layer.recipe), " (sharded MXFP8 weights are not supported yet)");
+    MG_CHECK(o.layer.expert_parallel == 1, "sharding.ranks = ", sh.ranks, " with expert_parallel = ",
+             o.layer.expert_parallel, ": sharded weights under expert parallelism are not supported yet");
+  }
   for (std::size_t b = 0; b < o.buckets.size(); ++b) {
     MG_CHECK(o.buckets[b] >= 1, "buckets[", b, "] must be >= 1, got ", o.buckets[b]);
     MG_CHECK(b == 0 || o.buckets[b] > o.buckets[b - 1], "buckets must be strictly increasing, got ",
@@ -71,6 +81,17 @@ StepPlan plan_step(const StepGraphsOptions& options) {
   LayoutWalker weights;
   lay_out_weights(options, weights);
   plan.weight_bytes = weights.bytes();
+  if (options.sharding.ranks > 1) {
+    // The caller holds the router (and its gradient) whole and a shard of every expert tensor.
+    const MoeLayerOptions& l = options.layer;
+    std::size_t router_bytes = 0;
+    if (options.step == StepKind::kMoeLayer) {
+      const std::size_t es = dtype_size(l.dtype), grad = l.main_grad_fp32 ? sizeof(float) : es;
+      router_bytes = checked_mul("router bytes", l.experts, l.hidden, es + (l.training ? grad : 0));
+    }
+    plan.weight_bytes = checked_add("weight bytes", router_bytes, largest_shard_bytes(options));
+    plan.shard_window_bytes = shard_window_bytes(options);
+  }
   if (step_owns_mxfp8_weights(options.layer)) {
     LayoutWalker copies;
     StepWeights unused;
@@ -108,12 +129,14 @@ StepPlan plan_step(const StepGraphsOptions& options) {
 }
 
 std::size_t StepPlan::device_bytes() const {
-  return checked_add("device bytes of the step", arena_bytes, weight_bytes, mxfp8_copy_bytes, window_bytes);
+  return checked_add("device bytes of the step", arena_bytes, weight_bytes, mxfp8_copy_bytes, window_bytes,
+                     shard_window_bytes);
 }
 
 std::size_t StepPlan::bucket_device_bytes(std::size_t b) const {
   const BucketPlan& bucket = buckets.at(b);
-  return checked_add("device bytes of one bucket", bucket.bytes, weight_bytes, mxfp8_copy_bytes, bucket.window_bytes);
+  return checked_add("device bytes of one bucket", bucket.bytes, weight_bytes, mxfp8_copy_bytes, bucket.window_bytes,
+                     shard_window_bytes);
 }
 
 namespace {
@@ -154,8 +177,13 @@ std::string StepPlan::to_string() const {
     os << "mxfp8 weight copies (outside the arena, shared by all buckets): " << human_bytes(mxfp8_copy_bytes) << "\n";
   if (windows)
     os << "expert-parallel windows (outside the arena, one per bucket): " << human_bytes(window_bytes) << "\n";
+  if (shard_window_bytes > 0)
+    os << "sharded weights' window (full expert weights and gradients, outside the arena): "
+       << human_bytes(shard_window_bytes) << "\n";
   os << "device memory total: " << human_bytes(device_bytes()) << " (arena + weights and gradients"
-     << (mxfp8_copy_bytes > 0 ? " + mxfp8 copies" : "") << (windows ? " + windows, per rank" : "") << ")\n";
+     << (mxfp8_copy_bytes > 0 ? " + mxfp8 copies" : "") << (windows ? " + windows" : "")
+     << (shard_window_bytes > 0 ? " + the sharded weights' window" : "")
+     << (windows || shard_window_bytes > 0 ? ", per rank" : "") << ")\n";
   return os.str();
 }
 

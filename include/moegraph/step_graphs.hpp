@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "moegraph/moe_layer.hpp"
+#include "moegraph/sharding.hpp"
 #include "moegraph/types.hpp"
 
 namespace moegraph {
@@ -53,6 +54,10 @@ struct StepGraphsOptions {
   StepKind step = StepKind::kMoeLayer;
   MoeLayerOptions layer;           // every field but max_tokens (each bucket sets its own)
   std::vector<int64_t> buckets;    // capacities in tokens, strictly increasing, >= 1
+  // Sharded expert weights (moegraph/sharding.hpp): the data-parallel group of sharding.ranks
+  // ranks each holding a shard of w1, w2, b1, b2 and their gradients. 1: not sharded. Sharding
+  // needs the bf16 recipe and, for now, expert_parallel = 1.
+  WeightSharding sharding;
   // How the constructor captures: global mode (the default) proves that no enqueue path
   // synchronizes or allocates anywhere in the process, but forbids other threads to do either
   // while it runs; thread-local mode lets other threads set up and synchronize meanwhile (a
@@ -93,6 +98,9 @@ struct MOEGRAPH_API StepPlan {
   // and with prequantized_weights, whose MXFP8 weights count in weight_bytes).
   std::size_t mxfp8_copy_bytes = 0;
   std::size_t window_bytes = 0;    // every bucket's expert-parallel window
+  // Sharded weights: the window on the data-parallel group holding the full expert weights and
+  // their full gradients (weight_bytes then counts the router and the largest shards).
+  std::size_t shard_window_bytes = 0;
   std::vector<std::string> kernels;
   // Device memory the step needs (arena, weights and gradients, MXFP8 copies, windows): what must
   // fit the GPU, before the CUDA context and the caller's own buffers.
@@ -138,9 +146,14 @@ struct StepWeights {
   // (moegraph/mxfp8_weights.hpp; data_t and scales_t for training). Without it, a step of the
   // mxfp8 recipe quantizes w1 and w2 itself into one set of copies that all buckets read.
   Mxfp8Weights w1_mxfp8, w2_mxfp8;
+  // Sharded weights (options.sharding.ranks > 1): w1, w2, b1, b2 and their gradients point at this
+  // rank's shards (rows [first_row, first_row + rows) of each tensor in the sharding's unit; null
+  // where the rank holds no rows). Descriptors left at global_rows 0 come from the policy.
+  ExpertShards shards;
 };
 
-class BucketStep;  // graphs/bucket_step.hpp
+class BucketStep;      // graphs/bucket_step.hpp
+class ShardedWeights;  // graphs/sharded_weights.hpp
 
 class MOEGRAPH_API StepGraphs {
  public:
@@ -155,7 +168,15 @@ class MOEGRAPH_API StepGraphs {
   // its window and warms up with the others) and then replays the same sequence of phases of the
   // same buckets: pick the bucket for the largest token count over the ranks (each rank's count
   // may be smaller). A rank that falls out of step raises kDeviceErrorPeerTimeout on the others.
-  StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm = nullptr);
+  //
+  // Sharded weights (options.sharding.ranks = W > 1): `shard_comm` is this rank's communicator of
+  // the data-parallel group (W ranks; an EpComm like the expert-parallel one: windows and device
+  // barriers), and the expert weights are shards (StepWeights::shards). Every forward gathers the
+  // full weights into a window on that group (backward reuses them); every phase that writes
+  // gradients ends by summing each rank's rows over the group into its shard: main_grad added,
+  // dw and db written. The constructor is collective over that group too.
+  StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm = nullptr,
+             std::shared_ptr<EpComm> shard_comm = nullptr);
   ~StepGraphs();
   StepGraphs(const StepGraphs&) = delete;
   StepGraphs& operator=(const StepGraphs&) = delete;
@@ -177,6 +198,8 @@ class MOEGRAPH_API StepGraphs {
   void forward_train(int bucket, cudaStream_t stream);
   void backward(int bucket, cudaStream_t stream);
   void wgrad(int bucket, cudaStream_t stream);  // needs training.delay_wgrad
+  // Sharded weights: every rank's rows of every expert tensor (empty when not sharded).
+  std::string describe_shards() const;
   // The same phases enqueued without graphs (same ordering rules), for checks and timing.
   void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
   // The weights were updated (e.g. by the optimizer): with precision.recipe "mxfp8" the step
@@ -193,6 +216,8 @@ class MOEGRAPH_API StepGraphs {
   struct Graphs;
   int next_slot(int bucket, StepPhase phase);
   void launch(int bucket, StepPhase phase, bool use_graph, cudaStream_t stream);
+  // One phase of one bucket as captured: with sharded weights, wrapped in their gather or reduce.
+  void enqueue(BucketStep& bucket, StepPhase phase, int slot, cudaStream_t stream);
 
   StepGraphsOptions options_;
   StepPlan plan_;
@@ -201,6 +226,7 @@ class MOEGRAPH_API StepGraphs {
   StepWeights weights_;
   StepWeights bucket_weights_;  // weights_, with the shared MXFP8 copies of the mxfp8 recipe
   std::shared_ptr<EpComm> comm_;
+  std::unique_ptr<ShardedWeights> sharded_;
   struct Memory;
   std::unique_ptr<Memory> memory_;
   std::vector<double> capture_ms_;
