@@ -17,6 +17,7 @@
 #include "moegraph/nccl_ep.hpp"
 #include "testing/device_array.hpp"
 #include "tests/common/ep_harness.hpp"
+#include "tests/common/shard_harness.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -122,6 +123,18 @@ TEST(NcclExpertParallel, ReceiveBoundCountsDrops) { FOR_EVERY_CASE(ep_receive_bo
 TEST(NcclExpertParallel, SendRecvChunkBoundCountsDrops) { FOR_EVERY_CASE(ep_chunk_bound(c, this_rank())); }
 TEST(NcclExpertParallel, StepGraphsReplaysMatchTheLayers) {
   FOR_EVERY_CASE(ep_step_graphs(c, this_rank(), cudaStreamCaptureModeGlobal));
+}
+
+// Sharded expert weights over this group (the communicator serves as the data-parallel group):
+// tests/common/shard_harness.hpp's cases of this many ranks, captured in global mode.
+TEST(NcclShardedWeights, RanksMatchTheUnshardedStep) {
+  bool ran = false;
+  for (const ShardCase& c : kShardCases) {
+    if (c.ranks != g_comm->ranks()) continue;
+    run_shard_case(c, {g_comm}, cudaStreamCaptureModeGlobal);
+    ran = true;
+  }
+  if (!ran) GTEST_SKIP() << "no sharding case for a group of " << g_comm->ranks();
 }
 
 // With several ranks, the first failed check ends this process (after the printer has shown it):
