@@ -260,6 +260,17 @@ MOEGRAPH_API void mg_ep_comm_destroy(mg_ep_comm* comm);
 MOEGRAPH_API mg_status mg_ep_comm_rank(const mg_ep_comm* comm, int* out);
 MOEGRAPH_API mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out);
 
+/* ---- Sharded weights (moegraph/sharding.hpp, docs/sharding.md): shard descriptors ---- */
+
+/* MG_SHARD_CHUNK: ceil(R / W) rows per rank in rank order, the last ranks fewer or none (torch.chunk,
+ * FSDP2). MG_SHARD_BALANCED: the first R mod W ranks floor(R / W) + 1 rows, the others floor(R / W). */
+typedef enum { MG_SHARD_CHUNK = 0, MG_SHARD_BALANCED = 1, MG_SHARD_POLICY_FORCE_INT32 = 0x7fffffff,
+               MG_SHARD_POLICY_FORCE_SIGNED = -0x7fffffff - 1 } mg_shard_policy;
+/* Rank `rank`'s rows [*first_row, *first_row + *rows) of a tensor of global_rows rows (1 to 2^62) over
+ * `ranks` ranks (1 to 64). Touches no GPU. */
+MOEGRAPH_API mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, int rank,
+                                     int64_t* first_row, int64_t* rows);
+
 /* ---- MoE layer (moegraph::MoeLayer): router -> dispatch -> FC1 -> SwiGLU -> FC2 -> combine ---- */
 
 typedef struct mg_moe_layer mg_moe_layer;

@@ -1,4 +1,5 @@
-// The C ABI of expert parallelism's communicators: mg_nccl_unique_id and mg_ep_comm_*.
+// The C ABI of the communicators (expert parallelism, and the data-parallel group of sharded weights):
+// mg_nccl_unique_id, mg_ep_comm_*, and the shard descriptors' policies (mg_shard_rows).
 #include <cstring>
 #include <memory>
 #include <string>
@@ -9,6 +10,7 @@
 #include "moegraph/expert_parallel.hpp"
 #include "moegraph/moegraph.h"
 #include "moegraph/nccl_ep.hpp"
+#include "moegraph/sharding.hpp"
 #include "moegraph/types.hpp"
 #include "src/c_api/c_api_common.hpp"
 
@@ -132,6 +134,19 @@ mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out) {
   return guarded([&] {
     MG_CHECK(out != nullptr, "mg_ep_comm_ranks needs an output");
     *out = moegraph::c_api::ep_comm_of(comm)->ranks();
+  });
+}
+
+mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, int rank, int64_t* first_row,
+                        int64_t* rows) {
+  return guarded([&] {
+    MG_CHECK(first_row != nullptr && rows != nullptr, "mg_shard_rows needs both outputs");
+    MG_CHECK(policy == MG_SHARD_CHUNK || policy == MG_SHARD_BALANCED, "mg_shard_rows: policy ",
+             static_cast<int>(policy), " is neither MG_SHARD_CHUNK (0) nor MG_SHARD_BALANCED (1)");
+    const moegraph::Shard s = moegraph::shard_for(
+        policy == MG_SHARD_CHUNK ? moegraph::ShardPolicy::kChunk : moegraph::ShardPolicy::kBalanced, global_rows, ranks,
+        rank);
+    *first_row = s.first_row, *rows = s.rows;
   });
 }
 

@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "graphs/sharded_weights.hpp"
 #include "moegraph/error.hpp"
+#include "moegraph/moegraph.h"
 #include "moegraph/sharding.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "tests/common/thrown.hpp"
@@ -137,6 +139,24 @@ TEST(Sharding, StepOptionsAreChecked) {
   int dummy = 0;
   w.router = &dummy, w.main_grad_router = reinterpret_cast<float*>(&dummy);
   EXPECT_NE(thrown_what([&] { StepGraphs g(o, w); }).find("shard_comm"), std::string::npos);
+}
+
+// The C ABI gives the same rows as the C++ policies, and refuses bad arguments with a message.
+TEST(Sharding, CAbiRowsMatchThePolicies) {
+  for (const auto& [c_policy, policy] : {std::pair{MG_SHARD_CHUNK, ShardPolicy::kChunk},
+                                         std::pair{MG_SHARD_BALANCED, ShardPolicy::kBalanced}})
+    for (int rank = 0; rank < 4; ++rank) {
+      int64_t first = -1, rows = -1;
+      ASSERT_EQ(mg_shard_rows(c_policy, 5, 4, rank, &first, &rows), MG_OK);
+      const Shard s = shard_for(policy, 5, 4, rank);
+      EXPECT_EQ(first, s.first_row);
+      EXPECT_EQ(rows, s.rows);
+    }
+  int64_t first = 0, rows = 0;
+  EXPECT_EQ(mg_shard_rows(MG_SHARD_CHUNK, 5, 4, 4, &first, &rows), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(mg_last_error()).find("rank 4"), std::string::npos) << mg_last_error();
+  EXPECT_EQ(mg_shard_rows(static_cast<mg_shard_policy>(7), 5, 4, 0, &first, &rows), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_shard_rows(MG_SHARD_CHUNK, 5, 4, 0, nullptr, &rows), MG_ERR_INVALID_ARGUMENT);
 }
 
 }  // namespace
