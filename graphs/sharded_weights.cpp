@@ -6,6 +6,7 @@
 #include "moegraph/error.hpp"
 #include "src/core/checked.hpp"
 #include "src/core/device_scope.hpp"
+#include "src/ops/group_layout.hpp"
 
 namespace moegraph {
 
@@ -181,7 +182,9 @@ void ShardedWeights::exchange_shards(cudaStream_t stream) {
   p.tensors[0].type = DType::kFP32;  // 4-byte words
   p.count = 1, p.rank = rank, p.ranks = ranks, p.max_elements = static_cast<int64_t>(row_bytes / 4);
   kernels::launch_shard_gather(p, stream);
-  barrier(stream);  // no rank's table is read after this, but the barrier sequence stays symmetric
+  // No rank reads a peer's table after this barrier. It is here for the error path: a bad table
+  // throws on every rank, and a rank's window must not be freed while a peer still pulls from it.
+  barrier(stream);
   table_.assign(static_cast<std::size_t>(ranks) * kernels::kMaxShardTensors, Shard{});
   MG_CUDA_CHECK(cudaMemcpyAsync(table_.data(), shared_table_, table_.size() * sizeof(Shard), cudaMemcpyDeviceToHost,
                                 stream));
@@ -259,14 +262,9 @@ void ShardedWeights::reduce(bool weights, bool biases, cudaStream_t stream) {
 
 void ShardedWeights::check_device_errors(cudaStream_t stream) {
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
-  DeviceErrorRecord r{};
-  MG_CUDA_CHECK(cudaMemcpy(&r, error_, sizeof(r), cudaMemcpyDeviceToHost));
+  const DeviceErrorRecord r = take_device_error_record(error_);
   if (r.code == kDeviceErrorNone) return;
-  MG_CUDA_CHECK(cudaMemset(error_, 0, sizeof(r)));
-  detail::throw_error(__FILE__, __LINE__,
-                      detail::concat("rank ", r.group, " of the data-parallel (sharding) group did not reach barrier ",
-                                     r.value, " within ", r.limit,
-                                     " ms (it stopped, or runs a different sequence of steps)"),
+  detail::throw_error(__FILE__, __LINE__, describe_device_error(r, 1, "data-parallel (sharding)"),
                       ErrorKind::kDeviceSplits);
 }
 

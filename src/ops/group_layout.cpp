@@ -27,7 +27,7 @@ HostOffsets host_group_offsets(std::span<const int32_t> splits, int row_align, i
   return out;
 }
 
-std::string describe_device_error(const DeviceErrorRecord& e, int row_align) {
+std::string describe_device_error(const DeviceErrorRecord& e, int row_align, std::string_view group) {
   switch (e.code) {
     case kDeviceErrorNone: return {};
     case kDeviceErrorNegativeSplit: return detail::concat("splits[", e.group, "] = ", e.value, " is negative");
@@ -38,20 +38,24 @@ std::string describe_device_error(const DeviceErrorRecord& e, int row_align) {
       return detail::concat("num_tokens = ", e.value, " is outside [0, ", e.limit,
                             "] (the bucket's capacity in tokens); the step ran on the clamped count");
     case kDeviceErrorPeerTokenCount:
-      return detail::concat("rank ", e.group, " of the expert-parallel group had num_tokens = ", e.value,
+      return detail::concat("rank ", e.group, " of the ", group, " group had num_tokens = ", e.value,
                             ", outside [0, ", e.limit, "]; every rank ran on its clamped count");
     case kDeviceErrorPeerTimeout:
-      return detail::concat("rank ", e.group, " of the expert-parallel group did not reach barrier ", e.value,
+      return detail::concat("rank ", e.group, " of the ", group, " group did not reach barrier ", e.value,
                             " within ", e.limit, " ms (it stopped, or runs a different sequence of steps)");
     default: return detail::concat("unknown device error code ", e.code);
   }
 }
 
-DeviceErrorRecord take_device_error_record(DeviceBuffer& record) {
+DeviceErrorRecord take_device_error_record(DeviceErrorRecord* record) {
   DeviceErrorRecord r{};
-  MG_CUDA_CHECK(cudaMemcpy(&r, record.get(), sizeof(r), cudaMemcpyDeviceToHost));
-  if (r.code != kDeviceErrorNone) MG_CUDA_CHECK(cudaMemset(record.get(), 0, sizeof(r)));
+  MG_CUDA_CHECK(cudaMemcpy(&r, record, sizeof(r), cudaMemcpyDeviceToHost));
+  if (r.code != kDeviceErrorNone) MG_CUDA_CHECK(cudaMemset(record, 0, sizeof(r)));
   return r;
+}
+
+DeviceErrorRecord take_device_error_record(DeviceBuffer& record) {
+  return take_device_error_record(static_cast<DeviceErrorRecord*>(record.get()));
 }
 
 }  // namespace moegraph

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moegraph/types.hpp"
@@ -22,11 +23,14 @@ struct HostOffsets {
 // The same computation as kernels::launch_group_offsets, on the host.
 HostOffsets host_group_offsets(std::span<const int32_t> splits, int row_align, int64_t capacity_rows);
 
-// "splits[3] = -5 is negative" and the like; empty for kDeviceErrorNone.
-std::string describe_device_error(const DeviceErrorRecord& error, int row_align);
+// "splits[3] = -5 is negative" and the like; empty for kDeviceErrorNone. `group` names the group of
+// ranks in the peer errors (a peer's token count, a barrier a peer did not reach).
+std::string describe_device_error(const DeviceErrorRecord& error, int row_align,
+                                  std::string_view group = "expert-parallel");
 
-// Reads a DeviceErrorRecord held in `record` and clears it if one was raised. The caller has
-// synchronized the stream that writes it. Never inside capture.
+// Reads a DeviceErrorRecord held at device address `record` (or in a buffer) and clears it if one
+// was raised. The caller has synchronized the stream that writes it. Never inside capture.
+DeviceErrorRecord take_device_error_record(DeviceErrorRecord* record);
 DeviceErrorRecord take_device_error_record(DeviceBuffer& record);
 
 }  // namespace moegraph

@@ -25,6 +25,7 @@
 #include "testing/graph.hpp"
 #include "testing/moe_layer_reference.hpp"
 #include "tests/common/expect.hpp"
+#include "tests/common/threads.hpp"
 
 namespace moegraph::test {
 
@@ -181,19 +182,7 @@ class EpHarness {
   }
   template <class F>
   void on_every_rank(F f) {
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(ranks_.size());
-    for (std::size_t i = 0; i < ranks_.size(); ++i)
-      threads.emplace_back([&, i] {
-        try {
-          f(*ranks_[i]);
-        } catch (...) {
-          errors[i] = std::current_exception();
-        }
-      });
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
+    on_threads(static_cast<int>(ranks_.size()), [&](int i) { f(*ranks_[i]); });
   }
   void check_device_errors() {
     for (auto& s : ranks_) s->layer->check_device_errors(s->stream.get());

@@ -16,10 +16,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <exception>
 #include <memory>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "graphs/sharded_weights.hpp"
@@ -29,6 +27,7 @@
 #include "moegraph/step_graphs.hpp"
 #include "testing/graph.hpp"
 #include "tests/common/expect.hpp"
+#include "tests/common/threads.hpp"
 
 namespace moegraph::test {
 
@@ -64,24 +63,6 @@ inline StepGraphsOptions shard_options(const ShardCase& c, int ranks, cudaStream
   o.sharding.ranks = ranks, o.sharding.policy = c.policy, o.sharding.unit = c.unit;
   o.capture_mode = mode;
   return o;
-}
-
-// f(i) for i in [0, count), each on its own host thread (emulated ranks meet at device barriers).
-template <class F>
-void on_threads(int count, F f) {
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(count);
-  for (int r = 0; r < count; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        f(r);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
 }
 
 inline DeviceArray<uint16_t> upload_bits16(const std::vector<uint16_t>& v) {
