@@ -164,6 +164,14 @@ class MOEGRAPH_API MoeLayer {
   // for bf16, or with prequantized_weights: the caller keeps its copies current). Enqueued; run it
   // before the first forward and after every weight update.
   void weights_changed(cudaStream_t stream);
+  // The weights and gradient buffers moved (a framework re-gathered its parameters at a new
+  // address, say): the next enqueued calls read and write `weights`. Host only, nothing enqueued;
+  // saved micro-batches stay valid (backward reads the new weights, which must hold the same
+  // values). The same weights must be set as at creation (gradient buffers may change; backward
+  // checks for those it needs), and while delayed weight gradients are queued the buffers they
+  // write (main_grad*, d_router, dw1, dw2) may not move. The MXFP8 recipe's copies are not re-made: call
+  // weights_changed if the values changed too. Graphs captured before keep the old addresses.
+  void set_weights(const MoeLayerWeights& weights);
   int queued_wgrads() const;
   int pending_backwards() const;
 

@@ -403,6 +403,12 @@ MOEGRAPH_API mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_
 /* The weights changed: the MXFP8 recipe re-quantizes its copies (nothing for bf16, or with
  * prequantized_weights: the caller keeps its MXFP8 weights current). Enqueued. */
 MOEGRAPH_API mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream);
+/* The weights and gradient buffers moved (a framework re-gathered its parameters at a new address,
+ * say): later calls read and write `weights`. Host only, nothing enqueued; saved micro-batches stay
+ * valid (their backward reads the new weights, which must hold the same values). The same weights
+ * must be set as at creation (gradient buffers may change); while delayed weight gradients are
+ * queued, the buffers they write (main_grad*, d_router, dw1, dw2) may not move. */
+MOEGRAPH_API mg_status mg_moe_layer_set_weights(mg_moe_layer* layer, const mg_moe_layer_weights* weights);
 /* Synchronizes the stream; *out = this rank's (token, expert) assignments dropped by the capacity
  * factor or by a receive bound (ep_recv_rows) since the last call (the counter is reset); 0 when
  * dropless. */

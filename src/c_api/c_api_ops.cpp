@@ -339,6 +339,14 @@ mg_status mg_moe_layer_weights_changed(mg_moe_layer* layer, cudaStream_t stream)
   return guarded([&] { unwrap(layer).weights_changed(stream); });
 }
 
+mg_status mg_moe_layer_set_weights(mg_moe_layer* layer, const mg_moe_layer_weights* weights) {
+  return guarded([&] {
+    moegraph::MoeLayer& l = unwrap(layer);
+    MG_CHECK(weights != nullptr, "mg_moe_layer_set_weights: weights is null");
+    l.set_weights(layer_weights_of(weights));
+  });
+}
+
 mg_status mg_moe_layer_backward_dw(mg_moe_layer* layer, cudaStream_t stream) {
   return guarded([&] { unwrap(layer).backward_dw(stream); });
 }

@@ -182,6 +182,7 @@ void MoeLayer::forward_train(const MoeLayerIO& io, cudaStream_t stream) { progra
 void MoeLayer::backward(const MoeLayerIO& io, cudaStream_t stream) { program_->backward(io, stream); }
 void MoeLayer::backward_dw(cudaStream_t stream) { program_->backward_dw(stream); }
 void MoeLayer::weights_changed(cudaStream_t stream) { program_->weights_changed(stream); }
+void MoeLayer::set_weights(const MoeLayerWeights& weights) { program_->set_weights(weights); }
 int MoeLayer::queued_wgrads() const { return program_->queued_wgrads(); }
 int MoeLayer::pending_backwards() const { return program_->pending_backwards(); }
 const int32_t* MoeLayer::splits() const { return program_->splits(); }

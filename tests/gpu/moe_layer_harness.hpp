@@ -10,6 +10,9 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "moegraph/moe_layer.hpp"
 #include "testing/data.hpp"
@@ -73,24 +76,64 @@ class LayerHarness {
     x_d_ = DeviceArray<uint16_t>(t * h), y_d_ = DeviceArray<uint16_t>(t * h);
     dy_d_ = DeviceArray<uint16_t>(t * h), dx_d_ = DeviceArray<uint16_t>(t * h);
     tokens_d_ = DeviceArray<int32_t>(1), aux_d_ = DeviceArray<float>(1);
-    MoeLayerWeights w;
-    w.router = wr_d_.get(), w.w1 = w1_d_.get(), w.w2 = w2_d_.get();
-    if (o.bias) {
-      db1_d_ = DeviceArray<uint16_t>(e * 2 * f), db2_d_ = DeviceArray<uint16_t>(e * h);
-      w.b1 = b1_d_.get(), w.b2 = b2_d_.get(), w.db1 = db1_d_.get(), w.db2 = db2_d_.get();
-    }
+    if (o.bias) db1_d_ = DeviceArray<uint16_t>(e * 2 * f), db2_d_ = DeviceArray<uint16_t>(e * h);
     if (o.main_grad_fp32) {
       mgr_ = DeviceArray<float>(e * h), mg1_ = DeviceArray<float>(e * 2 * f * h), mg2_ = DeviceArray<float>(e * h * f);
-      w.main_grad_router = mgr_.get(), w.main_grad1 = mg1_.get(), w.main_grad2 = mg2_.get();
     } else {
       dwr_ = DeviceArray<uint16_t>(e * h), dw1_ = DeviceArray<uint16_t>(e * 2 * f * h);
       dw2_ = DeviceArray<uint16_t>(e * h * f);
-      w.d_router = dwr_.get(), w.dw1 = dw1_.get(), w.dw2 = dw2_.get();
     }
+    const MoeLayerWeights w = weights();
     layer_ = std::make_unique<MoeLayer>(o, w);
     // As a caller must before the first forward: the mxfp8 recipe quantizes W1 and W2 here (the
     // weights never change in a test); bf16 has nothing to do.
     layer_->weights_changed(stream());
+  }
+
+  // The weights and gradient buffers where they are now (null: not used by these options).
+  MoeLayerWeights weights() {
+    MoeLayerWeights w;
+    w.router = wr_d_.get(), w.w1 = w1_d_.get(), w.w2 = w2_d_.get();
+    if (o_.bias) w.b1 = b1_d_.get(), w.b2 = b2_d_.get(), w.db1 = db1_d_.get(), w.db2 = db2_d_.get();
+    if (o_.main_grad_fp32) w.main_grad_router = mgr_.get(), w.main_grad1 = mg1_.get(), w.main_grad2 = mg2_.get();
+    else w.d_router = dwr_.get(), w.dw1 = dw1_.get(), w.dw2 = dw2_.get();
+    return w;
+  }
+  // Copies the weights (and, with `gradients`, the gradient buffers) to new device memory and
+  // re-binds the layer (set_weights), as FSDP2 re-gathers parameters. The old memory stays
+  // allocated and is poisoned (NaN), so a layer still reading it gives NaN. Nothing moves when
+  // set_weights refuses.
+  void move_weights(bool gradients = true) {
+    std::vector<std::pair<DeviceArray<uint16_t>*, DeviceArray<uint16_t>>> to16;
+    std::vector<std::pair<DeviceArray<float>*, DeviceArray<float>>> to32;
+    const auto copy = [](auto& from, auto& list) {
+      if (from.size() == 0) return;
+      std::remove_reference_t<decltype(from)> to(from.size());
+      MG_CUDA_CHECK(cudaMemcpy(to.get(), from.get(), from.size() * sizeof(*from.get()), cudaMemcpyDeviceToDevice));
+      list.emplace_back(&from, std::move(to));
+    };
+    for (DeviceArray<uint16_t>* a : {&wr_d_, &w1_d_, &w2_d_, &b1_d_, &b2_d_}) copy(*a, to16);
+    if (gradients) {
+      for (DeviceArray<uint16_t>* a : {&dwr_, &dw1_, &dw2_, &db1_d_, &db2_d_}) copy(*a, to16);
+      for (DeviceArray<float>* a : {&mgr_, &mg1_, &mg2_}) copy(*a, to32);
+    }
+    MoeLayerWeights w = weights();
+    const auto pointer_to = [&](const void* old) -> void* {
+      for (auto& [from, to] : to16)
+        if (from->get() == old) return to.get();
+      for (auto& [from, to] : to32)
+        if (from->get() == old) return to.get();
+      return const_cast<void*>(old);
+    };
+    w.router = pointer_to(w.router), w.w1 = pointer_to(w.w1), w.w2 = pointer_to(w.w2);
+    w.b1 = pointer_to(w.b1), w.b2 = pointer_to(w.b2), w.db1 = pointer_to(w.db1), w.db2 = pointer_to(w.db2);
+    w.d_router = pointer_to(w.d_router), w.dw1 = pointer_to(w.dw1), w.dw2 = pointer_to(w.dw2);
+    w.main_grad_router = static_cast<float*>(pointer_to(w.main_grad_router));
+    w.main_grad1 = static_cast<float*>(pointer_to(w.main_grad1));
+    w.main_grad2 = static_cast<float*>(pointer_to(w.main_grad2));
+    layer_->set_weights(w);
+    for (auto& [from, to] : to16) from->poison(), moved_from16_.push_back(std::exchange(*from, std::move(to)));
+    for (auto& [from, to] : to32) from->poison(), moved_from32_.push_back(std::exchange(*from, std::move(to)));
   }
 
   MoeLayer& layer() { return *layer_; }
@@ -211,6 +254,8 @@ class LayerHarness {
   DeviceArray<uint16_t> dwr_, dw1_, dw2_, db1_d_, db2_d_;
   DeviceArray<float> mgr_, mg1_, mg2_, aux_d_;
   DeviceArray<int32_t> tokens_d_;
+  std::vector<DeviceArray<uint16_t>> moved_from16_;  // poisoned, kept allocated (move_weights)
+  std::vector<DeviceArray<float>> moved_from32_;
   Stream stream_;
   std::unique_ptr<MoeLayer> layer_;
 };

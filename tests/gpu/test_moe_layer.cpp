@@ -15,6 +15,7 @@
 #include "testing/moe_layer_reference.hpp"
 #include "testing/step_weights.hpp"
 #include "tests/common/expect.hpp"
+#include "tests/common/thrown.hpp"
 #include "tests/gpu/moe_layer_harness.hpp"
 
 namespace moegraph::test {
@@ -136,6 +137,55 @@ TEST(MoeLayer, PhaseOrderIsChecked) {
   h.layer().backward(h.io(), h.stream());
   EXPECT_EQ(h.layer().pending_backwards(), 0);
   MG_CUDA_CHECK(cudaStreamSynchronize(h.stream()));
+}
+
+// FSDP2 gathers parameters into new storage for forward and again for backward. A layer re-bound
+// (set_weights) between forward_train and backward, with a micro-batch saved, and again before the
+// next step, gives the bits of a layer never moved; the old storage is poisoned, so any stale read
+// shows. Cases: bias with fp32 main_grad; delayed 16-bit dW (moved after backward_dw).
+TEST(MoeLayer, SetWeightsRebindsBetweenForwardAndBackward) {
+  for (const LayerCase& c : {kCases[0], kCases[1]}) {
+    LayerHarness moved(options_of(c), 11), fixed(options_of(c), 11);
+    for (int step = 0; step < 2; ++step) {
+      for (LayerHarness* h : {&moved, &fixed}) h->set_inputs(c.max_tokens - 3), h->poison();
+      fixed.train_step();
+      const MoeLayerIO io = moved.io();
+      moved.layer().forward_train(io, moved.stream());
+      moved.move_weights();
+      moved.layer().backward(io, moved.stream());
+      if (c.delay) moved.layer().backward_dw(moved.stream());
+      moved.move_weights();
+      const LayerOutputs got = moved.read();
+      EXPECT_TRUE(got == fixed.read()) << c.name << " step " << step << ": a re-bound layer differs";
+      moved.expect_matches_reference(got, detail::concat(c.name, " moved, step ", step));
+    }
+  }
+}
+
+// What set_weights refuses, changing nothing: a weight the layer was built with (or without), and
+// gradient buffers moved under a queued delayed weight gradient, which writes where its backward
+// said. Moving the weights alone is allowed then.
+TEST(MoeLayer, SetWeightsRefusesWhatTheLayerCannotFollow) {
+  const auto refused = [](auto&& f, const char* text) {
+    const std::string message = thrown_message(f);
+    EXPECT_NE(message.find(text), std::string::npos) << "expected \"" << text << "\", got: " << message;
+  };
+  const LayerCase c = kCases[1];  // no bias, delayed wgrad
+  LayerHarness h(options_of(c), 5), fixed(options_of(c), 5);
+  MoeLayerWeights w = h.weights();
+  w.w2 = nullptr;
+  refused([&] { h.layer().set_weights(w); }, "w2 was set at creation and must stay set");
+  w = h.weights();
+  w.b1 = w.w1;
+  refused([&] { h.layer().set_weights(w); }, "b1 was null at creation and must stay null");
+  for (LayerHarness* x : {&h, &fixed}) x->set_inputs(20), x->poison();
+  fixed.train_step();
+  h.layer().forward_train(h.io(), h.stream());
+  h.layer().backward(h.io(), h.stream());
+  refused([&] { h.move_weights(); }, "delayed weight gradients are queued");
+  h.move_weights(/*gradients=*/false);
+  h.layer().backward_dw(h.stream());
+  EXPECT_TRUE(h.read() == fixed.read()) << "refused or weight-only moves changed the results";
 }
 
 // The step runtime on the whole layer, built from typed options on the caller's weights: graph

@@ -292,6 +292,10 @@ TEST(CAbi, MoeLayerNullArgumentsAndHandles) {
   EXPECT_TRUE(null_handle()) << mg_last_error();
   EXPECT_EQ(mg_moe_layer_backward_dw(nullptr, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();
+  mg_moe_layer_weights weights{};
+  weights.struct_size = sizeof(weights);
+  EXPECT_EQ(mg_moe_layer_set_weights(nullptr, &weights), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(null_handle()) << mg_last_error();
   uint64_t dropped = 99;
   EXPECT_EQ(mg_moe_layer_read_dropped(nullptr, nullptr, &dropped), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(null_handle()) << mg_last_error();

@@ -21,14 +21,17 @@ class LinearOp final : public LayerOp {
   LinearOp(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w)
       : spec_(spec), o_(o), g_(expert_linear_options(o, spec.layer, moe_expert_rows(o))) {
     MG_CHECK(spec.layer == 1 || spec.layer == 2, "linear operator \"", spec.name, "\" must be FC1 or FC2");
-    const bool fc1 = spec.layer == 1;
+    set_weights(w);
+    scaled_bias_ = o.bias && !spec.bias_scale.empty();
+  }
+  void set_weights(const MoeLayerWeights& w) override {
+    const bool fc1 = spec_.layer == 1;
     weight_ = fc1 ? w.w1 : w.w2;
     bias_ = fc1 ? w.b1 : w.b2;
     dbias_ = fc1 ? w.db1 : w.db2;
     dweight_ = fc1 ? w.dw1 : w.dw2;
     main_grad_ = fc1 ? w.main_grad1 : w.main_grad2;
     mxfp8_ = fc1 ? w.w1_mxfp8 : w.w2_mxfp8;
-    scaled_bias_ = o.bias && !spec.bias_scale.empty();
   }
   std::string name() const override { return spec_.name; }
   std::string kernels() const override {

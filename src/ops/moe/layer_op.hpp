@@ -38,6 +38,9 @@ class LayerOp {
   virtual void wgrad(cudaStream_t /*stream*/) {}
   // The weights were updated (MXFP8: re-quantize the copies the GEMMs read).
   virtual void weights_changed(cudaStream_t /*stream*/) {}
+  // The weights and gradient buffers moved (LayerProgram::set_weights has checked them): later
+  // enqueues read and write the new addresses.
+  virtual void set_weights(const MoeLayerWeights& /*w*/) {}
   // Synchronized by the caller already: read and clear the op's device error record (code
   // kDeviceErrorNone when nothing was raised).
   virtual DeviceErrorRecord take_device_error() { return {}; }

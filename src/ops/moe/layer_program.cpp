@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "moegraph/error.hpp"
 #include "src/core/device_info.hpp"
@@ -47,6 +48,7 @@ LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights
     tensors_.set_window(std::move(allocated));  // the table keeps it alive and addresses peers through it
   }
   build(weights, static_cast<std::byte*>(workspace), window);
+  weights_ = weights;
   for (auto& op : ops_) op->bind(tensors_);
   for (int s = slots_of(options_) - 1; s >= 0; --s) free_slots_.push_back(s);
 }
@@ -129,6 +131,52 @@ void LayerProgram::backward_dw(cudaStream_t stream) {
 void LayerProgram::weights_changed(cudaStream_t stream) {
   const DeviceScope on_device(device_);
   for (auto& op : ops_) op->weights_changed(stream);
+}
+
+namespace {
+struct Field {
+  const char* name;
+  const void* ptr;
+};
+std::vector<Field> weight_fields(const MoeLayerWeights& w) {
+  return {{"router", w.router},
+          {"w1", w.w1},
+          {"b1", w.b1},
+          {"w2", w.w2},
+          {"b2", w.b2},
+          {"w1_mxfp8.data", w.w1_mxfp8.data},
+          {"w1_mxfp8.scales", w.w1_mxfp8.scales},
+          {"w1_mxfp8.data_t", w.w1_mxfp8.data_t},
+          {"w1_mxfp8.scales_t", w.w1_mxfp8.scales_t},
+          {"w2_mxfp8.data", w.w2_mxfp8.data},
+          {"w2_mxfp8.scales", w.w2_mxfp8.scales},
+          {"w2_mxfp8.data_t", w.w2_mxfp8.data_t},
+          {"w2_mxfp8.scales_t", w.w2_mxfp8.scales_t}};
+}
+// The buffers a queued (delayed) weight gradient writes.
+std::vector<Field> wgrad_fields(const MoeLayerWeights& w) {
+  return {{"main_grad_router", w.main_grad_router}, {"main_grad1", w.main_grad1}, {"main_grad2", w.main_grad2},
+          {"d_router", w.d_router},           {"dw1", w.dw1},               {"dw2", w.dw2}};
+}
+}  // namespace
+
+// Host only: the operators keep pointers, and every enqueue passes them to its kernels. Which
+// weights are set may not change (the operator program was built for them); gradient buffers may
+// (backward checks for the ones it needs), but not under a queued weight gradient, which writes
+// where its backward said.
+void LayerProgram::set_weights(const MoeLayerWeights& w) {
+  const std::vector<Field> now = weight_fields(weights_), next = weight_fields(w);
+  for (std::size_t i = 0; i < now.size(); ++i)
+    MG_CHECK((now[i].ptr == nullptr) == (next[i].ptr == nullptr), "set_weights: ", now[i].name,
+             now[i].ptr == nullptr ? " was null at creation and must stay null"
+                                   : " was set at creation and must stay set");
+  const std::vector<Field> grads_now = wgrad_fields(weights_), grads_next = wgrad_fields(w);
+  for (std::size_t i = 0; i < grads_now.size() && !wgrad_queue_.empty(); ++i)
+    MG_CHECK(grads_now[i].ptr == grads_next[i].ptr, "set_weights: ", wgrad_queue_.size(),
+             " delayed weight gradients are queued and write into the current ", grads_now[i].name,
+             "; run backward_dw first, or keep the gradient buffers where they are");
+  for (auto& op : ops_) op->set_weights(w);
+  weights_ = w;
 }
 
 uint64_t LayerProgram::read_dropped(cudaStream_t stream) {

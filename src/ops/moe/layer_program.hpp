@@ -37,6 +37,7 @@ class LayerProgram {
   void backward(const MoeLayerIO& io, cudaStream_t stream);
   void backward_dw(cudaStream_t stream);
   void weights_changed(cudaStream_t stream);
+  void set_weights(const MoeLayerWeights& weights);
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
   const int32_t* splits() const { return tensors_.get<int32_t>(tensor::kSplits, last_slot_); }
@@ -49,6 +50,7 @@ class LayerProgram {
   void run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream);
 
   MoeLayerOptions options_;
+  MoeLayerWeights weights_;  // as bound now (set_weights keeps which of them are set)
   std::vector<OpSpec> specs_;
   std::vector<std::unique_ptr<LayerOp>> ops_;
   TensorTable tensors_;

@@ -18,6 +18,7 @@ namespace {
 class RouterOp final : public LayerOp {
  public:
   RouterOp(const MoeLayerOptions& o, const MoeLayerWeights& w) : o_(o), w_(w) {}
+  void set_weights(const MoeLayerWeights& w) override { w_ = w; }
   std::string name() const override { return "router"; }
   std::string kernels() const override {
     return "router: logits x W_r^T by cuBLASLt (bf16 in, fp32 out); scores + top-k, one warp per token; "
