@@ -6,7 +6,19 @@ import ctypes
 from ._lib import MoegraphError, library_path, version
 from . import _lib
 
-__all__ = ["Config", "MoegraphError", "library_path", "version"]
+__all__ = ["Config", "MoegraphError", "library_path", "shard_rows", "version"]
+
+
+def shard_rows(global_rows, ranks, rank, policy="chunk"):
+    """(first_row, rows) of `rank`'s shard of a tensor of `global_rows` rows split over `ranks`:
+    "chunk" gives ceil(R / W) rows per rank in rank order, the last ranks fewer or none (torch.chunk,
+    FSDP2's Shard(0)); "balanced" gives the first R mod W ranks one row more (docs/sharding.md)."""
+    if policy not in _lib.SHARD_POLICY:
+        raise ValueError(f"policy must be one of {sorted(_lib.SHARD_POLICY)}, got {policy!r}")
+    first, rows = ctypes.c_int64(), ctypes.c_int64()
+    _lib.call("mg_shard_rows", _lib.SHARD_POLICY[policy], global_rows, ranks, rank, ctypes.byref(first),
+              ctypes.byref(rows))
+    return first.value, rows.value
 
 
 class Config:

@@ -19,6 +19,7 @@ STATUS_NAMES = {0: "MG_OK", 1: "MG_ERR_INVALID_ARGUMENT", 2: "MG_ERR_CUDA", 3: "
 DTYPE = {"bf16": 0, "fp16": 1}
 RECIPE = {"bf16": 0, "mxfp8": 1}
 ROUTER_SCORE = {"softmax": 0, "sigmoid": 1}
+SHARD_POLICY = {"chunk": 0, "balanced": 1}
 
 
 class MoegraphError(RuntimeError):
@@ -153,6 +154,7 @@ SIGNATURES = {
     "mg_moe_layer_backward": (c_int, [_h, P(MoeLayerIO), c_void_p]),
     "mg_moe_layer_backward_dw": (c_int, [_h, c_void_p]),
     "mg_moe_layer_weights_changed": (c_int, [_h, c_void_p]),
+    "mg_moe_layer_set_weights": (c_int, [_h, P(MoeLayerWeights)]),
     "mg_moe_layer_read_dropped": (c_int, [_h, c_void_p, P(ctypes.c_uint64)]),
     "mg_moe_layer_check_device_errors": (c_int, [_h, c_void_p]),
     "mg_config_load": (c_int, [ctypes.c_char_p, P(_h)]),

@@ -14,6 +14,11 @@ Contracts the C layer brings (moegraph/moegraph.h):
   run each shape once before capturing it into a CUDA graph, as torch.cuda.graph's warm-up does.
 - main_grad=True: weight gradients accumulate into fp32 `param.main_grad` (their .grad stays None);
   delay_wgrad=True (needs main_grad) queues them until module.backward_dw().
+- Sharded parameters (docs/sharding.md): under FSDP2 (fully_shard) the modules see the full
+  parameters FSDP2 gathers, wherever it puts them, and FSDP2 reduce-scatters their gradients.
+  Parameters that are DTensors when forward runs (Shard(0) over a 1-D mesh, uneven splits and
+  ranks holding no rows included) are gathered here, and their gradients come back as DTensors of
+  the same mesh and placements holding this rank's rows of the sum over ranks (not with main_grad).
 """
 import ctypes
 import itertools
@@ -22,7 +27,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _lib
+from . import _lib, shard_rows
 
 __all__ = ["GroupedLinear", "MoELayer"]
 
@@ -41,6 +46,77 @@ def _stream(device):
 
 def _empty(like):
     return like.new_empty((0,))
+
+
+# ---------------------------------------------------------------------------------------------------
+# DTensor parameters. Under FSDP2 (fully_shard) a module's forward and backward see the full
+# parameters, re-gathered by FSDP2 into new storage each time (the C layer is re-bound to them), and
+# FSDP2 reduce-scatters the gradients. A module called with its parameters still sharded (outside
+# FSDP2's hooks, or made DTensors by hand) gathers them here, and its backward returns each rank's
+# rows of the summed gradient as a DTensor with the parameter's own mesh and placements.
+
+
+def _dtensor_types():
+    try:
+        from torch.distributed.tensor import DTensor, Shard
+        return DTensor, Shard
+    except ImportError:  # a PyTorch without torch.distributed
+        return None, None
+
+
+def _shard_geometry(p):
+    """(group, ranks, per-rank rows, this rank's first row and rows) of a DTensor sharded on dim 0."""
+    DTensor, Shard = _dtensor_types()
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise ValueError(f"moegraph.torch takes DTensor parameters sharded on dim 0 over a 1-D mesh (Shard(0), as "
+                         f"FSDP2 shards); got placements {placements} over a {mesh.ndim}-D mesh")
+    ranks, rank, rows = mesh.size(), mesh.get_local_rank(), p.shape[0]
+    first, mine = shard_rows(rows, ranks, rank, "chunk")
+    local = p.to_local()
+    if local.shape[0] != mine or tuple(local.shape[1:]) != tuple(p.shape[1:]):
+        raise ValueError(f"rank {rank}'s shard of a {tuple(p.shape)} parameter is {tuple(local.shape)}, but Shard(0) "
+                         f"over {ranks} ranks gives it rows [{first}, {first + mine}) (torch.chunk's split)")
+    per = -(-rows // ranks)
+    return mesh.get_group(), ranks, per, first, mine
+
+
+class _GatherShards(torch.autograd.Function):
+    """A Shard(0) DTensor -> the full tensor on every rank (all-gather of equal blocks of
+    ceil(R / W) rows, the short ones padded inside the collective's buffer only). Backward sums the
+    ranks' full gradients and keeps this rank's rows (reduce-scatter), as a DTensor of the
+    parameter's mesh and placements: the gradient of the sum of every rank's loss."""
+
+    @staticmethod
+    def forward(ctx, p):
+        import torch.distributed as dist
+        group, ranks, per, first, mine = _shard_geometry(p)
+        local = p.to_local()
+        send = local if mine == per else torch.cat([local, local.new_zeros((per - mine,) + tuple(p.shape[1:]))])
+        gathered = local.new_empty((per * ranks,) + tuple(p.shape[1:]))
+        dist.all_gather_into_tensor(gathered, send.contiguous(), group=group)
+        ctx.param = (p.device_mesh, p.placements, p.shape, p.stride(), group, ranks, per, mine)
+        return gathered[:p.shape[0]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        DTensor, _ = _dtensor_types()
+        mesh, placements, shape, stride, group, ranks, per, mine = ctx.param
+        grad = grad.contiguous()
+        if per * ranks != shape[0]:
+            grad = torch.cat([grad, grad.new_zeros((per * ranks - shape[0],) + tuple(shape[1:]))])
+        out = grad.new_empty((per,) + tuple(shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=group)
+        return DTensor.from_local(out[:mine], mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _full(p):
+    """The full tensor of a parameter: itself, or gathered when it is a DTensor."""
+    DTensor, _ = _dtensor_types()
+    if p is None or DTensor is None or not isinstance(p, DTensor):
+        return p
+    return _GatherShards.apply(p)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,7 +232,10 @@ class GroupedLinear(torch.nn.Module):
     def forward(self, x, splits):
         train = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
         main_grad = self.weight.main_grad if self.main_grad else None
-        return torch.ops.moegraph.grouped_linear(x, splits, self.weight, self.bias, main_grad, self._id, train)
+        weight, bias = _full(self.weight), _full(self.bias)
+        if main_grad is not None and (weight is not self.weight or bias is not self.bias):
+            raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
+        return torch.ops.moegraph.grouped_linear(x, splits, weight, bias, main_grad, self._id, train)
 
     def backward_dw(self):
         """Runs the oldest queued weight gradient (delay_wgrad) into weight.main_grad, on the current stream."""
@@ -175,30 +254,29 @@ class GroupedLinear(torch.nn.Module):
 
 
 class _LayerHandle:
-    """One MoE module's C layer, bound to its parameters' and gradient buffers' addresses (re-created
-    if the parameters move)."""
+    """One MoE module's C layer. It is bound to addresses: its parameters', their main_grad buffers',
+    and (in backward) fresh gradient tensors. When they move (FSDP2 re-gathers parameters into new
+    storage for every forward and backward), the layer is re-bound (mg_moe_layer_set_weights), which
+    keeps the micro-batches it saved."""
 
     def __init__(self, options):
         self.options = options
-        self.handle, self.bound, self.grads = None, None, None
+        self.handle, self.bound = None, None
 
-    def layer(self, params, main_grads):
-        key = tuple(_ptr(t) for t in params + main_grads)
-        if self.handle is None or key != self.bound:
-            self.close()
-            router, w1, b1, w2, b2 = params
-            grads = {}
-            if self.options.training:
-                if not self.options.main_grad_fp32:
-                    grads.update(d_router=torch.empty_like(router), dw1=torch.empty_like(w1), dw2=torch.empty_like(w2))
-                if b1 is not None:
-                    grads.update(db1=torch.empty_like(b1), db2=torch.empty_like(b2))
-            w = _lib.MoeLayerWeights(router=_ptr(router), w1=_ptr(w1), b1=_ptr(b1), w2=_ptr(w2), b2=_ptr(b2),
-                                     main_grad_router=_ptr(main_grads[0]), main_grad1=_ptr(main_grads[1]),
-                                     main_grad2=_ptr(main_grads[2]), **{k: _ptr(v) for k, v in grads.items()})
+    def layer(self, params, main_grads, grads=None):
+        router, w1, b1, w2, b2 = params
+        g = grads or {}
+        w = _lib.MoeLayerWeights(router=_ptr(router), w1=_ptr(w1), b1=_ptr(b1), w2=_ptr(w2), b2=_ptr(b2),
+                                 main_grad_router=_ptr(main_grads[0]), main_grad1=_ptr(main_grads[1]),
+                                 main_grad2=_ptr(main_grads[2]), **{k: _ptr(v) for k, v in g.items()})
+        key = bytes(w)
+        if self.handle is None:
             handle = ctypes.c_void_p()
             _lib.call("mg_moe_layer_create", ctypes.byref(self.options), ctypes.byref(w), None, ctypes.byref(handle))
-            self.handle, self.bound, self.grads = handle, key, grads
+            self.handle = handle
+        elif key != self.bound:
+            _lib.call("mg_moe_layer_set_weights", self.handle, ctypes.byref(w))
+        self.bound = key
         return self.handle
 
     def close(self):
@@ -242,17 +320,21 @@ def _moe_backward(dy: Tensor, x: Tensor, router: Tensor, w1: Tensor, b1: Optiona
                   b2: Optional[Tensor], mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor],
                   handle: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     h = _handles[handle]
-    layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
+    # Fresh gradient tensors for every backward, bound before it runs: autograd owns them from here
+    # on, and a later backward writes its own (no copies, no gradient buffer kept by the layer).
+    grads = {}
+    if mg1 is None:
+        grads.update(d_router=torch.empty_like(router), dw1=torch.empty_like(w1), dw2=torch.empty_like(w2))
+    if b1 is not None:
+        grads.update(db1=torch.empty_like(b1), db2=torch.empty_like(b2))
+    layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2), grads)
     n, max_tokens = x.shape[0], h.options.max_tokens
     dx = torch.empty((max_tokens, x.shape[1]), dtype=x.dtype, device=x.device)  # rows [n, max) written as 0
     io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=_num_tokens(n, x.device).data_ptr(), dy=dy.data_ptr(),
                          dx=dx.data_ptr())
     _lib.call("mg_moe_layer_backward", layer, ctypes.byref(io), _stream(x.device))
-    # The layer writes gradients into buffers bound at create: hand out copies, so a later backward
-    # cannot change a gradient autograd already holds.
-    g = h.grads
-    copy = lambda name: g[name].clone() if name in g else _empty(x)  # noqa: E731
-    return dx[:n].clone(), copy("d_router"), copy("dw1"), copy("db1"), copy("dw2"), copy("db2")
+    grad = lambda name: grads[name] if name in grads else _empty(x)  # noqa: E731
+    return dx[:n].clone(), grad("d_router"), grad("dw1"), grad("db1"), grad("dw2"), grad("db2")
 
 
 @_moe_backward.register_fake
@@ -326,8 +408,11 @@ class MoELayer(torch.nn.Module):
         params = (self.router, self.w1, self.w2) + ((self.b1, self.b2) if self.b1 is not None else ())
         train = self.trainable and torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))
         mg = [w.main_grad for w in (self.router, self.w1, self.w2)] if self.main_grad else [None] * 3
-        return torch.ops.moegraph.moe_layer(x.contiguous(), self.router, self.w1, self.b1, self.w2, self.b2, *mg,
-                                            self._id, train)
+        own = (self.router, self.w1, self.b1, self.w2, self.b2)
+        router, w1, b1, w2, b2 = full = [_full(p) for p in own]
+        if self.main_grad and any(f is not p for f, p in zip(full, own)):
+            raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
+        return torch.ops.moegraph.moe_layer(x.contiguous(), router, w1, b1, w2, b2, *mg, self._id, train)
 
     def backward_dw(self):
         """Runs the oldest queued weight gradients (delay_wgrad) into the .main_grad buffers."""

@@ -98,6 +98,20 @@ class LibraryWithoutAGpu(unittest.TestCase):
                                       '"parallel": {"expert_parallel": 2}, "buckets": [64]}').shape()
         self.assertEqual(shape["expert_parallel"], 2)
 
+    def test_shard_rows_follow_the_named_policies(self):
+        import moegraph
+        # 10 rows over 4 ranks: chunk gives 3, 3, 3, 1 (torch.chunk); balanced 3, 3, 2, 2.
+        chunk = [moegraph.shard_rows(10, 4, r) for r in range(4)]
+        self.assertEqual(chunk, [(0, 3), (3, 3), (6, 3), (9, 1)])
+        self.assertEqual([moegraph.shard_rows(10, 4, r, "balanced") for r in range(4)], [(0, 3), (3, 3), (6, 2), (8, 2)])
+        # 5 rows over 4 ranks: the last rank holds none, at the end of the tensor.
+        self.assertEqual([moegraph.shard_rows(5, 4, r) for r in range(4)], [(0, 2), (2, 2), (4, 1), (5, 0)])
+        with self.assertRaises(ValueError):
+            moegraph.shard_rows(5, 4, 0, "even")
+        with self.assertRaises(_lib.MoegraphError) as e:
+            moegraph.shard_rows(5, 4, 4)
+        self.assertEqual(e.exception.status_name, "MG_ERR_INVALID_ARGUMENT")
+
     def test_mxfp8_weight_fields_and_calls(self):
         data, scales = ctypes.c_size_t(), ctypes.c_size_t()
         _lib.call("mg_mxfp8_weight_bytes", 3, 96, 160, ctypes.byref(data), ctypes.byref(scales))

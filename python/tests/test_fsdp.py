@@ -1,0 +1,222 @@
+"""Sharded parameters on W = 2 and 4 ranks (one process each): MoELayer under FSDP2 (fully_shard)
+and with DTensor parameters. The experts (5) do not divide by W, and over 4 ranks torch.chunk
+leaves the last rank no rows. Every parameter's rows are random, so a gradient row landing on
+another rank's or another expert's place fails the comparison.
+
+With W GPUs each rank has its own and the ranks talk through NCCL (NVLink multicast off); with
+fewer, the ranks share GPU 0 and talk through gloo. Skipped without PyTorch, torch.distributed or a
+GPU."""
+import os
+import socket
+import tempfile
+import traceback
+import unittest
+
+try:
+    import torch
+    import torch.distributed as dist
+    HAVE_GPU = torch.cuda.is_available() and dist.is_available()
+except ImportError:
+    HAVE_GPU = False
+
+EXPERTS, HIDDEN, FFN, TOP_K = 5, 64, 64, 2
+TOL = 2e-2  # relative error of bf16 results summed in another order
+
+
+def rel_err(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def make_layer(device):
+    from moegraph.torch import MoELayer
+    torch.manual_seed(7)
+    layer = MoELayer(EXPERTS, HIDDEN, FFN, top_k=TOP_K, max_tokens=64, bias=True, device=device)
+    with torch.no_grad():  # non-zero biases, so their gradients identify rows too
+        layer.b1.uniform_(-0.5, 0.5)
+        layer.b2.uniform_(-0.5, 0.5)
+    return layer
+
+
+def batch(step, rank, device):
+    """Rank `rank`'s tokens and output gradient at `step` (each rank a different count)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    n = 24 + 8 * rank
+    x = torch.randn(n, HIDDEN, generator=g).bfloat16().to(device)
+    dy = torch.randn(n, HIDDEN, generator=g).bfloat16().to(device)
+    return x, dy
+
+
+def check_rows(test, name, got, full, first, rows):
+    """got: this rank's gradient rows; full: the unsharded gradient. The rows one expert off must
+    not match (the data identifies each row's place), and this rank's rows must."""
+    want = full[first:first + rows]
+    test.assertEqual(tuple(got.shape), tuple(want.shape), name)
+    if rows == 0:
+        return
+    err = rel_err(got, want)
+    test.assertLess(err, TOL, f"{name}: rows [{first}, {first + rows}) differ from the unsharded gradient")
+    other = full[(first + 1) % full.shape[0]:][:rows] if full.shape[0] > 1 else None
+    if other is not None and other.shape == want.shape:
+        test.assertGreater(rel_err(got, other), 10 * TOL, f"{name}: the data does not tell rows apart")
+
+
+class Checks(unittest.TestCase):
+    """Assertions for the rank processes (unittest's, outside a test run)."""
+
+    def runTest(self):
+        pass
+
+
+def dtensor_parameters(rank, ranks, device):
+    """A layer whose parameters are Shard(0) DTensors: forward on this rank's batch; each gradient
+    is a DTensor of the parameter's mesh and placements holding this rank's rows of the gradient of
+    the sum of every rank's loss."""
+    import moegraph
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    t = Checks()
+    mesh = init_device_mesh("cuda", (ranks,))
+    ref, layer = make_layer(device), make_layer(device)
+    names = ("router", "w1", "b1", "w2", "b2")
+    for name in names:
+        full = getattr(layer, name).detach()
+        first, rows = moegraph.shard_rows(full.shape[0], ranks, rank)
+        local = full[first:first + rows].clone()
+        setattr(layer, name, torch.nn.Parameter(
+            DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())))
+    x, dy = batch(0, rank, device)
+    y, _ = layer(x)
+    y.backward(dy)
+    for r in range(ranks):  # the unsharded layer on every rank's batch: its gradients are the sums
+        xr, dyr = batch(0, r, device)
+        yr, _ = ref(xr)
+        yr.backward(dyr)
+        if r == rank:
+            t.assertTrue(torch.equal(yr, y), "the output differs from the unsharded layer's")
+    for name in names:
+        p = getattr(layer, name)
+        g = p.grad
+        t.assertIsInstance(g, DTensor, name)
+        t.assertEqual(g.device_mesh, p.device_mesh, name)
+        t.assertEqual(tuple(g.placements), tuple(p.placements), name)
+        t.assertEqual(g.shape, p.shape, name)
+        first, rows = moegraph.shard_rows(p.shape[0], ranks, rank)
+        check_rows(t, name, g.to_local(), getattr(ref, name).grad, first, rows)
+
+
+class Net(torch.nn.Module if HAVE_GPU else object):
+    def __init__(self, device):
+        super().__init__()
+        torch.manual_seed(3)
+        self.pre = torch.nn.Linear(HIDDEN, HIDDEN, bias=False, dtype=torch.bfloat16, device=device)
+        self.moe = make_layer(device)
+
+    def forward(self, x):
+        return self.moe(self.pre(x))[0]
+
+
+def fsdp_training_loop(rank, ranks, device):
+    """fully_shard on a model holding a MoELayer: three SGD steps on each rank's batch match the
+    unsharded model stepped on the mean of every rank's loss (FSDP2 averages gradients). FSDP2 frees
+    the gathered parameters after forward and gathers them again, elsewhere, for backward."""
+    import moegraph
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    t = Checks()
+    model, ref = Net(device), Net(device)
+    ref.load_state_dict(model.state_dict())
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    fully_shard(model.moe)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        x, dy = batch(step, rank, device)
+        y = model(x)
+        y.backward(dy)
+        for r in range(ranks):
+            xr, dyr = batch(step, r, device)
+            yr = ref(xr)
+            (yr.float() * dyr.float()).sum().div(ranks).backward()
+            if step == 0 and r == rank:
+                t.assertTrue(torch.equal(yr, y), "the first step's output differs from the unsharded model's")
+        if step == 0:
+            for name, p in model.named_parameters():
+                t.assertIsInstance(p.grad, DTensor, name)
+                t.assertEqual(tuple(p.grad.placements), tuple(p.placements), name)
+                first, rows = moegraph.shard_rows(p.shape[0], ranks, rank)
+                check_rows(t, name, p.grad.to_local(), ref.get_parameter(name).grad, first, rows)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for name, p in model.named_parameters():
+        want = ref.get_parameter(name).detach()
+        first, rows = moegraph.shard_rows(p.shape[0], ranks, rank)
+        check_rows(t, name, p.to_local(), want, first, rows)
+        moved = rel_err(want, start[name])
+        t.assertGreater(moved, 10 * rel_err(p.to_local(), want[first:first + rows]) if rows else 0, name)
+
+
+def _rank_main(test, rank, ranks, port, errors):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+        gpus = torch.cuda.device_count()
+        device = torch.device("cuda", rank if gpus >= ranks else 0)
+        torch.cuda.set_device(device)
+        nccl = gpus >= ranks
+        dist.init_process_group("nccl" if nccl else "cuda:gloo,cpu:gloo", rank=rank, world_size=ranks,
+                                device_id=device if nccl else None)
+        try:
+            globals()[test](rank, ranks, device)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(errors, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+
+
+def run_ranks(test, ranks):
+    """test(rank, ranks, device) in `ranks` processes; fails with every failing rank's traceback."""
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as errors:
+        procs = [ctx.Process(target=_rank_main, args=(test, r, ranks, port, errors)) for r in range(ranks)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        failed = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                failed.append(f"rank {r}: no exit in 300 s")
+            elif p.exitcode != 0:
+                path = os.path.join(errors, f"rank{r}.txt")
+                failed.append(f"rank {r} (exit {p.exitcode}):\n" + (open(path).read() if os.path.exists(path) else ""))
+        if failed:
+            raise AssertionError(f"{test} on {ranks} ranks:\n" + "\n".join(failed))
+
+
+@unittest.skipUnless(HAVE_GPU, "needs PyTorch with torch.distributed and a GPU")
+class ShardedParameters(unittest.TestCase):
+    def test_dtensor_parameters_on_2_ranks(self):
+        run_ranks("dtensor_parameters", 2)
+
+    def test_dtensor_parameters_on_4_ranks_one_holding_no_experts(self):
+        run_ranks("dtensor_parameters", 4)
+
+    def test_fsdp2_training_loop_on_2_ranks(self):
+        run_ranks("fsdp_training_loop", 2)
+
+    def test_fsdp2_training_loop_on_4_ranks_one_holding_no_experts(self):
+        run_ranks("fsdp_training_loop", 4)
+
+
+if __name__ == "__main__":
+    unittest.main()
