@@ -84,8 +84,9 @@ def _shard_geometry(p):
 class _GatherShards(torch.autograd.Function):
     """A Shard(0) DTensor -> the full tensor on every rank (all-gather of equal blocks of
     ceil(R / W) rows, the short ones padded inside the collective's buffer only). Backward sums the
-    ranks' full gradients and keeps this rank's rows (reduce-scatter), as a DTensor of the
-    parameter's mesh and placements: the gradient of the sum of every rank's loss."""
+    ranks' full gradients in fp32 and keeps this rank's rows (reduce-scatter), rounded once to the
+    parameter's dtype, as a DTensor of its mesh and placements: the gradient of the sum of every
+    rank's loss."""
 
     @staticmethod
     def forward(ctx, p):
@@ -103,12 +104,13 @@ class _GatherShards(torch.autograd.Function):
         import torch.distributed as dist
         DTensor, _ = _dtensor_types()
         mesh, placements, shape, stride, group, ranks, per, mine = ctx.param
-        grad = grad.contiguous()
-        if per * ranks != shape[0]:
-            grad = torch.cat([grad, grad.new_zeros((per * ranks - shape[0],) + tuple(shape[1:]))])
-        out = grad.new_empty((per,) + tuple(shape[1:]))
-        dist.reduce_scatter_tensor(out, grad, group=group)
-        return DTensor.from_local(out[:mine], mesh, placements, run_check=False, shape=shape, stride=stride)
+        # Summed in fp32 and rounded once (as FSDP2 with reduce_dtype=torch.float32).
+        summed = grad.new_zeros((per * ranks,) + tuple(shape[1:]), dtype=torch.float32)
+        summed[:shape[0]].copy_(grad)
+        out = summed.new_empty((per,) + tuple(shape[1:]))
+        dist.reduce_scatter_tensor(out, summed, group=group)
+        local = out[:mine].to(grad.dtype)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def _full(p):
