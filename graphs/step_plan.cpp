@@ -30,6 +30,7 @@ StepGraphsOptions step_graphs_options(const Config& config) {
   o.step = config.step;
   o.layer = moe_layer_options(config, config.buckets.empty() ? 1 : config.buckets.front());
   o.buckets = config.buckets;
+  o.sharding = config.parallel.sharding;
   return o;
 }
 

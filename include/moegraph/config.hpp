@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moegraph/error.hpp"
+#include "moegraph/sharding.hpp"
 #include "moegraph/types.hpp"
 
 namespace moegraph {
@@ -74,6 +75,9 @@ struct ParallelConfig {
   int64_t recv_rows = 0;              // 0: receive buffers for the worst case (dropless); else a bound
   EpExchange exchange = EpExchange::kPeerStores;  // "peer_stores" or "send_recv" (fixed chunks, ncclSend/Recv)
   int64_t chunk_rows = 0;             // send_recv: rows per chunk, 0 for the worst case (max_tokens * top_k)
+  // Sharded expert weights (docs/sharding.md): ranks 1..64 of a data-parallel group, one process
+  // per GPU, each holding its shard ("chunk" or "balanced" policy, "expert" or "row" unit).
+  WeightSharding sharding;
 };
 
 struct Config {

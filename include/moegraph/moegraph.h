@@ -515,7 +515,11 @@ typedef struct {
    * expert-parallel ranks in one process need 1 (another rank's thread sets up meanwhile). */
   int thread_local_capture;
   /* Expert parallelism (appended: an older struct_size means NULL): this rank's communicator, of the
-   * config's parallel.expert_parallel ranks; NULL when that is 1. The step keeps it alive. */
+   * config's parallel.expert_parallel ranks; NULL when that is 1. The step keeps it alive. With
+   * sharded weights (parallel.sharding.ranks = W > 1) it is the communicator of the data-parallel
+   * group of W ranks instead, and mg_step_weights' w1, w2, b1, b2 and their gradients are this
+   * rank's shards under the config's policy and unit (mg_shard_rows; NULL for a rank holding no
+   * rows); docs/sharding.md. */
   mg_ep_comm* comm;
 } mg_step_graphs_options;
 

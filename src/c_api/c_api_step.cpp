@@ -154,16 +154,20 @@ mg_status mg_step_graphs_create(const mg_config* config, const mg_step_weights* 
       if (o.thread_local_capture) opts.capture_mode = cudaStreamCaptureModeThreadLocal;
       if (o.comm != nullptr) comm = moegraph::c_api::ep_comm_of(o.comm);
     }
-    // Refused here, naming the C fields, before the step looks for a device.
-    const int ranks = opts.layer.expert_parallel;
-    MG_CHECK(ranks == 1 || comm != nullptr, "mg_step_graphs_create: the config's parallel.expert_parallel = ", ranks,
+    // Refused here, naming the C fields, before the step looks for a device. The config allows
+    // expert parallelism or sharded weights, not both: comm is the group of the one in use.
+    const bool sharded = opts.sharding.ranks > 1;
+    const int ranks = sharded ? opts.sharding.ranks : opts.layer.expert_parallel;
+    const char* key = sharded ? "parallel.sharding.ranks" : "parallel.expert_parallel";
+    MG_CHECK(ranks == 1 || comm != nullptr, "mg_step_graphs_create: the config's ", key, " = ", ranks,
              " needs this rank's communicator in mg_step_graphs_options.comm, got ",
              options == nullptr ? "no options" : "comm NULL");
     MG_CHECK(comm == nullptr || comm->ranks() == ranks, "mg_step_graphs_create: mg_step_graphs_options.comm has ",
-             comm ? comm->ranks() : 0, " ranks but the config's parallel.expert_parallel is ", ranks);
+             comm ? comm->ranks() : 0, " ranks but the config's ", key, " is ", ranks);
     auto handle = std::make_unique<mg_step_graphs>();
     if (ranks > 1) handle->comm = std::move(comm);  // a group of one has nothing to exchange
-    handle->step = std::make_unique<moegraph::StepGraphs>(opts, w, handle->comm);
+    handle->step = sharded ? std::make_unique<moegraph::StepGraphs>(opts, w, nullptr, handle->comm)
+                           : std::make_unique<moegraph::StepGraphs>(opts, w, handle->comm);
     moegraph::c_api::register_handle(handle.get(), HandleKind::kStepGraphs);
     *out = handle.release();
   });

@@ -130,8 +130,28 @@ TrainingConfig read_training(const Json& value) {
   return training;
 }
 
+WeightSharding read_sharding(const Json& value) {
+  const JsonObject o(value, "parallel.sharding", {"ranks", "policy", "unit"});
+  WeightSharding sharding;
+  if (const Json* v = o.find("ranks"))
+    sharding.ranks = static_cast<int>(config_detail::integer_in(*v, o.path("ranks"), 1, kMaxShardRanks));
+  if (const Json* v = o.find("policy")) {
+    const std::string policy = config_detail::string(*v, o.path("policy"));
+    MG_CONFIG_CHECK(policy == "chunk" || policy == "balanced", "parallel.sharding.policy must be \"chunk\" or "
+                    "\"balanced\", got ", config_detail::quoted_excerpt(policy));
+    sharding.policy = policy == "chunk" ? ShardPolicy::kChunk : ShardPolicy::kBalanced;
+  }
+  if (const Json* v = o.find("unit")) {
+    const std::string unit = config_detail::string(*v, o.path("unit"));
+    MG_CONFIG_CHECK(unit == "expert" || unit == "row", "parallel.sharding.unit must be \"expert\" or \"row\", got ",
+                    config_detail::quoted_excerpt(unit));
+    sharding.unit = unit == "expert" ? ShardUnit::kExpert : ShardUnit::kRow;
+  }
+  return sharding;
+}
+
 ParallelConfig read_parallel(const Json& value, const LayerConfig& layer) {
-  const JsonObject o(value, "parallel", {"expert_parallel", "recv_rows", "exchange", "chunk_rows"});
+  const JsonObject o(value, "parallel", {"expert_parallel", "recv_rows", "exchange", "chunk_rows", "sharding"});
   ParallelConfig parallel;
   if (const Json* v = o.find("expert_parallel"))
     parallel.expert_parallel =
@@ -155,6 +175,10 @@ ParallelConfig read_parallel(const Json& value, const LayerConfig& layer) {
     parallel.chunk_rows = config_detail::integer_in(*v, o.path("chunk_rows"), 0, kMaxCapacityRows);
   MG_CONFIG_CHECK(parallel.chunk_rows == 0 || parallel.exchange == EpExchange::kSendRecv,
                   "parallel.chunk_rows needs parallel.exchange \"send_recv\", got chunk_rows ", parallel.chunk_rows);
+  if (const Json* v = o.find("sharding")) parallel.sharding = read_sharding(*v);
+  MG_CONFIG_CHECK(parallel.sharding.ranks == 1 || parallel.expert_parallel == 1,
+                  "parallel.sharding.ranks > 1 with parallel.expert_parallel > 1 is not supported yet (got ",
+                  parallel.sharding.ranks, " and ", parallel.expert_parallel, ")");
   return parallel;
 }
 
@@ -243,6 +267,9 @@ Config read_config(const Json& document) {
   MG_CONFIG_CHECK(config.parallel.expert_parallel == 1 || config.step == StepKind::kMoeLayer,
                   "parallel.expert_parallel > 1 needs step \"moe_layer\" (the router decides which rank each row "
                   "goes to), got step \"", step_kind_name(config.step), "\"");
+  MG_CONFIG_CHECK(config.parallel.sharding.ranks == 1 || config.precision.recipe == Recipe::kBF16,
+                  "parallel.sharding.ranks > 1 needs precision.recipe \"bf16\" (sharded MXFP8 weights are not "
+                  "supported yet), got \"", recipe_name(config.precision.recipe), "\"");
   config.buckets = read_buckets(o.required("buckets"));
   if (const Json* v = o.find("row_align")) {
     const int64_t align = config_detail::integer_in(*v, "row_align", 1, 128, "1, 16, 32 or 128");
@@ -339,7 +366,10 @@ std::string to_json(const Config& c) {
         {"main_grad_fp32", c.training.main_grad_fp32}}},
       {"parallel", {{"expert_parallel", c.parallel.expert_parallel}, {"recv_rows", c.parallel.recv_rows},
                     {"exchange", std::string(ep_exchange_name(c.parallel.exchange))},
-                    {"chunk_rows", c.parallel.chunk_rows}}},
+                    {"chunk_rows", c.parallel.chunk_rows},
+                    {"sharding", {{"ranks", c.parallel.sharding.ranks},
+                                  {"policy", std::string(shard_policy_name(c.parallel.sharding.policy))},
+                                  {"unit", std::string(shard_unit_name(c.parallel.sharding.unit))}}}}},
       {"buckets", c.buckets},
       {"row_align", c.row_align},
       {"routing",

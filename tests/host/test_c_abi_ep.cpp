@@ -390,6 +390,24 @@ TEST(CAbiEp, LayerCreateNeedsACommunicatorForExpertParallelism) {
 constexpr const char* kEpConfig = R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
                                       "parallel": {"expert_parallel": 2}, "buckets": [64]})";
 
+// With sharded weights, mg_step_graphs_options.comm is the data-parallel group's communicator.
+TEST(CAbiEp, ShardedStepCreateNeedsTheDataParallelCommunicator) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
+                                "parallel": {"sharding": {"ranks": 3}}, "buckets": [64]})",
+                            &c),
+            MG_OK)
+      << mg_last_error();
+  const mg_step_weights w = sized<mg_step_weights>();
+  mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
+  EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("parallel.sharding.ranks = 3 needs this rank's communicator in "
+                             "mg_step_graphs_options.comm, got no options"))
+      << mg_last_error();
+  EXPECT_EQ(step, nullptr);
+  mg_config_destroy(c);
+}
+
 TEST(CAbiEp, ConfigShapeNamesTheRanks) {
   mg_config* c = nullptr;
   ASSERT_EQ(mg_config_parse(kEpConfig, &c), MG_OK) << mg_last_error();

@@ -10,6 +10,7 @@
 
 #include "moegraph/config.hpp"
 #include "moegraph/moe_layer.hpp"
+#include "moegraph/step_graphs.hpp"
 #include "src/config/json_reader.hpp"
 
 namespace moegraph {
@@ -250,6 +251,19 @@ std::vector<BadDoc> bad_docs() {
       {"EpChunkRowsNegative",
        with({{"/parallel", R"({"expert_parallel": 2, "exchange": "send_recv", "chunk_rows": -1})"}}),
        "parallel.chunk_rows"},
+      {"ShardRanksOutOfRange", with({{"/parallel", R"({"sharding": {"ranks": 65}})"}}), "parallel.sharding.ranks"},
+      {"ShardBadPolicy", with({{"/parallel", R"({"sharding": {"ranks": 2, "policy": "even"}})"}}),
+       R"(parallel.sharding.policy must be "chunk" or "balanced", got "even")"},
+      {"ShardBadUnit", with({{"/parallel", R"({"sharding": {"ranks": 2, "unit": "column"}})"}}),
+       R"(parallel.sharding.unit must be "expert" or "row", got "column")"},
+      {"ShardUnknownKey", with({{"/parallel", R"({"sharding": {"world": 2}})"}}),
+       R"(unknown key "parallel.sharding.world")"},
+      {"ShardWithExpertParallel", with({{"/parallel", R"({"expert_parallel": 2, "sharding": {"ranks": 2}})"}}),
+       "parallel.sharding.ranks > 1 with parallel.expert_parallel > 1 is not supported yet (got 2 and 2)"},
+      {"ShardWithMxfp8",
+       with({{"/parallel", R"({"sharding": {"ranks": 2}})"}, {"/precision", R"({"recipe": "mxfp8"})"},
+             {"/row_align", "32"}}),
+       R"(parallel.sharding.ranks > 1 needs precision.recipe "bf16")"},
       // Duplicates would silently keep one value.
       {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
       {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},
@@ -448,12 +462,32 @@ TEST(ConfigDefaults, MissingKeysTakeTheStructDefaults) {
         "/precision/dtype", "/training/enabled", "/training/delay_wgrad", "/training/wgrad_slots",
         "/training/main_grad_fp32", "/buckets", "/row_align", "/routing/kind", "/routing/skew", "/routing/seed",
         "/routing/fixed_splits", "/bench/replays", "/bench/warmup", "/bench/fill", "/parallel/exchange",
-        "/parallel/chunk_rows"})
+        "/parallel/chunk_rows", "/parallel/sharding/ranks", "/parallel/sharding/policy", "/parallel/sharding/unit"})
     EXPECT_TRUE(j.contains(Json::json_pointer(pointer))) << pointer;
   EXPECT_EQ(j["precision"]["dtype"], "bf16");
   EXPECT_EQ(j["routing"]["kind"], "uniform");
   EXPECT_EQ(j["step"], "moe_layer");
   EXPECT_EQ(j["router"]["score"], "softmax");
+}
+
+TEST(ConfigSharding, KeysReachTheStepOptionsAndRoundTrip) {
+  const Config c =
+      parse_config(with({{"/parallel", R"({"sharding": {"ranks": 4, "policy": "balanced", "unit": "row"}})"}}), "shard");
+  EXPECT_EQ(c.parallel.sharding.ranks, 4);
+  EXPECT_EQ(c.parallel.sharding.policy, ShardPolicy::kBalanced);
+  EXPECT_EQ(c.parallel.sharding.unit, ShardUnit::kRow);
+  const StepGraphsOptions o = step_graphs_options(c);
+  EXPECT_EQ(o.sharding.ranks, 4);
+  EXPECT_EQ(o.sharding.policy, ShardPolicy::kBalanced);
+  EXPECT_EQ(o.sharding.unit, ShardUnit::kRow);
+  const Config back = parse_config(to_json(c), "round trip");
+  EXPECT_EQ(back.parallel.sharding.ranks, 4);
+  EXPECT_EQ(back.parallel.sharding.policy, ShardPolicy::kBalanced);
+  EXPECT_EQ(back.parallel.sharding.unit, ShardUnit::kRow);
+  const Config d = parse_config(with({{"/parallel", R"({"sharding": {}})"}}), "defaults");
+  EXPECT_EQ(d.parallel.sharding.ranks, 1);
+  EXPECT_EQ(d.parallel.sharding.policy, ShardPolicy::kChunk);
+  EXPECT_EQ(d.parallel.sharding.unit, ShardUnit::kExpert);
 }
 
 TEST(ConfigDefaults, AnEmptyRouterObjectIsTheDefaultRouter) {
