@@ -11,6 +11,7 @@
 #include "tools/bench/ep_bench.hpp"
 #include "tools/bench/kernel_bench.hpp"
 #include "tools/bench/plan_report.hpp"
+#include "tools/bench/shard_bench.hpp"
 #include "tools/bench/step_bench.hpp"
 
 namespace {
@@ -36,6 +37,10 @@ constexpr const char* kUsage =
     "               per GPU: scripts/launch -n R -- moegraph-bench CONFIG; rank 0 prints the step and its\n"
     "               dispatch and combine against NCCL's all-to-all of the same bytes (R = 1 given here:\n"
     "               the same bench as a group of one)\n"
+    "  A config with sharded weights (parallel.sharding.ranks W > 1) runs one process per GPU:\n"
+    "               scripts/launch -n W -- moegraph-bench CONFIG; rank 0 prints the unsharded and sharded\n"
+    "               steps, the gather and reduce against ncclAllGather / ncclReduceScatter of the same\n"
+    "               bytes, and memory per rank. Without a launch: W emulated ranks on one GPU (plumbing)\n"
     "  --kernels    time the grouped fprop/dgrad/wgrad kernels alone against their roofline (dense\n"
     "               cuBLASLt rate and device-copy bandwidth, both measured in the same run)\n"
     "  --set S      kernel shapes: presets (default), quick, fine (60-256 experts of 40-500 rows) or all\n"
@@ -148,6 +153,11 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "moegraph-bench: --torch: %s\n", e.message().c_str());
         return 2;
       }
+    }
+    if (config.parallel.sharding.ranks > 1) {
+      if (options.ops) return usage_error("--ops: a sharded config times its gather and reduce itself");
+      if (!torch_path.empty()) return usage_error("--torch goes with the single-GPU step bench");
+      return moegraph::bench::run_shard_bench(config, options);
     }
     if (config.parallel.expert_parallel > 1 || expert_parallel > 0) {  // --expert-parallel 1: a group of one
       if (options.ops) return usage_error("--ops: an expert-parallel config always times its dispatch and combine");
