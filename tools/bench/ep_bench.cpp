@@ -12,7 +12,6 @@
 #include <nccl.h>
 
 #include <cstdio>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "kernels/elementwise/elementwise.hpp"
@@ -22,6 +21,7 @@
 #include "src/core/device_buffer.hpp"
 #include "testing/step_weights.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/json_results.hpp"
 #include "tools/bench/op_timer.hpp"
 
 namespace moegraph::bench {
@@ -211,10 +211,7 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
                                 {"dispatch_forward_ms", r.dispatch_fwd_ms}, {"combine_forward_ms", r.combine_fwd_ms},
                                 {"dispatch_backward_ms", r.dispatch_bwd_ms}, {"combine_backward_ms", r.combine_bwd_ms},
                                 {"alltoall_ms", r.alltoall_ms}});
-    std::ofstream f(options.json_path);
-    f << out.dump(2) << "\n";
-    MG_CHECK(f.good(), "cannot write ", options.json_path);
-    std::printf("\nresults written to %s\n", options.json_path.c_str());
+    write_json_results(out, options.json_path);
   }
   return 0;
 }

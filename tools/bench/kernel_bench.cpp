@@ -12,7 +12,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -30,6 +29,7 @@
 #include "graphs/graph_exec.hpp"
 #include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/json_results.hpp"
 #include "tools/bench/kernel_bench.hpp"
 #include "tools/bench/roofline.hpp"
 
@@ -503,10 +503,7 @@ int run_kernel_bench(const KernelBenchOptions& options) {
   q_table.print({"shape", "x", "ms", "GB/s moved", "of copy bandwidth", "same-size copy ms", "of same-size copy"});
   cudaStreamDestroy(stream);
   if (!options.json_path.empty()) {
-    std::ofstream f(options.json_path);
-    MG_CHECK(f.good(), "cannot write ", options.json_path);
-    f << out.dump(1) << "\n";
-    std::printf("\nresults written to %s\n", options.json_path.c_str());
+    write_json_results(out, options.json_path, 1);
   }
   return 0;
 }

@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <thread>
@@ -33,6 +32,7 @@
 #include "testing/graph.hpp"
 #include "testing/step_weights.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/json_results.hpp"
 
 namespace moegraph::bench {
 namespace {
@@ -402,10 +402,7 @@ int run_shard_bench(const Config& c, const StepBenchOptions& options) {
         {"sharded_planned", results.planned_sharded},
         {"unsharded_measured", emulated ? nlohmann::json() : nlohmann::json(results.measured_unsharded)},
         {"sharded_measured", emulated ? nlohmann::json() : nlohmann::json(results.measured_sharded)}};
-    std::ofstream f(options.json_path);
-    f << out.dump(2) << "\n";
-    MG_CHECK(f.good(), "cannot write ", options.json_path);
-    std::printf("\nresults written to %s\n", options.json_path.c_str());
+    write_json_results(out, options.json_path);
   }
   return 0;
 }

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -27,6 +26,7 @@
 #include "testing/step_weights.hpp"
 #include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
+#include "tools/bench/json_results.hpp"
 #include "tools/bench/op_timer.hpp"
 #include "tools/bench/roofline.hpp"
 
@@ -401,10 +401,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     }
     out["step"] = std::string(step_kind_name(c.step));
     out["recipe"] = std::string(recipe_name(c.precision.recipe));
-    std::ofstream f(options.json_path);
-    MG_CHECK(f.good(), "cannot write ", options.json_path);
-    f << out.dump(2) << "\n";
-    std::printf("\nresults written to %s\n", options.json_path.c_str());
+    write_json_results(out, options.json_path);
   }
   return 0;
 }
