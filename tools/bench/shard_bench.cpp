@@ -124,7 +124,8 @@ RankShards make_shards(const StepGraphsOptions& o, int rank, cudaStream_t s) {
   StepWeights& w = out.weights;
   w.router = base + offsets[0];
   kernels::launch_fill_uniform(l.dtype, w.router, router, std::sqrt(3.0f / float(l.hidden)), 5, s);
-  (l.main_grad_fp32 ? reinterpret_cast<void*&>(w.main_grad_router) : w.d_router) = base + offsets[1];
+  if (l.main_grad_fp32) w.main_grad_router = reinterpret_cast<float*>(base + offsets[1]);
+  else w.d_router = base + offsets[1];
   void** weight[4] = {&w.w1, &w.w2, &w.b1, &w.b2};
   void* grad[4] = {nullptr, nullptr, nullptr, nullptr};
   const float scale[4] = {1.0f / std::sqrt(float(l.hidden)), 1.0f / std::sqrt(float(l.ffn)), 0.1f, 0.1f};
