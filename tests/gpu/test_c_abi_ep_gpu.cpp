@@ -1,5 +1,7 @@
-// The C ABI on the GPU, expert parallelism: two emulated ranks (mg_ep_emulated_group_create,
-// mg_moe_layer_create_ep) against one layer holding every expert, bit for bit.
+// The C ABI on the GPU, with emulated ranks (mg_ep_emulated_group_create): expert parallelism
+// (mg_moe_layer_create_ep) against one layer holding every expert, and a sharded step
+// (mg_step_graphs_create with the data-parallel communicator) against the unsharded step, bit for
+// bit.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -193,6 +195,156 @@ TEST(CAbiExpertParallelGpu, TwoRanksMatchTheWholeLayer) {
     ok(mg_moe_layer_check_device_errors(ranks[r].layer, ranks[r].stream.get()));
     EXPECT_TRUE(identical(bits16(ranks[r].y, 0, counts[r] * h), trained[r])) << "rank " << r << ": inference y";
   }
+}
+
+
+// ---- Sharded weights: a sharded step through the C ABI ---------------------------------------------
+
+// Two ranks of a step whose 5 experts are sharded 3 + 2 (chunk policy), each on its own batch:
+// each rank's y equals the unsharded step's on that batch, its fp32 main_grad shards equal the
+// fp32 sum over the ranks of the unsharded gradients' rows it holds, and its bias-gradient shards
+// that sum rounded to bf16.
+TEST(CAbiShardedStepGpu, TwoRanksGetTheirRowsOfTheSummedGradient) {
+  constexpr int kRanks = 2;
+  constexpr int64_t kExperts = 5, kHidden = 128, kFfn = 64, kTokens = 32;
+  const int64_t counts[kRanks] = {kTokens, kTokens - 9};
+  const std::string layer = R"("layer": {"experts": 5, "hidden": 128, "ffn": 64, "top_k": 2, "bias": true},
+      "training": {"enabled": true, "main_grad_fp32": true}, "buckets": [32])";
+  const int64_t h = kHidden, f = kFfn;
+  // Per expert: w1, w2, b1, b2 elements.
+  const int64_t per[4] = {2 * f * h, h * f, 2 * f, h};
+  std::mt19937_64 rng(test_seed("CAbiShardedStepGpu.TwoRanksGetTheirRowsOfTheSummedGradient"));
+  const std::vector<uint16_t> router = random_bf16(rng, kExperts * h, std::sqrt(3.0 / double(h)));
+  std::vector<uint16_t> full[4];
+  const double scale[4] = {1.0 / std::sqrt(double(h)), 1.0 / std::sqrt(double(f)), 0.1, 0.1};
+  for (int t = 0; t < 4; ++t) full[t] = random_bf16(rng, kExperts * per[t], scale[t]);
+  std::vector<uint16_t> x[kRanks], dy[kRanks];
+  for (int r = 0; r < kRanks; ++r) x[r] = random_bf16(rng, kTokens * h, 1.0), dy[r] = random_bf16(rng, kTokens * h, 1.0);
+
+  // One rank's buffers: the router whole, the expert tensors' rows [first, first + rows).
+  struct Buffers {
+    DeviceArray<uint16_t> router, w[4], db[2];
+    DeviceArray<float> mgr, mg[2];
+    mg_step_graphs* step = nullptr;
+    testing::Stream stream;
+    mg_step_weights weights(int64_t rows) {
+      mg_step_weights sw = sized<mg_step_weights>();
+      sw.router = router.get(), sw.main_grad_router = mgr.get();
+      if (rows > 0) {
+        sw.w1 = w[0].get(), sw.w2 = w[1].get(), sw.b1 = w[2].get(), sw.b2 = w[3].get();
+        sw.main_grad1 = mg[0].get(), sw.main_grad2 = mg[1].get(), sw.db1 = db[0].get(), sw.db2 = db[1].get();
+      }
+      return sw;
+    }
+  };
+  const auto fill = [&](Buffers& b, int64_t first, int64_t rows) {
+    b.router = DeviceArray<uint16_t>(router.size()), b.mgr = DeviceArray<float>(kExperts * h);
+    to_device(b.router.get(), router, b.stream.get());
+    for (int t = 0; t < 4; ++t) {
+      b.w[t] = DeviceArray<uint16_t>(rows * per[t]);
+      if (rows > 0)
+        to_device(b.w[t].get(), std::vector<uint16_t>(full[t].begin() + first * per[t],
+                                                        full[t].begin() + (first + rows) * per[t]), b.stream.get());
+    }
+    for (int t = 0; t < 2; ++t) b.mg[t] = DeviceArray<float>(rows * per[t]), b.db[t] = DeviceArray<uint16_t>(rows * per[2 + t]);
+  };
+  // One training step of `b` on rank r's batch (its main_grad zeroed, its dW and db poisoned first).
+  const auto train = [&](Buffers& b, int r) {
+    cudaStream_t s = b.stream.get();
+    for (DeviceArray<float>* a : {&b.mgr, &b.mg[0], &b.mg[1]})
+      if (a->size()) MG_CUDA_CHECK(cudaMemsetAsync(a->get(), 0, a->size() * sizeof(float), s));
+    for (DeviceArray<uint16_t>* a : {&b.db[0], &b.db[1]})
+      if (a->size()) poison(a->get(), a->size() * sizeof(uint16_t), s);
+    mg_bucket_io io = sized<mg_bucket_io>();
+    ok(mg_step_graphs_io(b.step, 0, &io));
+    to_device(io.x, x[r], s);
+    to_device(io.dy, dy[r], s);
+    to_device(io.num_tokens, std::vector<int32_t>{static_cast<int32_t>(counts[r])}, s);
+    ok(mg_step_graphs_replay(b.step, 0, MG_PHASE_FORWARD_TRAIN, s));
+    ok(mg_step_graphs_replay(b.step, 0, MG_PHASE_BACKWARD, s));
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));
+    ok(mg_step_graphs_check_device_errors(b.step, s));
+    return to_host<uint16_t>(io.y, counts[r] * h, s);
+  };
+
+  // The unsharded step on each rank's batch: y, and the full gradients of each batch.
+  std::vector<uint16_t> want_y[kRanks];
+  std::vector<float> want_mg[kRanks][2], want_mgr[kRanks];
+  std::vector<uint16_t> want_db[kRanks][2];
+  {
+    mg_config* c = nullptr;
+    ok(mg_config_parse(("{" + layer + "}").c_str(), &c));
+    Buffers whole;
+    fill(whole, 0, kExperts);
+    const mg_step_weights w = whole.weights(kExperts);
+    ok(mg_step_graphs_create(c, &w, nullptr, &whole.step));
+    mg_config_destroy(c);
+    for (int r = 0; r < kRanks; ++r) {
+      want_y[r] = train(whole, r);
+      for (int t = 0; t < 2; ++t) want_mg[r][t] = whole.mg[t].download(), want_db[r][t] = whole.db[t].download();
+      want_mgr[r] = whole.mgr.download();
+    }
+    mg_step_graphs_destroy(whole.step);
+  }
+
+  // The sharded step: each rank created and driven by its own thread (set-up is collective).
+  mg_config* c = nullptr;
+  ok(mg_config_parse(("{\"parallel\": {\"sharding\": {\"ranks\": 2}}, " + layer + "}").c_str(), &c));
+  mg_ep_comm* comms[kRanks] = {};
+  ok(mg_ep_emulated_group_create(kRanks, comms));
+  Buffers ranks[kRanks];
+  int64_t first[kRanks] = {}, rows[kRanks] = {};
+  for (int r = 0; r < kRanks; ++r) {
+    ok(mg_shard_rows(MG_SHARD_CHUNK, kExperts, kRanks, r, &first[r], &rows[r]));
+    fill(ranks[r], first[r], rows[r]);
+  }
+  EXPECT_EQ(rows[0], 3);
+  EXPECT_EQ(rows[1], 2);
+  std::string errors[kRanks];
+  std::vector<uint16_t> got_y[kRanks];
+  {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kRanks; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          mg_step_graphs_options o = sized<mg_step_graphs_options>();
+          o.thread_local_capture = 1, o.comm = comms[r];
+          const mg_step_weights w = ranks[r].weights(rows[r]);
+          ok(mg_step_graphs_create(c, &w, &o, &ranks[r].step));
+          got_y[r] = train(ranks[r], r);
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      });
+    for (auto& t : threads) t.join();
+  }
+  mg_config_destroy(c);
+  for (mg_ep_comm* comm : comms) mg_ep_comm_destroy(comm);
+  const auto bf16_bits = [](float v) {  // round to nearest even (no NaN here)
+    const uint32_t u = std::bit_cast<uint32_t>(v);
+    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  };
+  const auto from_bf16 = [](uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); };
+  for (int r = 0; r < kRanks; ++r) {
+    SCOPED_TRACE(detail::concat("rank ", r));
+    ASSERT_EQ(errors[r], "");
+    EXPECT_TRUE(identical(got_y[r], want_y[r])) << "y differs from the unsharded step's on this rank's batch";
+    EXPECT_TRUE(identical(bits_of(ranks[r].mgr.download()), bits_of(want_mgr[r]))) << "the router's own share";
+    for (int t = 0; t < 2; ++t) {
+      const std::size_t begin = first[r] * per[t], count = rows[r] * per[t];
+      std::vector<float> sum(count);
+      for (std::size_t i = 0; i < count; ++i) sum[i] = want_mg[0][t][begin + i] + want_mg[1][t][begin + i];
+      const std::vector<float> got = ranks[r].mg[t].download();
+      EXPECT_TRUE(any_nonzero(got));
+      EXPECT_TRUE(identical(bits_of(got), bits_of(sum))) << "main_grad" << t + 1 << " shard";
+      const std::size_t bbegin = first[r] * per[2 + t], bcount = rows[r] * per[2 + t];
+      std::vector<uint16_t> bsum(bcount);
+      for (std::size_t i = 0; i < bcount; ++i)
+        bsum[i] = bf16_bits(from_bf16(want_db[0][t][bbegin + i]) + from_bf16(want_db[1][t][bbegin + i]));
+      EXPECT_TRUE(identical(ranks[r].db[t].download(), bsum)) << "db" << t + 1 << " shard";
+    }
+  }
+  for (Buffers& b : ranks) mg_step_graphs_destroy(b.step);
 }
 
 }  // namespace
