@@ -123,6 +123,59 @@ def dtensor_parameters(rank, ranks, device):
         check_rows(t, name, g.to_local(), want[name], first, rows)
 
 
+def dtensor_grouped_linear(rank, ranks, device):
+    """GroupedLinear with Shard(0) DTensor weight and bias (5 groups): as dtensor_parameters, for the
+    other module. Each rank sends its own rows through the groups (splits differ per rank)."""
+    import moegraph
+    from moegraph.torch import GroupedLinear
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    t = Checks()
+    mesh = init_device_mesh("cuda", (ranks,))
+
+    def make():
+        torch.manual_seed(5)
+        m = GroupedLinear(EXPERTS, HIDDEN, 2 * HIDDEN, bias=True, device=device)
+        with torch.no_grad():
+            m.bias.uniform_(-0.5, 0.5)
+        return m
+
+    def inputs(r):
+        g = torch.Generator().manual_seed(77 + r)
+        splits = torch.tensor([3 + r, 0, 7, 1 + 2 * r, 5], dtype=torch.int32)
+        n = int(splits.sum())
+        x = torch.randn(n, HIDDEN, generator=g).bfloat16().to(device)
+        dy = torch.randn(n, 2 * HIDDEN, generator=g).bfloat16().to(device)
+        return x, splits.to(device), dy
+
+    ref, layer = make(), make()
+    for name in ("weight", "bias"):
+        full = getattr(layer, name).detach()
+        first, rows = moegraph.shard_rows(full.shape[0], ranks, rank)
+        setattr(layer, name, torch.nn.Parameter(DTensor.from_local(
+            full[first:first + rows].clone(), mesh, [Shard(0)], run_check=False, shape=full.shape,
+            stride=full.stride())))
+    x, splits, dy = inputs(rank)
+    y = layer(x, splits)
+    y.backward(dy)
+    acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in ref.named_parameters()}
+    for r in range(ranks):
+        xr, sr, dyr = inputs(r)
+        yr = ref(xr, sr)
+        yr.backward(dyr)
+        if r == rank:
+            t.assertTrue(torch.equal(yr, y), "the output differs from the unsharded module's")
+        for n, p in ref.named_parameters():
+            acc[n] += p.grad.float()
+            p.grad = None
+    for name in ("weight", "bias"):
+        p = getattr(layer, name)
+        t.assertIsInstance(p.grad, DTensor, name)
+        t.assertEqual(tuple(p.grad.placements), tuple(p.placements), name)
+        first, rows = moegraph.shard_rows(p.shape[0], ranks, rank)
+        check_rows(t, name, p.grad.to_local(), acc[name].bfloat16(), first, rows)
+
+
 class Net(torch.nn.Module if HAVE_GPU else object):
     def __init__(self, device):
         super().__init__()
@@ -233,6 +286,9 @@ class ShardedParameters(unittest.TestCase):
 
     def test_dtensor_parameters_on_4_ranks_one_holding_no_experts(self):
         run_ranks("dtensor_parameters", 4)
+
+    def test_grouped_linear_dtensor_parameters_on_4_ranks(self):
+        run_ranks("dtensor_grouped_linear", 4)
 
     def test_fsdp2_training_loop_on_2_ranks(self):
         run_ranks("fsdp_training_loop", 2)

@@ -18,17 +18,20 @@ namespace moegraph {
 
 class DeviceScope {
  public:
+  // cudaSetDevice runs even when the device is already the caller's: on a thread that has made no
+  // CUDA call yet, cudaGetDevice answers 0 while no context is current, and the first driver call
+  // (the TMA encoder of a Hopper GEMM) would fail with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice
+  // makes the device's primary context current.
   explicit DeviceScope(int device) {
     MG_CUDA_CHECK(cudaGetDevice(&caller_));
-    if (device >= 0 && device != caller_) {
-      MG_CUDA_CHECK(cudaSetDevice(device));
-      restore_ = true;
-    }
+    if (device < 0) return;
+    MG_CUDA_CHECK(cudaSetDevice(device));
+    restore_ = device != caller_;
   }
   // For destructors: a failed query or switch leaves the current device as it is, and throws nothing.
   DeviceScope(int device, std::nothrow_t) {
-    restore_ = device >= 0 && cudaGetDevice(&caller_) == cudaSuccess && device != caller_ &&
-               cudaSetDevice(device) == cudaSuccess;
+    restore_ = device >= 0 && cudaGetDevice(&caller_) == cudaSuccess && cudaSetDevice(device) == cudaSuccess &&
+               device != caller_;
   }
   ~DeviceScope() {
     if (restore_) cudaSetDevice(caller_);  // a destructor does not throw; the device was valid before

@@ -127,5 +127,29 @@ TEST(Threads, AHandleRunsOnItsDeviceWhenCalledWithAnotherCurrent) {
   MG_CUDA_CHECK(cudaSetDevice(home));
 }
 
+// A thread that has made no CUDA call yet has no context current, though cudaGetDevice answers 0.
+// An operator called there first makes its device current itself: otherwise its first driver call
+// (the TMA encoder of a Hopper GEMM) fails with CUDA_ERROR_INVALID_CONTEXT. PyTorch's autograd
+// thread calls GroupedLinear's backward so when the input needs no gradient.
+TEST(Threads, AnOperatorRunsFirstOnAFreshThread) {
+  CaseSpec spec{"fresh_thread", 4, 256, 256, DType::kBF16, 1, {}, 600};
+  Problem p(spec, test_seed(spec.name));
+  p.op->forward_train(p.forward_args(), nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  std::string error;
+  std::thread([&] {
+    try {
+      BackwardArgs a = p.backward_args();
+      a.dx = nullptr;  // as autograd asks when x needs no gradient
+      p.op->backward(a, WgradMode::kImmediate, nullptr);
+      MG_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }).join();
+  ASSERT_EQ(error, "");
+  expect_matches_reference(p, OutputSet::kWgrad, "wgrad from a fresh thread");
+}
+
 }  // namespace
 }  // namespace moegraph::test
