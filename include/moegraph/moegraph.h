@@ -267,7 +267,7 @@ MOEGRAPH_API mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out);
 typedef enum { MG_SHARD_CHUNK = 0, MG_SHARD_BALANCED = 1, MG_SHARD_POLICY_FORCE_INT32 = 0x7fffffff,
                MG_SHARD_POLICY_FORCE_SIGNED = -0x7fffffff - 1 } mg_shard_policy;
 /* Rank `rank`'s rows [*first_row, *first_row + *rows) of a tensor of global_rows rows (1 to 2^62) over
- * `ranks` ranks (1 to 64). Touches no GPU. */
+ * `ranks` ranks (1 to 64). Touches no GPU. A refused call leaves both outputs 0. */
 MOEGRAPH_API mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, int rank,
                                      int64_t* first_row, int64_t* rows);
 

@@ -68,13 +68,6 @@ def check_rows(test, name, got, full, first, rows):
         test.assertGreater(rel_err(got, other), 10 * TOL, f"{name}: the data does not tell rows apart")
 
 
-class Checks(unittest.TestCase):
-    """Assertions for the rank processes (unittest's, outside a test run)."""
-
-    def runTest(self):
-        pass
-
-
 def summed_gradients(model, ranks, device, step, seen, scale=1.0):
     """{name: gradient} of the sum over ranks of the model's loss on every rank's batch (times
     `scale`): each rank's bf16 gradient summed in fp32, rounded once. seen(output, rank) per rank."""
@@ -97,7 +90,7 @@ def dtensor_parameters(rank, ranks, device):
     import moegraph
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    t = Checks()
+    t = unittest.TestCase()  # its assertions, outside a test run
     mesh = init_device_mesh("cuda", (ranks,))
     ref, layer = make_layer(device), make_layer(device)
     names = ("router", "w1", "b1", "w2", "b2")
@@ -130,7 +123,7 @@ def dtensor_grouped_linear(rank, ranks, device):
     from moegraph.torch import GroupedLinear
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    t = Checks()
+    t = unittest.TestCase()  # its assertions, outside a test run
     mesh = init_device_mesh("cuda", (ranks,))
 
     def make():
@@ -195,7 +188,7 @@ def fsdp_training_loop(rank, ranks, device):
     import moegraph
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
-    t = Checks()
+    t = unittest.TestCase()  # its assertions, outside a test run
     model, ref = Net(device), Net(device)
     ref.load_state_dict(model.state_dict())
     start = {n: p.detach().clone() for n, p in ref.named_parameters()}

@@ -141,6 +141,7 @@ mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, 
                         int64_t* rows) {
   return guarded([&] {
     MG_CHECK(first_row != nullptr && rows != nullptr, "mg_shard_rows needs both outputs");
+    *first_row = 0, *rows = 0;  // what a refused call leaves
     MG_CHECK(policy == MG_SHARD_CHUNK || policy == MG_SHARD_BALANCED, "mg_shard_rows: policy ",
              static_cast<int>(policy), " is neither MG_SHARD_CHUNK (0) nor MG_SHARD_BALANCED (1)");
     const moegraph::Shard s = moegraph::shard_for(

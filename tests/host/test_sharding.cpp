@@ -152,8 +152,10 @@ TEST(Sharding, CAbiRowsMatchThePolicies) {
       EXPECT_EQ(first, s.first_row);
       EXPECT_EQ(rows, s.rows);
     }
-  int64_t first = 0, rows = 0;
+  int64_t first = 7, rows = 7;
   EXPECT_EQ(mg_shard_rows(MG_SHARD_CHUNK, 5, 4, 4, &first, &rows), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(first, 0);
+  EXPECT_EQ(rows, 0);
   EXPECT_NE(std::string(mg_last_error()).find("rank 4"), std::string::npos) << mg_last_error();
   EXPECT_EQ(mg_shard_rows(static_cast<mg_shard_policy>(7), 5, 4, 0, &first, &rows), MG_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(mg_shard_rows(MG_SHARD_CHUNK, 5, 4, 0, nullptr, &rows), MG_ERR_INVALID_ARGUMENT);

@@ -23,6 +23,7 @@
 #include "tools/bench/bench_util.hpp"
 #include "tools/bench/json_results.hpp"
 #include "tools/bench/op_timer.hpp"
+#include "tools/bench/ranks.hpp"
 
 namespace moegraph::bench {
 namespace {
@@ -36,30 +37,7 @@ struct EpRow {
   double gbps(double ms) const { return ms > 0 ? exchange_bytes / ms / 1e6 : 0.0; }
 };
 
-class Group {
- public:
-  explicit Group(std::shared_ptr<NcclEpComm> comm) : comm_(std::move(comm)), scratch_(sizeof(double)) {}
-  int rank() const { return comm_->rank(); }
-  // Every rank has reached this point (the host waits for a tiny all-reduce).
-  void meet(cudaStream_t s) {
-    MG_NCCL_CHECK(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat64, ncclSum, comm_->nccl(), s));
-    MG_CUDA_CHECK(cudaStreamSynchronize(s));
-  }
-  double max(double v, cudaStream_t s) {
-    MG_CUDA_CHECK(cudaMemcpyAsync(scratch_.get(), &v, sizeof v, cudaMemcpyHostToDevice, s));
-    MG_NCCL_CHECK(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat64, ncclMax, comm_->nccl(), s));
-    MG_CUDA_CHECK(cudaMemcpyAsync(&v, scratch_.get(), sizeof v, cudaMemcpyDeviceToHost, s));
-    MG_CUDA_CHECK(cudaStreamSynchronize(s));
-    return v;
-  }
-  ncclComm_t nccl() const { return comm_->nccl(); }
-
- private:
-  std::shared_ptr<NcclEpComm> comm_;
-  DeviceBuffer scratch_;
-};
-
-void run_bucket(StepGraphs& step, int b, const Config& c, int replays, Group& group, cudaStream_t s,
+void run_bucket(StepGraphs& step, int b, const Config& c, int replays, int rank, Ranks& group, cudaStream_t s,
                 DeviceBuffer& l2_flush, EpRow& row) {
   const BucketIO io = step.io(b);
   const bool train = c.training.enabled;
@@ -68,7 +46,7 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, Group& gr
   const int32_t n32 = static_cast<int32_t>(n);
   MG_CUDA_CHECK(cudaMemcpy(io.num_tokens, &n32, sizeof n32, cudaMemcpyHostToDevice));
   if (train) kernels::launch_fill_uniform(c.precision.dtype, io.dy, io.tokens * h, 1.0f, 13 + b, s);
-  const uint64_t seed = 1000 + 17 * b + 7919 * static_cast<uint64_t>(group.rank());
+  const uint64_t seed = 1000 + 17 * b + 7919 * static_cast<uint64_t>(rank);
   auto step_once = [&](bool graph) {
     if (!train) return graph ? step.forward(b, s) : step.run_eager(b, StepPhase::kForward, s);
     graph ? step.forward_train(b, s) : step.run_eager(b, StepPhase::kForwardTrain, s);
@@ -79,7 +57,7 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, Group& gr
   auto prepare = [&](int i) {
     kernels::launch_fill_uniform(c.precision.dtype, io.x, io.tokens * h, 1.0f, seed + i, s);
     MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
-    group.meet(s);
+    group.meet(rank, s);
   };
   EventTimer timer;
   auto timed = [&](int count, bool graph) {
@@ -96,7 +74,7 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, Group& gr
   row.exchange_bytes = static_cast<double>(row.rows) * h * dtype_size(c.precision.dtype);
   row.eager_ms = timed(std::min(replays, 10), false);
   row.replay_ms = timed(replays, true);
-  row.replay_max_ms = group.max(row.replay_ms, s);
+  row.replay_max_ms = group.max(rank, row.replay_ms, s);
   {
     OpTimer ops;
     for (int i = 0; i < c.bench.warmup + std::min(replays, 10); ++i) {
@@ -119,7 +97,7 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, Group& gr
   std::vector<float> t;
   for (int i = 0; i < c.bench.warmup + replays; ++i) {
     MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
-    group.meet(s);
+    group.meet(rank, s);
     const float ms = timer.time(s, [&] {
       MG_NCCL_CHECK(ncclAlltoAll(send.get(), recv.get(), per_peer, ncclChar, group.nccl(), s));
     });
@@ -152,12 +130,12 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
   const testing::OwnedStepWeights weights = testing::make_step_weights(step_options, s);
   if (lead) std::fprintf(stderr, "capturing %zu buckets on every rank...\n", c.buckets.size());
   StepGraphs step(step_options, weights.weights, comm);
-  Group group(comm);
+  Ranks group(ranks, comm);
   DeviceBuffer l2_flush(2 * static_cast<std::size_t>(prop.l2CacheSize));
   std::vector<EpRow> rows(step.num_buckets());
   for (int b = 0; b < step.num_buckets(); ++b) {
     if (lead) progress(b, step.num_buckets(), "buckets");
-    run_bucket(step, b, c, replays, group, s, l2_flush, rows[b]);
+    run_bucket(step, b, c, replays, comm->rank(), group, s, l2_flush, rows[b]);
   }
   if (lead) progress(step.num_buckets(), step.num_buckets(), "buckets"), std::fprintf(stderr, "\n");
   MG_CUDA_CHECK(cudaStreamDestroy(s));

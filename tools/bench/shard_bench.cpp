@@ -15,11 +15,9 @@
 #include <nccl.h>
 
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -33,6 +31,7 @@
 #include "testing/step_weights.hpp"
 #include "tools/bench/bench_util.hpp"
 #include "tools/bench/json_results.hpp"
+#include "tools/bench/ranks.hpp"
 
 namespace moegraph::bench {
 namespace {
@@ -47,43 +46,6 @@ struct Results {
   double gather_bytes = 0, reduce_bytes = 0;  // the full weights; the full gradients
   double gather_ms = 0, reduce_ms = 0, allgather_ms = 0, reduce_scatter_ms = 0;
   double planned_unsharded = 0, planned_sharded = 0, measured_unsharded = 0, measured_sharded = 0;
-};
-
-// Where the ranks meet, and the largest of a value over them: NCCL between processes, or a host
-// barrier between the emulated ranks' threads. Each rank's stream is synchronized first.
-class Ranks {
- public:
-  Ranks(int ranks, std::shared_ptr<NcclEpComm> nccl)
-      : nccl_(std::move(nccl)), barrier_(ranks), values_(ranks), scratch_(nccl_ ? sizeof(double) : 0) {}
-  bool emulated() const { return nccl_ == nullptr; }
-  ncclComm_t nccl() const { return nccl_->nccl(); }
-  void meet(int rank, cudaStream_t s) {
-    (void)rank;
-    MG_CUDA_CHECK(cudaStreamSynchronize(s));
-    if (emulated()) return barrier_.arrive_and_wait();
-    MG_NCCL_CHECK(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat64, ncclSum, nccl(), s));
-    MG_CUDA_CHECK(cudaStreamSynchronize(s));
-  }
-  double max(int rank, double v, cudaStream_t s) {
-    if (emulated()) {
-      values_[rank] = v;
-      barrier_.arrive_and_wait();
-      const double m = *std::max_element(values_.begin(), values_.end());
-      barrier_.arrive_and_wait();  // every rank has read before the next max writes
-      return m;
-    }
-    MG_CUDA_CHECK(cudaMemcpyAsync(scratch_.get(), &v, sizeof v, cudaMemcpyHostToDevice, s));
-    MG_NCCL_CHECK(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat64, ncclMax, nccl(), s));
-    MG_CUDA_CHECK(cudaMemcpyAsync(&v, scratch_.get(), sizeof v, cudaMemcpyDeviceToHost, s));
-    MG_CUDA_CHECK(cudaStreamSynchronize(s));
-    return v;
-  }
-
- private:
-  std::shared_ptr<NcclEpComm> nccl_;
-  std::barrier<> barrier_;
-  std::vector<double> values_;
-  DeviceBuffer scratch_;
 };
 
 std::size_t free_bytes() {
@@ -145,47 +107,53 @@ RankShards make_shards(const StepGraphsOptions& o, int rank, cudaStream_t s) {
   return out;
 }
 
-// A training step (or a forward) of bucket b, graph-replayed: the median over the timed runs.
-double time_step(StepGraphs& step, int b, const Config& c, int replays, int rank, Ranks& ranks, cudaStream_t s,
-                 DeviceBuffer& l2_flush) {
+// One rank's timed runs: before each, `prepare(i)` (new inputs), an L2 flush and a meeting of the
+// ranks, all outside the timing; the median over the runs after the warm-up.
+struct Runs {
+  const Config& c;
+  int replays, rank;
+  Ranks& ranks;
+  cudaStream_t s;
+  DeviceBuffer& l2_flush;
+  template <class Prepare, class Work>
+  double median_ms(Prepare prepare, Work work) {
+    EventTimer timer;
+    std::vector<float> t;
+    for (int i = 0; i < c.bench.warmup + replays; ++i) {
+      prepare(i);
+      MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
+      ranks.meet(rank, s);
+      const float ms = timer.time(s, work);
+      if (i >= c.bench.warmup) t.push_back(ms);
+    }
+    return median(t);
+  }
+};
+
+// A training step (or a forward) of bucket b, graph-replayed, on new tokens each run.
+double time_step(StepGraphs& step, int b, Runs& runs) {
+  const Config& c = runs.c;
+  const cudaStream_t s = runs.s;
   const BucketIO io = step.io(b);
   const int64_t h = c.layer.hidden;
   const int32_t n = static_cast<int32_t>(std::max<int64_t>(1, static_cast<int64_t>(io.tokens * c.bench.fill)));
   MG_CUDA_CHECK(cudaMemcpyAsync(io.num_tokens, &n, sizeof n, cudaMemcpyHostToDevice, s));
   if (c.training.enabled) kernels::launch_fill_uniform(c.precision.dtype, io.dy, io.tokens * h, 1.0f, 13 + b, s);
-  EventTimer timer;
-  std::vector<float> t;
-  for (int i = 0; i < c.bench.warmup + replays; ++i) {
-    kernels::launch_fill_uniform(c.precision.dtype, io.x, io.tokens * h, 1.0f, 1000 + 7919 * rank + i, s);
-    MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
-    ranks.meet(rank, s);
-    const float ms = timer.time(s, [&] {
-      if (!c.training.enabled) return step.forward(b, s);
-      step.forward_train(b, s);
-      step.backward(b, s);
-      if (c.training.delay_wgrad) step.wgrad(b, s);
-    });
-    if (i >= c.bench.warmup) t.push_back(ms);
-  }
+  const double ms = runs.median_ms(
+      [&](int i) {
+        kernels::launch_fill_uniform(c.precision.dtype, io.x, io.tokens * h, 1.0f, 1000 + 7919 * runs.rank + i, s);
+      },
+      [&] {
+        if (!c.training.enabled) return step.forward(b, s);
+        step.forward_train(b, s);
+        step.backward(b, s);
+        if (c.training.delay_wgrad) step.wgrad(b, s);
+      });
   step.check_device_errors(s);
-  return median(t);
+  return ms;
 }
 
-// Graph replays of `work` (captured once), each after an L2 flush and a meeting.
-double time_graph(const std::function<void(cudaStream_t)>& work, cudaStreamCaptureMode mode, const Config& c,
-                  int replays, int rank, Ranks& ranks, cudaStream_t s, DeviceBuffer& l2_flush) {
-  testing::Graph graph(
-      s, [&] { work(s); }, mode);
-  EventTimer timer;
-  std::vector<float> t;
-  for (int i = 0; i < c.bench.warmup + replays; ++i) {
-    MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
-    ranks.meet(rank, s);
-    const float ms = timer.time(s, [&] { graph.launch(s); });
-    if (i >= c.bench.warmup) t.push_back(ms);
-  }
-  return median(t);
-}
+const auto kNoInputs = [](int) {};
 
 void run_rank(const Config& c, int rank, std::shared_ptr<EpComm> comm, Ranks& ranks, int replays, Results& out) {
   const bool lead = rank == 0;
@@ -200,6 +168,7 @@ void run_rank(const Config& c, int rank, std::shared_ptr<EpComm> comm, Ranks& ra
   cudaDeviceProp prop{};
   MG_CUDA_CHECK(cudaGetDeviceProperties(&prop, comm->device() >= 0 ? comm->device() : 0));
   DeviceBuffer l2_flush(2 * static_cast<std::size_t>(prop.l2CacheSize));
+  Runs runs{c, replays, rank, ranks, s, l2_flush};
   const int nb = static_cast<int>(c.buckets.size());
   if (lead) {
     out.buckets.resize(nb);
@@ -216,7 +185,7 @@ void run_rank(const Config& c, int rank, std::shared_ptr<EpComm> comm, Ranks& ra
     if (lead) out.measured_unsharded = static_cast<double>(before - free_bytes());
     for (int b = 0; b < nb; ++b) {
       if (lead) progress(b, 2 * nb, "steps");
-      const double ms = time_step(step, b, c, replays, rank, ranks, s, l2_flush);
+      const double ms = time_step(step, b, runs);
       if (lead) out.buckets[b].tokens = c.buckets[b], out.buckets[b].unsharded_ms = ms;
     }
     ranks.meet(rank, s);
@@ -231,7 +200,7 @@ void run_rank(const Config& c, int rank, std::shared_ptr<EpComm> comm, Ranks& ra
     if (lead) out.measured_sharded = static_cast<double>(before - free_bytes());
     for (int b = 0; b < nb; ++b) {
       if (lead) progress(nb + b, 2 * nb, "steps");
-      const double ms = time_step(step, b, c, replays, rank, ranks, s, l2_flush);
+      const double ms = time_step(step, b, runs);
       const double slowest = ranks.max(rank, ms, s);
       if (lead) out.buckets[b].sharded_ms = ms, out.buckets[b].sharded_max_ms = slowest;
     }
@@ -252,12 +221,14 @@ void run_rank(const Config& c, int rank, std::shared_ptr<EpComm> comm, Ranks& ra
     weight_bytes += n * es;
     grad_bytes += n * (t < 2 && c.training.main_grad_fp32 ? sizeof(float) : es);
   }
-  const double gather_ms =
-      time_graph([&](cudaStream_t st) { sw.gather(st); }, mode, c, replays, rank, ranks, s, l2_flush);
+  // The collectives captured once each, replayed.
+  testing::Graph gather(s, [&] { sw.gather(s); }, mode);
+  const double gather_ms = runs.median_ms(kNoInputs, [&] { gather.launch(s); });
   double reduce_ms = 0;
-  if (c.training.enabled)
-    reduce_ms =
-        time_graph([&](cudaStream_t st) { sw.reduce(true, true, st); }, mode, c, replays, rank, ranks, s, l2_flush);
+  if (c.training.enabled) {
+    testing::Graph reduce(s, [&] { sw.reduce(/*weights=*/true, /*biases=*/true, s); }, mode);
+    reduce_ms = runs.median_ms(kNoInputs, [&] { reduce.launch(s); });
+  }
   sw.check_device_errors(s);
   double allgather_ms = 0, reduce_scatter_ms = 0;
   if (!ranks.emulated()) {
@@ -269,21 +240,10 @@ void run_rank(const Config& c, int rank, std::shared_ptr<EpComm> comm, Ranks& ra
     const std::size_t reduce_words = static_cast<std::size_t>(std::ceil(grad_bytes / word / w));
     DeviceBuffer send(std::max(gather_words * 2, reduce_words * word * w)),
         recv(std::max(gather_words * 2 * w, reduce_words * word));
-    const auto nccl_time = [&](const std::function<void()>& call) {
-      EventTimer timer;
-      std::vector<float> t;
-      for (int i = 0; i < c.bench.warmup + replays; ++i) {
-        MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
-        ranks.meet(rank, s);
-        const float ms = timer.time(s, call);
-        if (i >= c.bench.warmup) t.push_back(ms);
-      }
-      return median(t);
-    };
-    allgather_ms = nccl_time(
+    allgather_ms = runs.median_ms(kNoInputs, 
         [&] { MG_NCCL_CHECK(ncclAllGather(send.get(), recv.get(), gather_words, ncclBfloat16, ranks.nccl(), s)); });
     if (c.training.enabled)
-      reduce_scatter_ms = nccl_time([&] {
+      reduce_scatter_ms = runs.median_ms(kNoInputs, [&] {
         MG_NCCL_CHECK(ncclReduceScatter(send.get(), recv.get(), reduce_words, word == 4 ? ncclFloat32 : ncclBfloat16,
                                         ncclSum, ranks.nccl(), s));
       });
