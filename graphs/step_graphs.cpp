@@ -76,6 +76,9 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
   const bool sharded = options_.sharding.ranks > 1;
   MG_CHECK(!sharded || shard_comm != nullptr, "sharding.ranks = ", options_.sharding.ranks,
            ": StepGraphs needs this rank's communicator of the data-parallel group (shard_comm)");
+  MG_CHECK(comm_ == nullptr || !sharded || comm_->device() == shard_comm->device(),
+           "the expert-parallel communicator runs on device ", comm_ ? comm_->device() : -1,
+           " but the data-parallel one on device ", sharded ? shard_comm->device() : -1, ": a rank has one device");
   check_weights(options_, weights_);
   // With a communicator, set-up runs on its device (the creating thread may have another current).
   const DeviceScope on_device(comm_ != nullptr ? comm_->device() : shard_comm != nullptr ? shard_comm->device() : -1);
@@ -103,7 +106,9 @@ StepGraphs::StepGraphs(const StepGraphsOptions& options, const StepWeights& weig
     buckets_.push_back(make_bucket_step(options_, tokens, walk, bucket_weights_, true, ranks > 1 ? comm_ : nullptr));
   }
   for (int slot = slots_of(l) - 1; slot >= 0; --slot) free_slots_.push_back(slot);
-  weights_changed(s);  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold)
+  // MXFP8: quantized copies exist before the warm-up (of whatever the weights hold); a sharded step
+  // quantizes after each gather instead.
+  if (!sharded) weights_changed(s);
   if (ranks > 1) comm_->set_up_barrier();  // every rank's allocations done before any warm-up step waits
   if (sharded) {
     shard_comm->set_up_barrier();
@@ -155,11 +160,11 @@ void StepGraphs::enqueue(BucketStep& bucket, StepPhase phase, int slot, cudaStre
   const bool delay = options_.layer.delay_wgrad;
   switch (phase) {
     case StepPhase::kForward:
-      if (sh) sh->gather(stream);
+      if (sh) gather(stream);
       bucket.forward(stream);
       return;
     case StepPhase::kForwardTrain:
-      if (sh) sh->gather(stream);
+      if (sh) gather(stream);
       bucket.forward_train(slot, stream);
       return;
     case StepPhase::kBackward:
@@ -262,13 +267,24 @@ void StepGraphs::check_device_errors(cudaStream_t stream) {
   if (sharded_) sharded_->check_device_errors(stream);
 }
 
-void StepGraphs::weights_changed(cudaStream_t stream) {
-  const DeviceScope on_device(memory_->device);
+// The full weights from the shards, and with the mxfp8 recipe their quantized copies: every forward
+// gathers, since the shards may have changed (the optimizer step) since the last one.
+void StepGraphs::gather(cudaStream_t stream) {
+  sharded_->gather(stream);
+  quantize_weights(bucket_weights_, stream);
+}
+
+void StepGraphs::quantize_weights(const StepWeights& from, cudaStream_t stream) {
   const MoeLayerOptions& l = options_.layer;
   if (!step_owns_mxfp8_weights(l)) return;
   const int g = moe_local_experts(l);
-  quantize_mxfp8_weights(l.dtype, weights_.w1, g, 2 * l.ffn, l.hidden, bucket_weights_.w1_mxfp8, stream);
-  quantize_mxfp8_weights(l.dtype, weights_.w2, g, l.hidden, l.ffn, bucket_weights_.w2_mxfp8, stream);
+  quantize_mxfp8_weights(l.dtype, from.w1, g, 2 * l.ffn, l.hidden, bucket_weights_.w1_mxfp8, stream);
+  quantize_mxfp8_weights(l.dtype, from.w2, g, l.hidden, l.ffn, bucket_weights_.w2_mxfp8, stream);
+}
+
+void StepGraphs::weights_changed(cudaStream_t stream) {
+  const DeviceScope on_device(memory_->device);
+  if (!sharded_) quantize_weights(weights_, stream);  // sharded: each forward's gather quantizes
 }
 
 uint64_t StepGraphs::read_dropped(cudaStream_t stream) {

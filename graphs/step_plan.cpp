@@ -42,10 +42,9 @@ void validate(const StepGraphsOptions& o) {
   MG_CHECK(sh.ranks >= 1 && sh.ranks <= kMaxShardRanks, "sharding.ranks must be 1 to ", kMaxShardRanks, ", got ",
            sh.ranks);
   if (sh.ranks > 1) {
-    MG_CHECK(o.layer.recipe == Recipe::kBF16, "sharding.ranks = ", sh.ranks, " needs the bf16 recipe, got ",
-             recipe_name(o.layer.recipe), " (sharded MXFP8 weights are not supported yet)");
-    MG_CHECK(o.layer.expert_parallel == 1, "sharding.ranks = ", sh.ranks, " with expert_parallel = ",
-             o.layer.expert_parallel, ": sharded weights under expert parallelism are not supported yet");
+    MG_CHECK(!o.layer.prequantized_weights, "sharding.ranks = ", sh.ranks,
+             " cannot take prequantized MXFP8 weights: the shards are the 16-bit weights, and the step quantizes what "
+             "it gathers");
   }
   for (std::size_t b = 0; b < o.buckets.size(); ++b) {
     MG_CHECK(o.buckets[b] >= 1, "buckets[", b, "] must be >= 1, got ", o.buckets[b]);

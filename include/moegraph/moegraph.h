@@ -245,6 +245,12 @@ MOEGRAPH_API mg_status mg_ep_comm_create_from_environment(mg_ep_comm** out);
  * (every rank wraps its communicator, then creates the same layers and steps); the same checks as
  * mg_ep_comm_create_nccl. */
 MOEGRAPH_API mg_status mg_ep_comm_wrap_nccl(void* nccl_comm, mg_ep_comm** out);
+/* The ranks of the NCCL communicator `parent` that pass the same color (>= 0), ordered by key (then
+ * by rank in parent), as a new communicator (ncclCommSplit): e.g. a sharded step under expert
+ * parallelism takes the group of its data-parallel index and the group of its expert-parallel index
+ * (docs/sharding.md). Collective over every rank of parent. An emulated parent is
+ * MG_ERR_INVALID_ARGUMENT (make its groups directly with mg_ep_emulated_group_create). */
+MOEGRAPH_API mg_status mg_ep_comm_split(mg_ep_comm* parent, int color, int key, mg_ep_comm** out);
 /* `ranks` (1..64) emulated ranks in this process on the current device, for tests: out_array[r]
  * (the caller's array of `ranks` handles) is rank r, destroyed separately; on failure every entry
  * is NULL. Each rank's layer or step runs on its own stream, driven by its own host thread. With
@@ -515,12 +521,15 @@ typedef struct {
    * expert-parallel ranks in one process need 1 (another rank's thread sets up meanwhile). */
   int thread_local_capture;
   /* Expert parallelism (appended: an older struct_size means NULL): this rank's communicator, of the
-   * config's parallel.expert_parallel ranks; NULL when that is 1. The step keeps it alive. With
-   * sharded weights (parallel.sharding.ranks = W > 1) it is the communicator of the data-parallel
-   * group of W ranks instead, and mg_step_weights' w1, w2, b1, b2 and their gradients are this
-   * rank's shards under the config's policy and unit (mg_shard_rows; NULL for a rank holding no
-   * rows); docs/sharding.md. */
+   * config's parallel.expert_parallel ranks; NULL when that is 1. The step keeps it alive. */
   mg_ep_comm* comm;
+  /* Sharded weights (appended: an older struct_size means NULL): this rank's communicator of the
+   * data-parallel group of the config's parallel.sharding.ranks = W ranks; NULL when W is 1. Then
+   * mg_step_weights' w1, w2, b1, b2 and their gradients are this rank's shards (of its own experts
+   * with expert parallelism) under the config's policy and unit (mg_shard_rows; NULL for a rank
+   * holding no rows); docs/sharding.md. With both, `comm` joins the ranks of this rank's
+   * data-parallel index and `shard_comm` those of its expert-parallel index (mg_ep_comm_split). */
+  mg_ep_comm* shard_comm;
 } mg_step_graphs_options;
 
 /* A bucket's device buffers (moegraph::BucketIO). Whole layer: write x [tokens, hidden] and

@@ -16,7 +16,9 @@
 //     MOEGRAPH_EP_RANKS, MOEGRAPH_EP_DEVICE, and the unique id in MOEGRAPH_NCCL_ID (hex) or in the
 //     file MOEGRAPH_NCCL_ID_FILE, which rank 0 creates and the others wait for);
 //   - nccl_ep_comm_init(ranks, rank, id): the caller distributes the id (nccl_unique_id_hex());
-//   - nccl_ep_comm_wrap(comm): the caller's own ncclComm_t, not destroyed by moegraph.
+//   - nccl_ep_comm_wrap(comm): the caller's own ncclComm_t, not destroyed by moegraph;
+//   - nccl_ep_comm_split(parent, color, key): a sub-group of a communicator, e.g. the expert-parallel
+//     and the data-parallel groups of a sharded step under expert parallelism (docs/sharding.md).
 // Creation and window allocation are collective and synchronize; nothing of this runs in a step.
 #pragma once
 
@@ -64,5 +66,8 @@ MOEGRAPH_API std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment();
 MOEGRAPH_API bool nccl_ep_environment_present();
 // The caller's communicator (its current device must be the communicator's); not destroyed.
 MOEGRAPH_API std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm);
+// The ranks of `parent` that pass the same color (>= 0), ordered by key (then by parent rank), as a
+// new communicator on the parent's device (ncclCommSplit). Collective over every rank of the parent.
+MOEGRAPH_API std::shared_ptr<NcclEpComm> nccl_ep_comm_split(const NcclEpComm& parent, int color, int key);
 
 }  // namespace moegraph

@@ -55,8 +55,9 @@ struct StepGraphsOptions {
   MoeLayerOptions layer;           // every field but max_tokens (each bucket sets its own)
   std::vector<int64_t> buckets;    // capacities in tokens, strictly increasing, >= 1
   // Sharded expert weights (moegraph/sharding.hpp): the data-parallel group of sharding.ranks
-  // ranks each holding a shard of w1, w2, b1, b2 and their gradients. 1: not sharded. Sharding
-  // needs the bf16 recipe and, for now, expert_parallel = 1.
+  // ranks each holding a shard of w1, w2, b1, b2 and their gradients. 1: not sharded. The shards
+  // are 16-bit (not prequantized_weights; the mxfp8 recipe quantizes what each forward gathers).
+  // With expert_parallel R > 1 they are rows of the rank's E/R experts (docs/sharding.md).
   WeightSharding sharding;
   // How the constructor captures: global mode (the default) proves that no enqueue path
   // synchronizes or allocates anywhere in the process, but forbids other threads to do either
@@ -175,6 +176,11 @@ class MOEGRAPH_API StepGraphs {
   // full weights into a window on that group (backward reuses them); every phase that writes
   // gradients ends by summing each rank's rows over the group into its shard: main_grad added,
   // dw and db written. The constructor is collective over that group too.
+  //
+  // Both (R > 1 and W > 1): ranks form an R x W grid. `comm` joins the R ranks holding different
+  // experts (the same data-parallel index), `shard_comm` the W ranks holding shards of the same
+  // experts; the weights are this rank's shards of its E/R experts. Each expert's gradient is summed
+  // over the W ranks, after the R ranks' exchange gave it every token routed to it in its group.
   StepGraphs(const StepGraphsOptions& options, const StepWeights& weights, std::shared_ptr<EpComm> comm = nullptr,
              std::shared_ptr<EpComm> shard_comm = nullptr);
   ~StepGraphs();
@@ -204,7 +210,8 @@ class MOEGRAPH_API StepGraphs {
   void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
   // The weights were updated (e.g. by the optimizer): with precision.recipe "mxfp8" the step
   // re-quantizes w1 and w2 into the copies all buckets share; nothing to do for bf16 or with
-  // prequantized_weights (the caller keeps its MXFP8 weights current). Enqueued on `stream`.
+  // prequantized_weights (the caller keeps its MXFP8 weights current), or with sharded weights
+  // (each forward quantizes the weights it gathered). Enqueued on `stream`.
   void weights_changed(cudaStream_t stream);
   // Synchronizes `stream` and reports invalid device splits seen by any bucket (clears them).
   void check_device_errors(cudaStream_t stream);
@@ -218,6 +225,8 @@ class MOEGRAPH_API StepGraphs {
   void launch(int bucket, StepPhase phase, bool use_graph, cudaStream_t stream);
   // One phase of one bucket as captured: with sharded weights, wrapped in their gather or reduce.
   void enqueue(BucketStep& bucket, StepPhase phase, int slot, cudaStream_t stream);
+  void gather(cudaStream_t stream);  // sharded weights (and the mxfp8 recipe's copies of them)
+  void quantize_weights(const StepWeights& from, cudaStream_t stream);  // the mxfp8 recipe's shared copies
 
   StepGraphsOptions options_;
   StepPlan plan_;

@@ -101,7 +101,8 @@ class StepWeights(_Sized):
 
 
 class StepGraphsOptions(_Sized):
-    _fields_ = [("struct_size", c_size_t), ("thread_local_capture", c_int), ("comm", c_void_p)]
+    _fields_ = [("struct_size", c_size_t), ("thread_local_capture", c_int), ("comm", c_void_p),
+                ("shard_comm", c_void_p)]
 
 
 class BucketIO(_Sized):
@@ -139,6 +140,7 @@ SIGNATURES = {
     "mg_ep_comm_create_nccl": (c_int, [c_int, c_int, ctypes.c_char_p, P(_h)]),
     "mg_ep_comm_create_from_environment": (c_int, [P(_h)]),
     "mg_ep_comm_wrap_nccl": (c_int, [c_void_p, P(_h)]),
+    "mg_ep_comm_split": (c_int, [_h, c_int, c_int, P(_h)]),
     "mg_ep_emulated_group_create": (c_int, [c_int, P(_h)]),
     "mg_ep_comm_destroy": (None, [_h]),
     "mg_ep_comm_rank": (c_int, [_h, P(c_int)]),

@@ -94,6 +94,17 @@ mg_status mg_ep_comm_wrap_nccl(void* nccl_comm, mg_ep_comm** out) {
   });
 }
 
+mg_status mg_ep_comm_split(mg_ep_comm* parent, int color, int key, mg_ep_comm** out) {
+  return guarded([&] {
+    MG_CHECK(out != nullptr, "mg_ep_comm_split needs an output handle");
+    *out = nullptr;
+    const auto nccl = std::dynamic_pointer_cast<moegraph::NcclEpComm>(moegraph::c_api::ep_comm_of(parent));
+    MG_CHECK(nccl != nullptr, "mg_ep_comm_split: the parent is not an NCCL communicator (emulated groups are made "
+             "with mg_ep_emulated_group_create)");
+    emit(moegraph::nccl_ep_comm_split(*nccl, color, key), out);
+  });
+}
+
 mg_status mg_ep_emulated_group_create(int ranks, mg_ep_comm** out_array) {
   return guarded([&] {
     MG_CHECK(out_array != nullptr, "mg_ep_emulated_group_create needs an output array");

@@ -13,7 +13,8 @@ struct mg_config {
 };
 
 struct mg_step_graphs {
-  std::shared_ptr<moegraph::EpComm> comm;  // expert parallelism: kept alive with the step (declared first, freed last)
+  // Kept alive with the step (declared first, freed last): expert parallelism's and sharding's groups.
+  std::shared_ptr<moegraph::EpComm> comm, shard_comm;
   std::unique_ptr<moegraph::StepGraphs> step;
 };
 
@@ -148,26 +149,29 @@ mg_status mg_step_graphs_create(const mg_config* config, const mg_step_weights* 
     *out = nullptr;
     moegraph::StepGraphsOptions opts = moegraph::step_graphs_options(unwrap(config));
     const moegraph::StepWeights w = weights_of(weights);
-    std::shared_ptr<moegraph::EpComm> comm;
+    std::shared_ptr<moegraph::EpComm> comm, shard_comm;
     if (options != nullptr) {
       const mg_step_graphs_options o = read_struct(options, "mg_step_graphs_options", mg_step_graphs_options{});
       if (o.thread_local_capture) opts.capture_mode = cudaStreamCaptureModeThreadLocal;
       if (o.comm != nullptr) comm = moegraph::c_api::ep_comm_of(o.comm);
+      if (o.shard_comm != nullptr) shard_comm = moegraph::c_api::ep_comm_of(o.shard_comm);
     }
-    // Refused here, naming the C fields, before the step looks for a device. The config allows
-    // expert parallelism or sharded weights, not both: comm is the group of the one in use.
-    const bool sharded = opts.sharding.ranks > 1;
-    const int ranks = sharded ? opts.sharding.ranks : opts.layer.expert_parallel;
-    const char* key = sharded ? "parallel.sharding.ranks" : "parallel.expert_parallel";
-    MG_CHECK(ranks == 1 || comm != nullptr, "mg_step_graphs_create: the config's ", key, " = ", ranks,
-             " needs this rank's communicator in mg_step_graphs_options.comm, got ",
-             options == nullptr ? "no options" : "comm NULL");
-    MG_CHECK(comm == nullptr || comm->ranks() == ranks, "mg_step_graphs_create: mg_step_graphs_options.comm has ",
-             comm ? comm->ranks() : 0, " ranks but the config's ", key, " is ", ranks);
+    // Refused here, naming the C fields, before the step looks for a device.
+    const auto check_group = [&](const std::shared_ptr<moegraph::EpComm>& c, int ranks, const char* key,
+                                 const char* field) {
+      MG_CHECK(ranks == 1 || c != nullptr, "mg_step_graphs_create: the config's ", key, " = ", ranks,
+               " needs this rank's communicator in mg_step_graphs_options.", field, ", got ",
+               options == nullptr ? "no options" : "NULL");
+      MG_CHECK(c == nullptr || c->ranks() == ranks, "mg_step_graphs_create: mg_step_graphs_options.", field, " has ",
+               c ? c->ranks() : 0, " ranks but the config's ", key, " is ", ranks);
+    };
+    check_group(comm, opts.layer.expert_parallel, "parallel.expert_parallel", "comm");
+    check_group(shard_comm, opts.sharding.ranks, "parallel.sharding.ranks", "shard_comm");
     auto handle = std::make_unique<mg_step_graphs>();
-    if (ranks > 1) handle->comm = std::move(comm);  // a group of one has nothing to exchange
-    handle->step = sharded ? std::make_unique<moegraph::StepGraphs>(opts, w, nullptr, handle->comm)
-                           : std::make_unique<moegraph::StepGraphs>(opts, w, handle->comm);
+    // A group of one has nothing to exchange.
+    if (opts.layer.expert_parallel > 1) handle->comm = std::move(comm);
+    if (opts.sharding.ranks > 1) handle->shard_comm = std::move(shard_comm);
+    handle->step = std::make_unique<moegraph::StepGraphs>(opts, w, handle->comm, handle->shard_comm);
     moegraph::c_api::register_handle(handle.get(), HandleKind::kStepGraphs);
     *out = handle.release();
   });

@@ -276,4 +276,21 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm) {
   return make_comm(comm, false);
 }
 
+std::shared_ptr<NcclEpComm> nccl_ep_comm_split(const NcclEpComm& parent, int color, int key) {
+  // Every rank takes part (NCCL_SPLIT_NOCOLOR would leave one out, with no communicator to return).
+  MG_CHECK(color >= 0, "nccl_ep_comm_split: color must be >= 0, got ", color);
+  require_nvls_off();
+  const DeviceScope on_device(parent.device());
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  ncclComm_t comm = nullptr;
+  MG_NCCL_CHECK(ncclCommSplit(parent.nccl(), color, key, &comm, &config));
+  MG_CHECK(comm != nullptr, "nccl_ep_comm_split: NCCL returned no communicator for color ", color);
+  try {
+    return make_comm(comm, true);
+  } catch (...) {
+    ncclCommDestroy(comm);
+    throw;
+  }
+}
+
 }  // namespace moegraph

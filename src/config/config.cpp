@@ -175,10 +175,8 @@ ParallelConfig read_parallel(const Json& value, const LayerConfig& layer) {
     parallel.chunk_rows = config_detail::integer_in(*v, o.path("chunk_rows"), 0, kMaxCapacityRows);
   MG_CONFIG_CHECK(parallel.chunk_rows == 0 || parallel.exchange == EpExchange::kSendRecv,
                   "parallel.chunk_rows needs parallel.exchange \"send_recv\", got chunk_rows ", parallel.chunk_rows);
+  // With expert_parallel R > 1 too, each rank's shards are rows of its own E/R experts.
   if (const Json* v = o.find("sharding")) parallel.sharding = read_sharding(*v);
-  MG_CONFIG_CHECK(parallel.sharding.ranks == 1 || parallel.expert_parallel == 1,
-                  "parallel.sharding.ranks > 1 with parallel.expert_parallel > 1 is not supported yet (got ",
-                  parallel.sharding.ranks, " and ", parallel.expert_parallel, ")");
   return parallel;
 }
 
@@ -267,9 +265,9 @@ Config read_config(const Json& document) {
   MG_CONFIG_CHECK(config.parallel.expert_parallel == 1 || config.step == StepKind::kMoeLayer,
                   "parallel.expert_parallel > 1 needs step \"moe_layer\" (the router decides which rank each row "
                   "goes to), got step \"", step_kind_name(config.step), "\"");
-  MG_CONFIG_CHECK(config.parallel.sharding.ranks == 1 || config.precision.recipe == Recipe::kBF16,
-                  "parallel.sharding.ranks > 1 needs precision.recipe \"bf16\" (sharded MXFP8 weights are not "
-                  "supported yet), got \"", recipe_name(config.precision.recipe), "\"");
+  MG_CONFIG_CHECK(config.parallel.sharding.ranks == 1 || !config.precision.prequantized_weights,
+                  "parallel.sharding.ranks > 1 cannot take precision.prequantized_weights: the shards are the 16-bit "
+                  "weights, and the step quantizes what it gathers");
   config.buckets = read_buckets(o.required("buckets"));
   if (const Json* v = o.find("row_align")) {
     const int64_t align = config_detail::integer_in(*v, "row_align", 1, 128, "1, 16, 32 or 128");

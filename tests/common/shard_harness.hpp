@@ -9,8 +9,8 @@
 //     shards equal that sum rounded (written). Random data make every row distinct, so a row landing
 //     on the wrong rank or offset fails.
 // The cases cover both policies and units, rows not divisible by W, a rank holding no rows, 16-bit
-// gradients, delayed wgrad and caller-given descriptors in a non-rank order, with graph replays of new
-// routings and token counts every step.
+// gradients, delayed wgrad, caller-given descriptors in a non-rank order and the mxfp8 recipe, with
+// graph replays of new routings and token counts every step.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -40,6 +40,7 @@ struct ShardCase {
   int64_t hidden, ffn, tokens;
   bool bias, main_grad, delay;
   bool reversed_w1 = false;  // the caller gives w1's descriptors: rank r holds the r-th block from the end
+  bool mxfp8 = false;        // the mxfp8 recipe: each forward quantizes the gathered weights
 };
 
 inline const ShardCase kShardCases[] = {
@@ -51,6 +52,9 @@ inline const ShardCase kShardCases[] = {
     {"w4_balanced_row_dw", 4, ShardPolicy::kBalanced, ShardUnit::kRow, 3, 2, 80, 48, 16, true, false, false},
     {"w2_balanced_row_mg_delay", 2, ShardPolicy::kBalanced, ShardUnit::kRow, 3, 1, 48, 16, 17, false, true, true},
     {"w3_given_reversed_w1", 3, ShardPolicy::kBalanced, ShardUnit::kExpert, 7, 2, 64, 32, 16, true, true, false, true},
+    // the mxfp8 recipe (K and N multiples of 128); 16-bit gradients
+    {"w2_chunk_expert_mxfp8", 2, ShardPolicy::kChunk, ShardUnit::kExpert, 5, 2, 128, 128, 40, false, false, false,
+     false, true},
 };
 
 inline StepGraphsOptions shard_options(const ShardCase& c, int ranks, cudaStreamCaptureMode mode) {
@@ -59,6 +63,7 @@ inline StepGraphsOptions shard_options(const ShardCase& c, int ranks, cudaStream
   l.experts = c.experts, l.top_k = c.top_k, l.hidden = c.hidden, l.ffn = c.ffn, l.bias = c.bias;
   l.renormalize = true;
   l.training = true, l.main_grad_fp32 = c.main_grad, l.delay_wgrad = c.delay;
+  if (c.mxfp8) l.recipe = Recipe::kMXFP8, l.row_align = 32;
   o.buckets = {c.tokens};
   o.sharding.ranks = ranks, o.sharding.policy = c.policy, o.sharding.unit = c.unit;
   o.capture_mode = mode;
@@ -143,14 +148,20 @@ inline void shard_train_step(StepGraphs& g, const ShardBatch& b, const ShardCase
   g.check_device_errors(st);  // synchronizes
 }
 
-// The unsharded step on every rank's batch alone, gradients from zero each time.
+// The unsharded step (one GPU, no expert parallelism) on one batch of up to c.tokens tokens at a
+// time, gradients from zero each time.
 class UnshardedStep {
  public:
-  explicit UnshardedStep(const ShardData& run) : c_(run.c()) {
+  explicit UnshardedStep(const ShardData& run) : UnshardedStep(run.c(), run.router(), run.tensors(), [&](int t) -> auto& {
+    return run.full(t);
+  }) {}
+  // The case's shape with the given router and full expert tensors (w1, w2 and, with bias, b1, b2).
+  template <class Full>
+  UnshardedStep(const ShardCase& c, const std::vector<uint16_t>& router, int tensors, Full full) : c_(c) {
     const StepGraphsOptions o = shard_options(c_, 1, cudaStreamCaptureModeGlobal);
     const int64_t e = c_.experts, h = c_.hidden, f = c_.ffn;
-    wr_ = upload_bits16(run.router());
-    for (int t = 0; t < run.tensors(); ++t) w_[t] = upload_bits16(run.full(t));
+    wr_ = upload_bits16(router);
+    for (int t = 0; t < tensors; ++t) w_[t] = upload_bits16(full(t));
     const std::size_t sizes[4] = {std::size_t(e * 2 * f * h), std::size_t(e * h * f), std::size_t(e * 2 * f),
                                   std::size_t(e * h)};
     for (int t = 0; t < 4; ++t) d_[t] = DeviceArray<uint16_t>(t >= 2 || !c_.main_grad ? sizes[t] : 0);
@@ -164,6 +175,7 @@ class UnshardedStep {
     if (c_.main_grad) w.main_grad1 = mg_[0].get(), w.main_grad2 = mg_[1].get(), w.main_grad_router = mgr_.get();
     else w.dw1 = d_[0].get(), w.dw2 = d_[1].get(), w.d_router = dr_.get();
     step_ = std::make_unique<StepGraphs>(o, w);
+    step_->weights_changed(stream_.get());  // the mxfp8 recipe's copies of the weights uploaded above
   }
 
   ShardResult run(const ShardBatch& b) {

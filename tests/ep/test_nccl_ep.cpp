@@ -17,6 +17,7 @@
 #include "moegraph/nccl_ep.hpp"
 #include "testing/device_array.hpp"
 #include "tests/common/ep_harness.hpp"
+#include "tests/common/ep_shard_harness.hpp"
 #include "tests/common/shard_harness.hpp"
 
 namespace moegraph::test {
@@ -135,6 +136,32 @@ TEST(NcclShardedWeights, RanksMatchTheUnshardedStep) {
     ran = true;
   }
   if (!ran) GTEST_SKIP() << "no sharding case for a group of " << g_comm->ranks();
+}
+
+// nccl_ep_comm_split: the ranks of one parity form a group, ordered by the key (reversed here).
+TEST(NcclTransport, SplitGivesEachRankItsSubgroup) {
+  const int rank = g_comm->rank(), ranks = g_comm->ranks();
+  const int color = rank % 2, members = (ranks - color + 1) / 2;
+  const auto sub = nccl_ep_comm_split(*g_comm, color, ranks - rank);
+  EXPECT_EQ(sub->ranks(), members);
+  EXPECT_EQ(sub->rank(), members - 1 - rank / 2);
+  EXPECT_EQ(sub->device(), g_comm->device());
+}
+
+// Sharded expert weights under expert parallelism: this group as an R x W grid (rank g at expert-
+// parallel index g mod R and data-parallel index g / R), split into its rows and columns.
+TEST(NcclShardedWeights, UnderExpertParallelismRanksMatchTheWholeLayers) {
+  bool ran = false;
+  for (const EpShardCase& c : kEpShardCases) {
+    if (c.ep * c.dp != g_comm->ranks()) continue;
+    const int g = g_comm->rank();
+    GridRank at{g % c.ep, g / c.ep, nullptr, nullptr};
+    at.ep = nccl_ep_comm_split(*g_comm, at.dp_index, at.ep_index);
+    at.dp = nccl_ep_comm_split(*g_comm, at.ep_index, at.dp_index);
+    run_ep_shard_case(c, {at}, cudaStreamCaptureModeGlobal);
+    ran = true;
+  }
+  if (!ran) GTEST_SKIP() << "no expert-parallel sharding case for a group of " << g_comm->ranks();
 }
 
 // With several ranks, the first failed check ends this process (after the printer has shown it):

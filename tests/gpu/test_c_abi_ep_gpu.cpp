@@ -308,7 +308,7 @@ TEST(CAbiShardedStepGpu, TwoRanksGetTheirRowsOfTheSummedGradient) {
       threads.emplace_back([&, r] {
         try {
           mg_step_graphs_options o = sized<mg_step_graphs_options>();
-          o.thread_local_capture = 1, o.comm = comms[r];
+          o.thread_local_capture = 1, o.shard_comm = comms[r];
           const mg_step_weights w = ranks[r].weights(rows[r]);
           ok(mg_step_graphs_create(c, &w, &o, &ranks[r].step));
           got_y[r] = train(ranks[r], r);

@@ -10,6 +10,7 @@
 
 #include "moegraph/error.hpp"
 #include "moegraph/expert_parallel.hpp"
+#include "tests/common/ep_shard_harness.hpp"
 #include "tests/common/shard_harness.hpp"
 #include "tests/common/thrown.hpp"
 
@@ -28,6 +29,25 @@ TEST_P(ShardedWeightsCase, RanksMatchTheUnshardedStep) {
   run_shard_case(GetParam(), emulated(GetParam().ranks), cudaStreamCaptureModeThreadLocal);
 }
 INSTANTIATE_TEST_SUITE_P(Cases, ShardedWeightsCase, ::testing::ValuesIn(kShardCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Under expert parallelism: an R x W grid of emulated ranks, an EmulatedEpGroup per row and per column.
+std::vector<GridRank> emulated_grid(int ep, int dp) {
+  std::vector<std::shared_ptr<EpComm>> rows[kMaxShardRanks], columns[kMaxShardRanks];
+  for (int j = 0; j < dp; ++j) rows[j] = emulated(ep);
+  for (int i = 0; i < ep; ++i) columns[i] = emulated(dp);
+  std::vector<GridRank> out;
+  for (int j = 0; j < dp; ++j)
+    for (int i = 0; i < ep; ++i) out.push_back({i, j, rows[j][i], columns[i][j]});
+  return out;
+}
+
+class ExpertParallelShardedWeightsCase : public ::testing::TestWithParam<EpShardCase> {};
+TEST_P(ExpertParallelShardedWeightsCase, RanksMatchTheWholeLayers) {
+  const EpShardCase& c = GetParam();
+  run_ep_shard_case(c, emulated_grid(c.ep, c.dp), cudaStreamCaptureModeThreadLocal);
+}
+INSTANTIATE_TEST_SUITE_P(Cases, ExpertParallelShardedWeightsCase, ::testing::ValuesIn(kEpShardCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // Overlapping descriptors (rank 1 claims rows rank 0 holds) fail on every rank, naming the tensor.

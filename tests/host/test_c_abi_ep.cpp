@@ -142,6 +142,11 @@ TEST(CAbiEp, CommHandlesAreChecked) {
   EXPECT_EQ(out, nullptr);
   EXPECT_EQ(mg_ep_comm_create_from_environment(nullptr), MG_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(mg_ep_comm_rank(nullptr, nullptr), MG_ERR_INVALID_ARGUMENT) << "the output is checked first";
+  out = reinterpret_cast<mg_ep_comm*>(0x1);
+  EXPECT_EQ(mg_ep_comm_split(nullptr, 0, 0, &out), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("null mg_ep_comm handle")) << mg_last_error();
+  EXPECT_EQ(out, nullptr);
+  EXPECT_EQ(mg_ep_comm_split(nullptr, 0, 0, nullptr), MG_ERR_INVALID_ARGUMENT);
 }
 
 // A group of one needs no CUDA_MODULE_LOADING and runs wherever a Hopper GPU is; without one it is
@@ -390,7 +395,8 @@ TEST(CAbiEp, LayerCreateNeedsACommunicatorForExpertParallelism) {
 constexpr const char* kEpConfig = R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
                                       "parallel": {"expert_parallel": 2}, "buckets": [64]})";
 
-// With sharded weights, mg_step_graphs_options.comm is the data-parallel group's communicator.
+// With sharded weights, mg_step_graphs_options.shard_comm is the data-parallel group's communicator;
+// with expert parallelism too, comm is needed as well.
 TEST(CAbiEp, ShardedStepCreateNeedsTheDataParallelCommunicator) {
   mg_config* c = nullptr;
   ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
@@ -402,8 +408,27 @@ TEST(CAbiEp, ShardedStepCreateNeedsTheDataParallelCommunicator) {
   mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
   EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has("parallel.sharding.ranks = 3 needs this rank's communicator in "
-                             "mg_step_graphs_options.comm, got no options"))
+                             "mg_step_graphs_options.shard_comm, got no options"))
       << mg_last_error();
+  EXPECT_EQ(step, nullptr);
+  mg_config_destroy(c);
+
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
+                                "parallel": {"expert_parallel": 2, "sharding": {"ranks": 3}}, "buckets": [64]})",
+                            &c),
+            MG_OK)
+      << mg_last_error();
+  mg_step_graphs_options o = sized<mg_step_graphs_options>();
+  EXPECT_EQ(mg_step_graphs_create(c, &w, &o, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("parallel.expert_parallel = 2 needs this rank's communicator in "
+                             "mg_step_graphs_options.comm, got NULL"))
+      << mg_last_error();
+  o.comm = reinterpret_cast<mg_ep_comm*>(c);  // not a communicator
+  EXPECT_EQ(mg_step_graphs_create(c, &w, &o, &step), MG_ERR_INVALID_HANDLE);
+  o.comm = nullptr;
+  o.shard_comm = reinterpret_cast<mg_ep_comm*>(c);
+  EXPECT_EQ(mg_step_graphs_create(c, &w, &o, &step), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("mg_ep_comm handle that is not live")) << mg_last_error();
   EXPECT_EQ(step, nullptr);
   mg_config_destroy(c);
 }
@@ -442,7 +467,7 @@ TEST(CAbiEp, StepCreateNeedsTheCommunicatorTheConfigAsksFor) {
   EXPECT_EQ(step, nullptr);
   mg_step_graphs_options o = sized<mg_step_graphs_options>();
   EXPECT_EQ(mg_step_graphs_create(c, &w, &o, &step), MG_ERR_INVALID_ARGUMENT);
-  EXPECT_TRUE(last_error_has("got comm NULL")) << mg_last_error();
+  EXPECT_TRUE(last_error_has("mg_step_graphs_options.comm, got NULL")) << mg_last_error();
   o.comm = reinterpret_cast<mg_ep_comm*>(c);  // not a communicator
   EXPECT_EQ(mg_step_graphs_create(c, &w, &o, &step), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(last_error_has("mg_ep_comm handle that is not live")) << mg_last_error();

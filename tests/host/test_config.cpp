@@ -258,12 +258,10 @@ std::vector<BadDoc> bad_docs() {
        R"(parallel.sharding.unit must be "expert" or "row", got "column")"},
       {"ShardUnknownKey", with({{"/parallel", R"({"sharding": {"world": 2}})"}}),
        R"(unknown key "parallel.sharding.world")"},
-      {"ShardWithExpertParallel", with({{"/parallel", R"({"expert_parallel": 2, "sharding": {"ranks": 2}})"}}),
-       "parallel.sharding.ranks > 1 with parallel.expert_parallel > 1 is not supported yet (got 2 and 2)"},
-      {"ShardWithMxfp8",
-       with({{"/parallel", R"({"sharding": {"ranks": 2}})"}, {"/precision", R"({"recipe": "mxfp8"})"},
-             {"/row_align", "32"}}),
-       R"(parallel.sharding.ranks > 1 needs precision.recipe "bf16")"},
+      {"ShardWithPrequantizedWeights",
+       with({{"/parallel", R"({"sharding": {"ranks": 2}})"},
+             {"/precision", R"({"recipe": "mxfp8", "prequantized_weights": true})"}, {"/row_align", "32"}}),
+       "parallel.sharding.ranks > 1 cannot take precision.prequantized_weights"},
       // Duplicates would silently keep one value.
       {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
       {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},
@@ -488,6 +486,26 @@ TEST(ConfigSharding, KeysReachTheStepOptionsAndRoundTrip) {
   EXPECT_EQ(d.parallel.sharding.ranks, 1);
   EXPECT_EQ(d.parallel.sharding.policy, ShardPolicy::kChunk);
   EXPECT_EQ(d.parallel.sharding.unit, ShardUnit::kExpert);
+}
+
+// With expert parallelism too, the shards are rows of the rank's own experts: the window a rank
+// gathers into is that of a layer of E/R experts sharded the same way.
+TEST(ConfigSharding, WithExpertParallelTheShardsAreOfTheLocalExperts) {
+  const Config both = parse_config(
+      with({{"/parallel", R"({"expert_parallel": 2, "sharding": {"ranks": 2, "unit": "row"}})"}}), "ep x dp");
+  EXPECT_EQ(both.parallel.expert_parallel, 2);
+  EXPECT_EQ(both.parallel.sharding.ranks, 2);
+  const StepGraphsOptions o = step_graphs_options(both);
+  EXPECT_EQ(o.layer.expert_parallel, 2);
+  StepGraphsOptions local = o;
+  local.layer.expert_parallel = 1;
+  local.layer.experts = o.layer.experts / 2;
+  const std::size_t window = plan_step(o).shard_window_bytes;
+  EXPECT_GT(window, 0u);
+  EXPECT_EQ(window, plan_step(local).shard_window_bytes);
+  const Config back = parse_config(to_json(both), "round trip");
+  EXPECT_EQ(back.parallel.expert_parallel, 2);
+  EXPECT_EQ(back.parallel.sharding.ranks, 2);
 }
 
 TEST(ConfigDefaults, AnEmptyRouterObjectIsTheDefaultRouter) {

@@ -157,6 +157,9 @@ int main(int argc, char** argv) {
     if (config.parallel.sharding.ranks > 1) {
       if (options.ops) return usage_error("--ops: a sharded config times its gather and reduce itself");
       if (!torch_path.empty()) return usage_error("--torch goes with the single-GPU step bench");
+      if (config.parallel.expert_parallel > 1)
+        return usage_error("a config with both parallel.sharding.ranks and parallel.expert_parallel above 1 runs in "
+                           "the library (docs/sharding.md), but this bench times one group: set one of them to 1");
       return moegraph::bench::run_shard_bench(config, options);
     }
     if (config.parallel.expert_parallel > 1 || expert_parallel > 0) {  // --expert-parallel 1: a group of one
