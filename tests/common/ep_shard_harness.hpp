@@ -51,6 +51,9 @@ inline const EpShardCase kEpShardCases[] = {
     // each local expert's rows spread over the ranks; 16-bit gradients written; biases
     {"ep2_dp2_balanced_row_dw_bias", 2, 2, ShardPolicy::kBalanced, ShardUnit::kRow, 8, 2, 128, 64, 16, true, false,
      false},
+    // 8 ranks: 3 local experts over 2 ranks (2, 1); delayed wgrad
+    {"ep4_dp2_balanced_expert_mg_delay", 4, 2, ShardPolicy::kBalanced, ShardUnit::kExpert, 12, 2, 64, 32, 16, false,
+     true, true},
 };
 
 // One grid position this process drives, with its two communicators.
