@@ -575,7 +575,8 @@ MOEGRAPH_API mg_status mg_step_graphs_replay(mg_step_graphs* step, int bucket, m
 /* The same phase enqueued without graphs (same rules), for checks and timing. */
 MOEGRAPH_API mg_status mg_step_graphs_run_eager(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
 /* The weights were updated: MXFP8 re-quantizes w1 and w2 into the copies every bucket shares;
- * nothing for bf16 or with prequantized_weights (the caller keeps them current). Enqueued. */
+ * nothing for bf16, with prequantized_weights (the caller keeps them current) or with sharded
+ * weights (each forward quantizes what it gathers). Enqueued. */
 MOEGRAPH_API mg_status mg_step_graphs_weights_changed(mg_step_graphs* step, cudaStream_t stream);
 /* Synchronizes the stream; MG_ERR_DEVICE_SPLITS if any bucket saw invalid device inputs (a token
  * count over the bucket's capacity, invalid splits) since the last check. */
