@@ -1,10 +1,11 @@
 // MXFP8 ragged GEMM for groups of few rows (decode, fine-grained experts), fprop and dgrad, with the
 // operands swapped: a tile computes C_e^T = B_e · A^T, so the expert's weight rows fill wgmma's M
-// (64 per consumer warpgroup, 128 per tile) and the group's rows sit on its N, 32 at a time. A group
-// of a handful of rows then costs an m64n32 MMA and 16 accumulators per thread, not the m64n128 and
-// 64 of the row-major kernel (sm90_grouped_gemm_mxfp8_cp_async.cuh), and every 32-deep block's
-// promotion with them; the weights, which are nearly all the bytes, stream through a TMA producer
-// several stages ahead.
+// (64 per consumer warpgroup, 128 per tile) and the group's rows sit on its N, 32 at a time. A tile
+// runs wgmma's N at the least multiple of 8 that covers its data rows, so a group of a handful of
+// rows costs an m64n8 MMA and 4 accumulators per thread, not the m64n128 and 64 of the row-major
+// kernel (sm90_grouped_gemm_mxfp8_cp_async.cuh), and every 32-deep block's promotion with them (the
+// promotions bound this kernel, not the weight stream); the weights, which are nearly all the bytes,
+// stream through a TMA producer several stages ahead.
 //   fprop: y = x · W_e^T     A = x rows (scales along K), B = W_e [N][K]
 //   dgrad: dx = dy · W_e     A = dy rows (scales along N), B = W_e^T [K][N]
 // Per stage (128 reduction bytes): the B tile 128 x 128 and the A tile 32 x 128 by TMA (128-byte
@@ -127,19 +128,20 @@ __device__ __forceinline__ uint32_t exponent_field(uint32_t w, int kb) {
   return (kb < 3 ? w << (23 - 8 * kb) : w >> 1) & 0x7f800000u;
 }
 
-// acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c) +=
+// acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c, j < J) +=
 // partial * sb[m_h][kb] * sa[r][kb], from the stage's scale words. When all of them are mid-range
 // (`mid`: scale_bytes_mid of every word), the scale product is formed by adding exponent fields,
 // which gives the same fp32 as multiplying the two decoded scales (both are powers of two and the
 // product is normal) in a third of the instructions; otherwise each scale is decoded (0 and 0xFF
 // included) and multiplied.
-__device__ __forceinline__ void promote(float (&acc)[16], const float (&partial)[16], const uint32_t (&wb)[2],
-                                        const uint32_t (&wa)[8], int kb, bool mid) {
+template <int J>
+__device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&partial)[4 * J], const uint32_t (&wb)[2],
+                                        const uint32_t (&wa)[2 * J], int kb, bool mid) {
   if (mid) {
     constexpr uint32_t kBias = 127u << 23;
     const uint32_t eb0 = exponent_field(wb[0], kb) - kBias, eb1 = exponent_field(wb[1], kb) - kBias;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < J; ++j) {
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const uint32_t ea = exponent_field(wa[2 * j + c], kb);
@@ -151,7 +153,7 @@ __device__ __forceinline__ void promote(float (&acc)[16], const float (&partial)
   }
   const float fb0 = e8m0_to_float((wb[0] >> (8 * kb)) & 0xffu), fb1 = e8m0_to_float((wb[1] >> (8 * kb)) & 0xffu);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < J; ++j) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const float fa = e8m0_to_float((wa[2 * j + c] >> (8 * kb)) & 0xffu);
@@ -161,12 +163,98 @@ __device__ __forceinline__ void promote(float (&acc)[16], const float (&partial)
   }
 }
 
-__device__ __forceinline__ void mma_block(float (&partial)[16], uint32_t b_addr, uint32_t a_addr, int kb) {
+// One 32-deep block kb of the stage as an m64n(8J)k32 MMA into `partial`: only the tile's first 8J
+// group rows take part.
+template <int J>
+__device__ __forceinline__ void mma_block(float (&partial)[4 * J], uint32_t b_addr, uint32_t a_addr, int kb) {
   sm90::fence_registers(partial);
   sm90::wgmma_fence();
-  sm90::Wgmma<__nv_fp8_e4m3, BR>::mma<0, 0>(partial, sm90::kmajor_sw128_desc(b_addr + kb * 32),
-                                            sm90::kmajor_sw128_desc(a_addr + kb * 32), 0);
+  sm90::Wgmma<__nv_fp8_e4m3, 8 * J>::template mma<0, 0>(partial, sm90::kmajor_sw128_desc(b_addr + kb * 32),
+                                                        sm90::kmajor_sw128_desc(a_addr + kb * 32), 0);
   sm90::wgmma_commit();
+}
+
+// What a consumer thread needs of its place in the tile.
+struct Consumer {
+  int wg, lane, m_local;  // m_local: this thread's weight rows are m_local and m_local + 8
+};
+
+// One tile on a consumer thread, with wgmma's N = 8J: the tile's data rows all lie below 8J (the
+// caller picks the least J that covers them), so the MMAs and promotions of a group of a few rows do
+// not pay for 32. The A box still brings 32 rows; wgmma reads the first 8J of them (whole 1024-byte
+// swizzle atoms of 8 rows). Writes C[row0 + r][n0 + m] for r < span_rows: data rows from the
+// accumulators, alignment gap rows as zero; columns past `cols` are left alone.
+template <int J, class T>
+__device__ __forceinline__ void consume_tile(const Tile& tile, const Mxfp8RaggedGemmParams& p, const Consumer& me,
+                                             const uint8_t* smem, uint64_t* full, uint64_t* empty, int ktiles,
+                                             int& stage, uint32_t& phase) {
+  const int64_t cols = p.n;
+  float acc[4 * J];
+#pragma unroll
+  for (int i = 0; i < 4 * J; ++i) acc[i] = 0.0f;
+  float partial[2][4 * J];
+  for (int kt = 0; kt < ktiles; ++kt) {
+    sm90::mbar_wait(&full[stage], phase);
+    const uint8_t* s = smem + stage * kStageBytes;
+    const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
+    // Weight rows past `cols` and group rows past the group's data produce results that are never
+    // stored (their scales are zero fill, alignment gaps or another group's): they take mid-range
+    // stand-ins, so that they do not send the whole thread down the decoding path.
+    uint32_t wb[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      wb[h] = tile.n0 + me.m_local + 8 * h < cols ? scales[me.m_local + 8 * h] : kMidScales;
+    uint32_t wa[2 * J];
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int r = 8 * j + 2 * (me.lane % 4) + c;
+        wa[2 * j + c] = r < tile.rows.data_rows ? scales[BM + r] : kMidScales;
+      }
+    bool mid = scale_bytes_mid(wb[0]) && scale_bytes_mid(wb[1]);
+#pragma unroll
+    for (int i = 0; i < 2 * J; ++i) mid = mid && scale_bytes_mid(wa[i]);
+    const uint32_t b_addr = sm90::smem_addr(s + me.wg * (kTileBytesB / 2));
+    const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
+    mma_block<J>(partial[0], b_addr, a_addr, 0);
+#pragma unroll
+    for (int kb = 1; kb < kBlocksPerStage; ++kb) {
+      mma_block<J>(partial[kb & 1], b_addr, a_addr, kb);
+      sm90::wgmma_wait<1>();  // block kb-1 is done
+      sm90::fence_registers(partial[(kb - 1) & 1]);
+      promote<J>(acc, partial[(kb - 1) & 1], wb, wa, kb - 1, mid);
+    }
+    sm90::wgmma_wait<0>();
+    sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
+    sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
+    promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1, mid);
+    if (++stage == STAGES) stage = 0, phase ^= 1;
+  }
+  // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and the group rows r < 8J.
+  const RaggedTile& rt = tile.rows;
+  const T* bias_all = static_cast<const T*>(p.bias);
+  const T* b = bias_all != nullptr ? bias_all + static_cast<int64_t>(rt.group) * cols + tile.n0 : nullptr;
+  T* c_all = static_cast<T*>(p.c);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = me.m_local + 8 * h;
+    if (tile.n0 + m >= cols) continue;
+    const float bm = b != nullptr ? static_cast<float>(b[m]) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < BR / 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int r = 8 * j + 2 * (me.lane % 4) + c;
+        if (r >= rt.span_rows) continue;
+        float v = 0.0f;  // alignment gap rows read as zero downstream
+        if (j < J && r < rt.data_rows) {
+          const float s = b != nullptr && p.bias_scale != nullptr ? p.bias_scale[rt.row0 + r] : 1.0f;
+          v = acc[(j < J ? 4 * j : 0) + 2 * h + c] + s * bm;
+        }
+        c_all[(rt.row0 + r) * cols + tile.n0 + m] = static_cast<T>(v);
+      }
+  }
 }
 
 // C[r, n] for the rows of group e: tiles of 128 output columns x 32 rows; gap rows written as zero,
@@ -179,7 +267,6 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   const Mxfp8RaggedGemmParams& p = tp.p;
-  const int64_t cols = p.n;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       sm90::mbar_init(&full[s], 1 + 32);  // lane 0's arrive.expect_tx and the 32 lanes' scale copies
@@ -188,82 +275,24 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
     sm90::fence_mbarrier_init();
   }
   build_tile_prefix<THREADS, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);  // ends in a barrier
-  const int tiles_n = static_cast<int>((cols + BM - 1) / BM);
+  const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
   const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;
   const int ktiles = static_cast<int>(p.k / BK);
 
   if (threadIdx.x >= kConsumerThreads) return produce(tp, smem, full, empty, tile_prefix, total, tiles_n, ktiles);
-  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-  const int m_local = wg * 64 + warp * 16 + lane / 4;  // this thread's weight rows: m_local and m_local + 8
-  const T* bias_all = static_cast<const T*>(p.bias);
-  T* c_all = static_cast<T*>(p.c);
+  Consumer me;
+  me.wg = threadIdx.x / 128, me.lane = threadIdx.x % 32;
+  me.m_local = me.wg * 64 + ((threadIdx.x % 128) / 32) * 16 + me.lane / 4;
   int stage = 0;
   uint32_t phase = 0;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = locate(t, tile_prefix, p, tiles_n);
-    float acc[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0.0f;
-    float partial[2][16];
-    for (int kt = 0; kt < ktiles; ++kt) {
-      sm90::mbar_wait(&full[stage], phase);
-      const uint8_t* s = smem + stage * kStageBytes;
-      const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
-      // Weight rows past `cols` and group rows past the group's data produce results that are never
-      // stored (their scales are zero fill, alignment gaps or another group's): they take mid-range
-      // stand-ins, so that they do not send the whole thread down the decoding path.
-      uint32_t wb[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) wb[h] = tile.n0 + m_local + 8 * h < cols ? scales[m_local + 8 * h] : kMidScales;
-      uint32_t wa[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int r = 8 * j + 2 * (lane % 4) + c;
-          wa[2 * j + c] = r < tile.rows.data_rows ? scales[BM + r] : kMidScales;
-        }
-      bool mid = scale_bytes_mid(wb[0]) && scale_bytes_mid(wb[1]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) mid = mid && scale_bytes_mid(wa[i]);
-      const uint32_t b_addr = sm90::smem_addr(s + wg * (kTileBytesB / 2));
-      const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
-      mma_block(partial[0], b_addr, a_addr, 0);
-#pragma unroll
-      for (int kb = 1; kb < kBlocksPerStage; ++kb) {
-        mma_block(partial[kb & 1], b_addr, a_addr, kb);
-        sm90::wgmma_wait<1>();  // block kb-1 is done
-        sm90::fence_registers(partial[(kb - 1) & 1]);
-        promote(acc, partial[(kb - 1) & 1], wb, wa, kb - 1, mid);
-      }
-      sm90::wgmma_wait<0>();
-      sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
-      sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
-      promote(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1, mid);
-      if (++stage == STAGES) stage = 0, phase ^= 1;
-    }
-    // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and 8 group rows r.
-    const RaggedTile& rt = tile.rows;
-    const T* b = bias_all != nullptr ? bias_all + static_cast<int64_t>(rt.group) * cols + tile.n0 : nullptr;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int m = m_local + 8 * h;
-      if (tile.n0 + m >= cols) continue;
-      const float bm = b != nullptr ? static_cast<float>(b[m]) : 0.0f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int r = 8 * j + 2 * (lane % 4) + c;
-          if (r >= rt.span_rows) continue;
-          float v = 0.0f;  // alignment gap rows read as zero downstream
-          if (r < rt.data_rows) {
-            const float s = b != nullptr && p.bias_scale != nullptr ? p.bias_scale[rt.row0 + r] : 1.0f;
-            v = acc[4 * j + 2 * h + c] + s * bm;
-          }
-          c_all[(rt.row0 + r) * cols + tile.n0 + m] = static_cast<T>(v);
-        }
-    }
+    // The same for every thread of the CTA, so the warpgroups' wgmma shapes agree.
+    const int64_t rows = tile.rows.data_rows;
+    if (rows <= 8) consume_tile<1, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
+    else if (rows <= 16) consume_tile<2, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
+    else if (rows <= 24) consume_tile<3, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
+    else consume_tile<4, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
   }
 }
 

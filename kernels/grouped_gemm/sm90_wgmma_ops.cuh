@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks for the wgmma kernels: the warpgroup MMA instruction for the
-// 64 x {128, 256} x 32-byte-K shapes and 64 x 32 for e4m3 (generated: k16 for bf16 and fp16, k32
-// for e4m3), shared-memory matrix descriptors for 128-byte-swizzled tiles, and the fences the async
-// proxy needs.
+// 64 x {128, 256} x 32-byte-K shapes and 64 x {8, 16, 24, 32} for e4m3 (generated: k16 for bf16 and
+// fp16, k32 for e4m3), shared-memory matrix descriptors for 128-byte-swizzled tiles, and the fences
+// the async proxy needs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -261,6 +261,68 @@ struct Wgmma<__nv_fp8_e4m3, 256> {
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+
+template <>
+struct Wgmma<__nv_fp8_e4m3, 8> {
+  // d (+)= A(64 x 32) * B(32 x 8). kTransA / kTransB select M- / N-major smem tiles.
+  template <int kTransA, int kTransB>
+  __device__ static void mma(float (&d)[4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    static_assert(kTransA == 0 && kTransB == 0, "e4m3 wgmma reads K-major tiles only");
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3"
+        "}, %4, %5, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+
+template <>
+struct Wgmma<__nv_fp8_e4m3, 16> {
+  // d (+)= A(64 x 32) * B(32 x 16). kTransA / kTransB select M- / N-major smem tiles.
+  template <int kTransA, int kTransB>
+  __device__ static void mma(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    static_assert(kTransA == 0 && kTransB == 0, "e4m3 wgmma reads K-major tiles only");
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, %8, %9, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+};
+
+template <>
+struct Wgmma<__nv_fp8_e4m3, 24> {
+  // d (+)= A(64 x 32) * B(32 x 24). kTransA / kTransB select M- / N-major smem tiles.
+  template <int kTransA, int kTransB>
+  __device__ static void mma(float (&d)[12], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+    static_assert(kTransA == 0 && kTransB == 0, "e4m3 wgmma reads K-major tiles only");
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %14, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n24k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11"
+        "}, %12, %13, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }
 };
