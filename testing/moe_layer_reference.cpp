@@ -272,11 +272,13 @@ MoeLayerRef ref_moe_layer(const MoeLayerInputs& in) {
   if (!b2.empty()) expect_size("b2", b2, int64_t{E} * h);
   if (in.dy != nullptr) expect_size("dy", *in.dy, n * h);
   // The device needs multiples of 128 (its GEMMs stage 128 K at a time); the reference only whole
-  // blocks along K and N, and groups starting on a block of rows.
-  MG_CHECK(in.recipe != Recipe::kMXFP8 || (h % kMxBlockSize == 0 && f % kMxBlockSize == 0 &&
-                                           (in.router.row_align == 32 || in.router.row_align == 128)),
+  // blocks along K and N, and for the backward (column-wise copies) groups starting on a block of rows.
+  MG_CHECK(in.recipe != Recipe::kMXFP8 ||
+               (h % kMxBlockSize == 0 && f % kMxBlockSize == 0 &&
+                (in.dy == nullptr || in.router.row_align == 32 || in.router.row_align == 128)),
            "ref_moe_layer: the mxfp8 recipe needs hidden and ffn multiples of ", kMxBlockSize,
-           " and row_align 32 or 128, got hidden ", h, ", ffn ", f, ", row_align ", in.router.row_align);
+           " and for the backward row_align 32 or 128, got hidden ", h, ", ffn ", f, ", row_align ",
+           in.router.row_align, in.dy == nullptr ? " (forward only)" : " (with the backward)");
   MoeLayerRef out;
 
   // Router: fp32 logits and scores on the device, not rounded here.

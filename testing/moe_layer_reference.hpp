@@ -82,8 +82,8 @@ struct MoeLayerInputs {
   // kMXFP8: FC1's and FC2's fprop, dgrad and wgrad read MXFP8 copies of x, dy and W as the device
   // makes them (row-wise along K for fprop, along N for dgrad, column-wise in blocks of 32 rows of
   // a group for wgrad), dequantized exactly; the bias gradients, the router, SwiGLU and the combine
-  // read the unquantized values, as on the device. Needs hidden and ffn multiples of 32 and
-  // router.row_align 32 or 128 (the device needs multiples of 128: its GEMMs stage 128 at a time).
+  // read the unquantized values, as on the device. Needs hidden and ffn multiples of 32 (the device
+  // needs multiples of 128: its GEMMs stage 128 at a time) and, with dy, router.row_align 32 or 128.
   // Independent of round_intermediates: the quantization is part of the recipe's math.
   Recipe recipe = Recipe::kBF16;
   bool round_intermediates = true;      // false: exact fp64 (gradient checks)

@@ -53,7 +53,9 @@ struct GroupedLinearOptions {
                                    // shapes (MOEGRAPH_WGRAD_PINGPONG may force it), 0 = no, 1 = yes
   // kMXFP8: the GEMMs run on MXFP8 copies (x and dy quantized on the fly; the saved activations
   // are kept as MXFP8 column-wise copies instead of a 16-bit copy; the weights are quantized by
-  // weights_changed()). Needs K and N multiples of 128 and row_align 32 or 128.
+  // weights_changed()). Needs K and N multiples of 128. Training (forward_train) also needs
+  // row_align 32 or 128 (wgrad's column-wise blocks of 32 rows must not straddle two groups); at
+  // row_align 1 or 16 the operator serves forward only and keeps no column-wise copies.
   Recipe recipe = Recipe::kBF16;
   // kMXFP8 only: the GEMMs read the caller's MXFP8 weights (ForwardArgs / BackwardArgs::
   // mxfp8_weights, moegraph/mxfp8_weights.hpp) and the operator keeps no copy of its own; the
@@ -67,6 +69,9 @@ MOEGRAPH_API void validate(const GroupedLinearOptions& options);
 // The recipe's shape rules for these options: "" when its kernels can run them, else the reason
 // ("the mxfp8 recipe needs ..."). Touches no GPU.
 MOEGRAPH_API std::string recipe_can_implement(const GroupedLinearOptions& options);
+// The recipe's further rules for training (forward_train, backward, backward_dw): "" when these
+// options can train, else the reason; forward_train refuses with it. Touches no GPU.
+MOEGRAPH_API std::string recipe_can_train(const GroupedLinearOptions& options);
 
 // Buffers are device pointers; all row buffers have options.capacity_rows rows. Group e occupies
 // rows [offsets[e], offsets[e] + splits[e]); gap rows up to the next aligned start read as zero

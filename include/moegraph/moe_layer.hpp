@@ -47,7 +47,7 @@ struct MoeLayerOptions {
   int64_t max_tokens = 0;           // the bucket's capacity in tokens, 1..kMaxLayerTokens (2^24)
   int row_align = 1;                // 1, 16, 32, 128
   DType dtype = DType::kBF16;
-  Recipe recipe = Recipe::kBF16;    // kMXFP8: FC1 and FC2 on MXFP8 copies (row_align 32 or 128)
+  Recipe recipe = Recipe::kBF16;    // kMXFP8: FC1 and FC2 on MXFP8 copies (training: row_align 32 or 128)
   // kMXFP8 only: FC1 and FC2 read the caller's MXFP8 weights (MoeLayerWeights::w1_mxfp8, w2_mxfp8)
   // and the layer keeps no copy; w1 and w2 are then not needed (serving from an MXFP8 checkpoint,
   // or one quantized copy shared by several layers).

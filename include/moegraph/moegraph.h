@@ -61,7 +61,8 @@ MOEGRAPH_API int mg_nccl_version(void);
    is a value of the type, refused by name, never undefined behaviour. */
 typedef enum { MG_DTYPE_BF16 = 0, MG_DTYPE_FP16 = 1, MG_DTYPE_FORCE_INT32 = 0x7fffffff,
                MG_DTYPE_FORCE_SIGNED = -0x7fffffff - 1 } mg_dtype;
-/* MG_RECIPE_MXFP8: the GEMMs run on MXFP8 copies (K, N multiples of 128, row_align 32 or 128);
+/* MG_RECIPE_MXFP8: the GEMMs run on MXFP8 copies (K, N multiples of 128; training needs row_align
+ * 32 or 128, inference runs at any row_align);
  * quantize the weights with the *_weights_changed call before the first forward and after every
  * weight update, or give them already quantized (prequantized_weights, see MXFP8 weights below). */
 typedef enum { MG_RECIPE_BF16 = 0, MG_RECIPE_MXFP8 = 1, MG_RECIPE_FORCE_INT32 = 0x7fffffff,

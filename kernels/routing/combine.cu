@@ -19,49 +19,55 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 8;  // elements per 16-byte vector
-constexpr int kTokenSumMinBlocksPerSm = 4;  // <= 64 registers (k row indices and weights live in registers)
 
 // out[t] = sum_j w[t, j] * rows[row_of[t, j]] for t < n, j in order; dropped (-1) rows skipped.
 // kZeroPastN: also out[t] = 0 for n <= t < max_tokens (unpermute); else those rows are untouched (combine).
+// One thread per (token, 16-byte vector), and each thread issues its k loads before it sums them:
+// a decode step has few tokens, and a warp per token walking its row vector by vector, one row
+// after the other, spent a memory round trip per load (tens of microseconds for a few hundred
+// tokens) where this takes about one.
 template <class T, bool kZeroPastN>
-__global__ void __launch_bounds__(kThreads, kTokenSumMinBlocksPerSm)
+__global__ void __launch_bounds__(kThreads)
     token_sum_kernel(const T* __restrict__ rows, const int32_t* __restrict__ row_of, const float* __restrict__ weights,
-                     const int32_t* num_tokens, int64_t max_tokens, int k, int64_t hidden, int lanes,
-                     T* __restrict__ out) {
+                     const int32_t* num_tokens, int64_t max_tokens, int k, int64_t hidden, T* __restrict__ out) {
   const int64_t n = load_token_count(num_tokens, max_tokens);
   const int64_t vectors = hidden / kVec;
-  for_each_row(kZeroPastN ? max_tokens : n, lanes, [&](int64_t t, int lane, bool active) {
-    if (!active) return;
+  const int64_t total = (kZeroPastN ? max_tokens : n) * vectors;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total; i += stride) {
+    const int64_t t = i / vectors, v = i - t * vectors;
+    T* dst = out + t * hidden + v * kVec;
     if (kZeroPastN && t >= n) {
       const float zero[kVec] = {};
-      for (int64_t v = lane; v < vectors; v += lanes) store8(out + t * hidden + v * kVec, zero);
-      return;
+      store8(dst, zero);
+      continue;
     }
-    int64_t src[kMaxTopK];
+    uint4 raw[kMaxTopK];
     float w[kMaxTopK];
+    unsigned used = 0;  // bit j: row j is routed (not dropped)
 #pragma unroll
     for (int j = 0; j < kMaxTopK; ++j) {
-      src[j] = -1;
+      raw[j] = uint4{};
       w[j] = 0.0f;
       if (j < k) {
-        src[j] = row_of[t * k + j];
-        w[j] = weights != nullptr ? weights[t * k + j] : 1.0f;
+        const int32_t src = row_of[t * k + j];
+        if (src >= 0) {
+          raw[j] = *reinterpret_cast<const uint4*>(rows + src * hidden + v * kVec);
+          w[j] = weights != nullptr ? weights[t * k + j] : 1.0f;
+          used |= 1u << j;
+        }
       }
     }
-    T* dst = out + t * hidden;
-    for (int64_t v = lane; v < vectors; v += lanes) {
-      float acc[kVec] = {};
+    float acc[kVec] = {};
 #pragma unroll
-      for (int j = 0; j < kMaxTopK; ++j) {
-        if (src[j] < 0) continue;
-        float x[kVec];
-        load8(rows + src[j] * hidden + v * kVec, x);
+    for (int j = 0; j < kMaxTopK; ++j) {
+      if (!(used >> j & 1u)) continue;  // dropped rows add nothing (not even 0 * NaN)
+      const T* x = reinterpret_cast<const T*>(&raw[j]);
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) acc[i] = fmaf(w[j], x[i], acc[i]);
-      }
-      store8(dst + v * kVec, acc);
+      for (int e = 0; e < kVec; ++e) acc[e] = fmaf(w[j], static_cast<float>(x[e]), acc[e]);
     }
-  });
+    store8(dst, acc);
+  }
 }
 
 // d_rows[r] = w_r * dy[token_of_row[r]] over rows r < offsets[E] (gap rows 0); kDot: also
@@ -149,12 +155,12 @@ void check_tokens_args(const char* what, int64_t max_tokens, int top_k, const vo
 template <class T, bool kZeroPastN>
 void launch_token_sum(const void* rows, const int32_t* row_of, const float* weights, const int32_t* num_tokens,
                       int64_t max_tokens, int top_k, int64_t hidden, void* out, cudaStream_t stream) {
-  const int lanes = lanes_per_row(hidden / kVec);
-  const int64_t tokens_per_block = kThreads / lanes;
   const int blocks_per_sm = resident_blocks_per_sm(token_sum_kernel<T, kZeroPastN>, kThreads);
-  const int grid = grid_blocks((max_tokens + tokens_per_block - 1) / tokens_per_block, blocks_per_sm);
+  // max_tokens * hidden is a buffer's element count (the callers bound its bytes): no overflow.
+  const int64_t vectors = max_tokens * (hidden / kVec);
+  const int grid = grid_blocks((vectors + kThreads - 1) / kThreads, blocks_per_sm);
   token_sum_kernel<T, kZeroPastN><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(rows), row_of, weights,
-                                                                  num_tokens, max_tokens, top_k, hidden, lanes,
+                                                                  num_tokens, max_tokens, top_k, hidden,
                                                                   static_cast<T*>(out));
   MG_LAUNCH_CHECK();
 }

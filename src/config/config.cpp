@@ -299,7 +299,7 @@ Config read_config(const Json& document) {
     }
   }
   for (int fc : {1, 2}) {
-    const std::string reason = recipe_can_implement(layer::expert_linear_options(largest, fc, moe_expert_rows(largest)));
+    const std::string reason = layer::expert_recipe_refusal(largest, fc, moe_expert_rows(largest));
     MG_CONFIG_CHECK(reason.empty(), "precision.recipe \"", recipe_name(config.precision.recipe), "\" cannot run fc", fc,
                     " (layer.hidden ", config.layer.hidden, ", layer.ffn ", config.layer.ffn, ", row_align ",
                     config.row_align, "): ", reason);

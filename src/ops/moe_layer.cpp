@@ -104,7 +104,7 @@ void validate(const MoeLayerOptions& o) {
            max_bytes, ", got ", o.experts, " * 2 * ", o.ffn, " * ", o.hidden, " * 4 = ", main_grad);
   // The recipe's shape rules, on the two grouped linears it will build.
   for (int layer : {1, 2}) {
-    const std::string reason = recipe_can_implement(layer::expert_linear_options(o, layer, expert_rows));
+    const std::string reason = layer::expert_recipe_refusal(o, layer, expert_rows);
     MG_CHECK(reason.empty(), "fc", layer, " (hidden ", o.hidden, ", ffn ", o.ffn, "): ", reason);
   }
 }

@@ -1,8 +1,9 @@
 // The whole MoE layer on the mxfp8 recipe (FC1 and FC2 on MXFP8 copies, docs/mxfp8.md) against the
 // fp64 layer reference with the same recipe (ref_moe_layer quantizes the same operands at the same
 // points): forward and every gradient, eager and graph-replayed (bit-identical), inference against
-// forward_train; and that the check tells the recipes apart: the bf16 reference does not pass the
-// mxfp8 layer's outputs at the same tolerance.
+// forward_train; inference at row_align 1 and 16 (forward only, any group starts); and that the
+// check tells the recipes apart: the bf16 reference does not pass the mxfp8 layer's outputs at the
+// same tolerance.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -10,7 +11,9 @@
 #include <tuple>
 #include <vector>
 
+#include "moegraph/grouped_linear.hpp"
 #include "moegraph/moe_layer.hpp"
+#include "moegraph/mxfp8_weights.hpp"
 #include "testing/data.hpp"
 #include "testing/graph.hpp"
 #include "testing/moe_layer_reference.hpp"
@@ -20,7 +23,7 @@
 namespace moegraph::test {
 namespace {
 
-// hidden and ffn multiples of 128, row_align 32 or 128: the recipe's shape rules.
+// hidden and ffn multiples of 128, row_align 32 or 128: the recipe's shape rules for training.
 const LayerCase kMxfp8Cases[] = {
     // name                          E   k  H    F    T   bias  sigm  renorm aux    cf    fuse  align mg    delay
     {"mxfp8_top2_bias_align32", 8, 2, 256, 128, 96, true, false, true, 0.0, 0.0, false, 32, true, false},
@@ -42,6 +45,66 @@ TEST_P(MoeLayerMxfp8Case, GraphReplaysMatchEagerAndReference) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerMxfp8Case, ::testing::ValuesIn(kMxfp8Cases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// A layer built for inference serves at row_align 1 and 16: its groups start anywhere, and it
+// keeps no column-wise copies (a smaller workspace than the same layer at row_align 32). y against
+// the forward-only mxfp8 reference, eagerly and from one capture replayed for other token counts
+// (bit-identical to eager); training the same layer is refused, by the layer and by its linears.
+TEST(MoeLayerMxfp8, InferenceAtRowAlign1And16MatchesReference) {
+  for (int align : {1, 16}) {
+    //                name               E   k  H    F    T   bias  sigm   renorm aux  cf   fuse  align  mg    delay
+    const LayerCase c{"mxfp8_serving", 16, 3, 256, 384, 80, true, false, true, 0.0, 0.0, false, align, true, false};
+    MoeLayerOptions o = options_of(c, Recipe::kMXFP8);
+    o.training = false, o.wgrad_slots = 1;
+    MoeLayerOptions aligned = o;
+    aligned.row_align = 32;
+    EXPECT_LT(MoeLayer::workspace_bytes(o), MoeLayer::workspace_bytes(aligned)) << "row_align " << align;
+    MoeLayerOptions trains = o;
+    trains.training = true;
+    try {
+      validate(trains);
+      ADD_FAILURE() << "mxfp8 training at row_align " << align << " must be refused";
+    } catch (const Error& e) {
+      EXPECT_NE(e.message().find("trains only at row_align 32 or 128"), std::string::npos) << e.message();
+    }
+
+    LayerHarness h(o, test_seed(c.name) + align);
+    const auto infer = [&] { h.layer().forward(h.io(), h.stream()); };
+    h.set_inputs(c.max_tokens);
+    infer();  // warm-up outside capture
+    testing::Graph graph(h.stream(), infer);
+    for (int64_t n : {c.max_tokens, c.max_tokens / 2 + 1, int64_t{1}}) {
+      h.set_inputs(n);
+      h.poison();
+      infer();
+      h.layer().check_device_errors(h.stream());
+      const LayerOutputs got = h.read();
+      h.expect_matches_reference(got, detail::concat(c.name, " row_align ", align, " n=", n), false);
+      h.poison();
+      graph.launch(h.stream());
+      EXPECT_TRUE(same_bits(h.read().y, got.y)) << "row_align " << align << " n=" << n << ": replay differs";
+    }
+
+    // The grouped linear itself refuses forward_train with the reason.
+    GroupedLinearOptions g;
+    g.num_groups = 4, g.in_features = 128, g.out_features = 256, g.capacity_rows = 112, g.row_align = align;
+    g.recipe = Recipe::kMXFP8, g.prequantized_weights = true;
+    EXPECT_NE(recipe_can_train(g).find("trains only at row_align 32 or 128"), std::string::npos);
+    GroupedLinear linear(g);
+    ForwardArgs args;
+    DeviceArray<uint16_t> x(112 * 128), y(112 * 256);
+    DeviceArray<int32_t> splits(4);
+    DeviceArray<uint8_t> w(mxfp8_weight_data_bytes(4, 256, 128)), ws(mxfp8_weight_scale_bytes(4, 256, 128));
+    args.x = x.get(), args.splits = splits.get(), args.y = y.get(), args.mxfp8_weights = {w.get(), ws.get()};
+    try {
+      linear.forward_train(args, h.stream());
+      ADD_FAILURE() << "forward_train at row_align " << align << " must be refused";
+    } catch (const Error& e) {
+      EXPECT_NE(e.message().find("forward_train: the mxfp8 recipe trains only at row_align 32"), std::string::npos)
+          << e.message();
+    }
+  }
+}
 
 // The check can fail: the same mxfp8 outputs that pass against the mxfp8 reference fail against
 // the bf16 one (which skips the quantization) at the same tolerance, on y, dx and both expert

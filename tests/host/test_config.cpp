@@ -127,7 +127,7 @@ std::vector<BadDoc> bad_docs() {
       {"RecipeFp8", with({{"/precision/recipe", R"("fp8")"}}),
        R"(precision.recipe must be "bf16" or "mxfp8", got "fp8")"},
       {"Mxfp8RowAlign1", with({{"/precision/recipe", R"("mxfp8")"}}),
-       R"(precision.recipe "mxfp8" cannot run fc1 (layer.hidden 256, layer.ffn 512, row_align 1): the mxfp8 recipe needs row_align 32 or 128 (a column-wise block of 32 rows must not straddle two groups), got 1)"},
+       R"(precision.recipe "mxfp8" cannot run fc1 (layer.hidden 256, layer.ffn 512, row_align 1): the mxfp8 recipe trains only at row_align 32 or 128 (a column-wise block of 32 rows must not straddle two groups), got 1; at row_align 1 or 16 it serves forward only)"},
       {"Mxfp8Ffn", with({{"/precision/recipe", R"("mxfp8")"}, {"/row_align", "32"}, {"/layer/ffn", "784"}}),
        R"(precision.recipe "mxfp8" cannot run fc1 (layer.hidden 256, layer.ffn 784, row_align 32): the mxfp8 recipe needs in_features (K) and out_features (N) multiples of 128, got K 256 and N 1568)"},
       {"DtypeFp32", with({{"/precision/dtype", R"("fp32")"}}),
@@ -623,6 +623,25 @@ TEST(ConfigRecipe, Mxfp8WithAlignedRowsParses) {
   const Config m = parse_config(text, "mxfp8");
   EXPECT_EQ(m.precision.recipe, Recipe::kMXFP8);
   EXPECT_EQ(m.row_align, 32);
+}
+
+// Inference keeps no column-wise copies, so the mxfp8 recipe serves at any row_align; training at
+// row_align 1 is refused (ConfigErrors.Mxfp8RowAlign1).
+TEST(ConfigRecipe, Mxfp8InferenceParsesAtRowAlign1) {
+  Config c = load_config((configs_dir() / "decode.json").string());
+  ASSERT_FALSE(c.training.enabled);
+  ASSERT_EQ(c.row_align, 1);
+  c.precision.recipe = Recipe::kMXFP8;
+  const Config m = parse_config(to_json(c), "mxfp8 decode");
+  EXPECT_EQ(m.precision.recipe, Recipe::kMXFP8);
+  EXPECT_EQ(m.row_align, 1);
+  c.training.enabled = true;
+  try {
+    parse_config(to_json(c), "mxfp8 training");
+    ADD_FAILURE() << "mxfp8 training at row_align 1 must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("trains only at row_align 32 or 128"), std::string::npos) << e.message();
+  }
 }
 
 TEST(ConfigStepKind, Names) {

@@ -387,7 +387,7 @@ TEST(Tools, CheckRefusesMoeLayerRecipesTheLayerCannotRun) {
                              "the mxfp8 recipe needs in_features (K) and out_features (N) multiples of 128, got K 64 "
                              "and N 256"},
       {256, 128, 16, "mxfp8", "recipe \"mxfp8\" cannot run fc1 (shape.hidden 256, shape.ffn 128, shape.row_align "
-                              "16): the mxfp8 recipe needs row_align 32 or 128"},
+                              "16): the mxfp8 recipe trains only at row_align 32 or 128"},
   };
   for (const auto& [hidden, ffn, row_align, recipe, reason] : cases) {
     write_case(hidden, ffn, row_align, recipe);

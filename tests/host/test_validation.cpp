@@ -249,6 +249,12 @@ TEST(CAbi, RecipeIsCheckedAndMxfp8SizesItsWorkspace) {
   o.recipe = MG_RECIPE_MXFP8;
   EXPECT_EQ(mg_moe_layer_workspace_bytes(&o, &mxfp8), MG_ERR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(mg_last_error()).find("row_align 32 or 128"), std::string::npos) << mg_last_error();
+  // Inference runs at any row_align: only wgrad's column-wise copies need groups on 32-row blocks.
+  o.training = 0;
+  std::size_t serving = 0;
+  ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &serving), MG_OK) << mg_last_error();
+  EXPECT_GT(serving, 0u);
+  o.training = 1;
   o.row_align = 32;
   ASSERT_EQ(mg_moe_layer_workspace_bytes(&o, &mxfp8), MG_OK) << mg_last_error();
   EXPECT_GT(mxfp8, 0u);

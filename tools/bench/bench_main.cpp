@@ -26,7 +26,7 @@ constexpr const char* kUsage =
     "               compared with the GPU's when there is one; needs no GPU\n"
     "  --json FILE  also write the results as JSON (scripts/plot-bench draws them); with --plan, the plan\n"
     "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
-    "  --recipe R   override precision.recipe (mxfp8 with row_align 1 uses row_align 32)\n"
+    "  --recipe R   override precision.recipe (mxfp8 training at row_align 1 or 16 uses row_align 32)\n"
     "  --torch FILE the same layer in PyTorch beside each bucket: columns \"torch ms\" (its graph replay)\n"
     "               and \"vs torch\" (torch ms / replay ms) from FILE, written by scripts/torch-moe-bench\n"
     "               --json FILE on the same config (name, layer, phase, buckets and fill must match;\n"
@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
     moegraph::Config config = config_path.empty() ? moegraph::default_config() : moegraph::load_config(config_path);
     if (!recipe.empty() && recipe != moegraph::recipe_name(config.precision.recipe)) {
       config.precision.recipe = recipe == "mxfp8" ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
-      if (recipe == "mxfp8" && config.row_align == 1) config.row_align = 32;
+      if (recipe == "mxfp8" && config.training.enabled && config.row_align < 32) config.row_align = 32;
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
     }
     if (expert_parallel > 0) {

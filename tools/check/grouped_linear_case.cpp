@@ -44,6 +44,10 @@ void check_operator_accepts(const GroupedLinearCase& gl, int64_t rows) {
   } catch (const Error& e) {
     MG_CONFIG_FAIL("GroupedLinear refuses this case: ", e.message());
   }
+  if (gl.phases.training()) {
+    const std::string reason = recipe_can_train(o);
+    MG_CONFIG_CHECK(reason.empty(), "GroupedLinear cannot train this case (phases other than \"forward\"): ", reason);
+  }
 }
 
 }  // namespace

@@ -65,7 +65,7 @@ void check_recipe_accepts(const MoeLayerCase& c) {
     std::string reason;
     try {
       const MoeLayerOptions o = moe_layer_options(c, false);
-      reason = recipe_can_implement(layer::expert_linear_options(o, fc, moe_expert_rows(o)));
+      reason = layer::expert_recipe_refusal(o, fc, moe_expert_rows(o));
     } catch (const Error& e) {  // sizes the layer refuses: the same message as its own check below
       MG_CONFIG_FAIL("MoeLayer refuses this case: ", e.message());
     }

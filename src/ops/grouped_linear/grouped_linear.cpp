@@ -82,6 +82,10 @@ std::string recipe_can_implement(const GroupedLinearOptions& o) {
   return detail::concat("unknown recipe ", static_cast<int>(o.recipe));
 }
 
+std::string recipe_can_train(const GroupedLinearOptions& o) {
+  return o.recipe == Recipe::kMXFP8 ? linear::mxfp8_can_train(o) : std::string{};
+}
+
 void validate(const GroupedLinearOptions& o) {
   MG_CHECK(o.num_groups >= 1 && o.num_groups <= kMaxGroups, "num_groups must be in [1, ", kMaxGroups, "], got ",
            o.num_groups);
@@ -245,6 +249,8 @@ void GroupedLinear::weights_changed(const void* weight, cudaStream_t stream) {
 void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) {
   const DeviceScope on_device(scratch_->device);
   check_forward_args(options_, args);
+  const std::string cannot_train = recipe_can_train(options_);
+  MG_CHECK(cannot_train.empty(), "forward_train: ", cannot_train);
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold forward contexts: run backward / backward_dw before the next forward_train");
   const int index = free_slots_.back();

@@ -59,6 +59,7 @@ std::string describe_gemm_configs(const kernels::GemmConfig& fprop, const kernel
 // Per recipe, in its own file: "" when its kernels can run these options, else the reason.
 std::string bf16_can_implement(const GroupedLinearOptions& options);
 std::string mxfp8_can_implement(const GroupedLinearOptions& options);
+std::string mxfp8_can_train(const GroupedLinearOptions& options);
 std::unique_ptr<LinearBackend> make_bf16_backend(const GroupedLinearOptions& options);
 std::unique_ptr<LinearBackend> make_mxfp8_backend(const GroupedLinearOptions& options);
 

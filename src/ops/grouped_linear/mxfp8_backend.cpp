@@ -17,17 +17,19 @@ namespace {
 
 class Mxfp8Backend final : public LinearBackend {
  public:
-  explicit Mxfp8Backend(const GroupedLinearOptions& o) : o_(o) {}
+  explicit Mxfp8Backend(const GroupedLinearOptions& o) : o_(o), trains_(mxfp8_can_train(o).empty()) {}
 
   void lay_out_scratch(LayoutWalker& walk) override {
     const int64_t widest = std::max(o_.in_features, o_.out_features);
     operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows, widest),
-                walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows / kernels::kMxBlock, widest)};
+                walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
+    // A forward-only operator (row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
-    if (!o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
+    if (trains_ && !o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
   }
   void lay_out_slot(LayoutWalker& walk, int slot, const std::string& prefix) override {
     if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
+    if (!trains_) return;
     slots_[slot].x_t = colwise(walk, prefix + "x_t", o_.in_features);
     if (o_.delay_wgrad) slots_[slot].dy_t = colwise(walk, prefix + "dy_t", o_.out_features);
   }
@@ -128,6 +130,7 @@ class Mxfp8Backend final : public LinearBackend {
     kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad)
   };
   GroupedLinearOptions o_;
+  bool trains_;  // mxfp8_can_train: forward_train may run (GroupedLinear refuses it otherwise)
   std::vector<Slot> slots_;
   kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]
   kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy
@@ -141,16 +144,22 @@ class Mxfp8Backend final : public LinearBackend {
 
 }  // namespace
 
-// The MXFP8 GEMMs stage 128 K elements at a time (fprop reduces K, dgrad N), and the column-wise
-// copies for wgrad need every group to start on a multiple of 32 rows.
+// The MXFP8 GEMMs stage 128 K elements at a time (fprop reduces K, dgrad N). Row-wise copies (all
+// that fprop reads) take any group starts.
 std::string mxfp8_can_implement(const GroupedLinearOptions& o) {
   if (o.in_features % 128 != 0 || o.out_features % 128 != 0)
     return detail::concat("the mxfp8 recipe needs in_features (K) and out_features (N) multiples of 128, got K ",
                           o.in_features, " and N ", o.out_features);
-  if (o.row_align != 32 && o.row_align != 128)
-    return detail::concat("the mxfp8 recipe needs row_align 32 or 128 (a column-wise block of 32 rows must not "
-                          "straddle two groups), got ", o.row_align);
   if (o.reference_kernels) return "the mxfp8 recipe has no reference (WMMA) kernels";
+  return {};
+}
+
+// The column-wise copies that wgrad reads need every group to start on a multiple of 32 rows.
+std::string mxfp8_can_train(const GroupedLinearOptions& o) {
+  if (o.row_align != 32 && o.row_align != 128)
+    return detail::concat("the mxfp8 recipe trains only at row_align 32 or 128 (a column-wise block of 32 rows "
+                          "must not straddle two groups), got ", o.row_align, "; at row_align 1 or 16 it serves "
+                          "forward only");
   return {};
 }
 

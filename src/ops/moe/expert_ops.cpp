@@ -181,6 +181,13 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, 
   return g;
 }
 
+std::string expert_recipe_refusal(const MoeLayerOptions& o, int layer, int64_t capacity_rows) {
+  const GroupedLinearOptions g = expert_linear_options(o, layer, capacity_rows);
+  std::string reason = recipe_can_implement(g);
+  if (reason.empty() && o.training) reason = recipe_can_train(g);
+  return reason;
+}
+
 std::unique_ptr<LayerOp> make_linear_op(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w) {
   return std::make_unique<LinearOp>(spec, o, w);
 }

@@ -45,6 +45,9 @@ std::string describe(const std::vector<OpSpec>& ops);
 // `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions
 // (the layer's operators and the expert-MLP step both use it).
 GroupedLinearOptions expert_linear_options(const MoeLayerOptions& options, int layer, int64_t capacity_rows);
+// Why the recipe cannot run that expert linear as the layer would use it ("" when it can): its shape
+// rules, and its training rules when options.training.
+std::string expert_recipe_refusal(const MoeLayerOptions& options, int layer, int64_t capacity_rows);
 
 // The operator of a declaration (set-up only: may allocate). With expert parallelism the dispatch
 // and the combine are the cross-rank ones (src/ops/moe/ep_ops.cpp), on `comm` (null: sizing only).
