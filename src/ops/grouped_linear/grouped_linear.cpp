@@ -83,7 +83,11 @@ std::string recipe_can_implement(const GroupedLinearOptions& o) {
 }
 
 std::string recipe_can_train(const GroupedLinearOptions& o) {
-  return o.recipe == Recipe::kMXFP8 ? linear::mxfp8_can_train(o) : std::string{};
+  switch (o.recipe) {
+    case Recipe::kBF16: return {};  // trains wherever it runs
+    case Recipe::kMXFP8: return linear::mxfp8_can_train(o);
+  }
+  return detail::concat("unknown recipe ", static_cast<int>(o.recipe));
 }
 
 void validate(const GroupedLinearOptions& o) {
