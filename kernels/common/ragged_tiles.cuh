@@ -90,16 +90,24 @@ struct RaggedTile {
   int64_t row0, span_rows, data_rows;
 };
 
+// M-tile `local` (of TILE rows) of group `group`.
+template <int TILE>
+__device__ __forceinline__ RaggedTile ragged_tile_of_group(const int32_t* splits, const int64_t* offsets, int group,
+                                                           int local) {
+  RaggedTile t;
+  t.group = group;
+  const int64_t local_row = static_cast<int64_t>(local) * TILE;
+  t.row0 = offsets[group] + local_row;
+  t.span_rows = min(static_cast<int64_t>(TILE), group_span(offsets, group) - local_row);
+  t.data_rows = max(int64_t{0}, min(t.span_rows, group_rows(splits, offsets, group) - local_row));
+  return t;
+}
+
 template <int TILE>
 __device__ __forceinline__ RaggedTile locate_ragged_tile(const int* prefix, const int32_t* splits,
                                                          const int64_t* offsets, int num_groups, int mt) {
-  RaggedTile t;
-  t.group = find_group(prefix, num_groups, mt);
-  const int64_t local_row = static_cast<int64_t>(mt - prefix[t.group]) * TILE;
-  t.row0 = offsets[t.group] + local_row;
-  t.span_rows = min(static_cast<int64_t>(TILE), group_span(offsets, t.group) - local_row);
-  t.data_rows = max(int64_t{0}, min(t.span_rows, group_rows(splits, offsets, t.group) - local_row));
-  return t;
+  const int group = find_group(prefix, num_groups, mt);
+  return ragged_tile_of_group<TILE>(splits, offsets, group, mt - prefix[group]);
 }
 
 // The epilogue of a row-ragged GEMM for 8 output columns [n0 + col, n0 + col + 8) of tile row
