@@ -63,7 +63,7 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
 // tile prefix counts row tiles, so group g owns tiles [prefix[g], prefix[g + 1]) * tiles_n; within
 // them the row tile runs fastest, so the CTAs working at one time share weight tiles (16 KB a stage)
 // through L2 and re-read only row tiles (4 KB a stage). For groups of many rows that lifts the L2 hit
-// rate to 85% (fine64_k2048_n2048, 500 rows) and took 40-80-row groups under skew 8-16% faster
+// rate to 85% (fine64_k2048_n2048, 500 rows) and took 40-80-row groups under skew 3-9% faster
 // (docs/PERF.md); a group of one row tile is walked as before.
 struct Tile {
   RaggedTile rows;
