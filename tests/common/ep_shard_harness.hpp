@@ -33,12 +33,15 @@ struct EpShardCase {
   int experts, top_k;
   int64_t hidden, ffn, tokens;  // tokens per rank
   bool bias, main_grad, delay;
+  bool mxfp8 = false;  // the mxfp8 recipe on both sides (the whole layers quantize as the ranks do)
 
   // The shape of one data-parallel group's whole layer, and of one rank's step.
   ShardCase whole() const {
-    return {name, 1, policy, unit, experts, top_k, hidden, ffn, ep * tokens, bias, main_grad, delay};
+    return {name, 1, policy, unit, experts, top_k, hidden, ffn, ep * tokens, bias, main_grad, delay, false, mxfp8};
   }
-  ShardCase rank_step() const { return {name, dp, policy, unit, experts, top_k, hidden, ffn, tokens, bias, main_grad, delay}; }
+  ShardCase rank_step() const {
+    return {name, dp, policy, unit, experts, top_k, hidden, ffn, tokens, bias, main_grad, delay, false, mxfp8};
+  }
 };
 
 inline const EpShardCase kEpShardCases[] = {
@@ -54,6 +57,10 @@ inline const EpShardCase kEpShardCases[] = {
     // 8 ranks: 3 local experts over 2 ranks (2, 1); delayed wgrad
     {"ep4_dp2_balanced_expert_mg_delay", 4, 2, ShardPolicy::kBalanced, ShardUnit::kExpert, 12, 2, 64, 32, 16, false,
      true, true},
+    // sharding, expert parallelism and the mxfp8 recipe together (K and N multiples of 128): each
+    // rank's forward quantizes its gathered local experts; 2 local experts over 2 ranks; main_grad
+    {"ep2_dp2_chunk_expert_mxfp8_mg", 2, 2, ShardPolicy::kChunk, ShardUnit::kExpert, 4, 2, 128, 128, 40, false, true,
+     false, true},
 };
 
 // One grid position this process drives, with its two communicators.
