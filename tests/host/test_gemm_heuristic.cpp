@@ -44,6 +44,19 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   const auto big = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 8, 16384, 28672, 4096), {});
   EXPECT_EQ(big.family, GemmFamily::kTma16);
   EXPECT_EQ(big.block_n, 256);
+  // fprop and dgrad take the wide tile on any group size once their output is 1536 wide or more:
+  // 128 experts of 40 rows (N 4096: fprop's output), decode's 6 rows; narrower outputs keep 128.
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 128, 5120, 4096, 1536), {}).block_n,
+            256);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 64, 384, 2816, 4096), {}).block_n,
+            256);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 128, 5120, 4096, 1024), {}).block_n,
+            128);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 128, 32768, 768, 2048), {}).block_n,
+            128);
+  // Too few wide tiles to fill the GPU (one decode token: 6 rows, at most 6 experts of 11 wide tiles).
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 6, 2816, 4096), {}).block_n, 128);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 48, 2816, 4096), {}).block_n, 256);
   // Short wgrad reductions (into dW or fp32 main_grad alike): ping-pong TMA consumers.
   auto small_problem = problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096);
   const auto small = kernels::choose_gemm_config(small_problem, {});
