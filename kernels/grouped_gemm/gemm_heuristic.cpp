@@ -74,7 +74,7 @@ namespace {
 // The wide tile (128 x 256) pays off for wgrad when every group holds many rows (long reductions)
 // and the output is wide. For fprop and dgrad it pays whatever the group sizes once the output is at
 // least 1536 wide: measured equal or faster on every such shape, from decode's 6-row groups to
-// 500-row ones, and 10-16% faster under skewed routing; outputs of 768 and 1024 lost 2-4% (docs/PERF.md,
+// 500-row ones, and 8-12% faster under skewed routing; outputs of 768 and 1024 lost 2-4% (docs/PERF.md,
 // "Wide tiles for fine-grained fprop and dgrad"). Unless the wide tiles are too few to fill the GPU:
 // a one-token decode bucket (6 rows, so at most 6 experts) has 66 of them for 132 SMs and ran 3%
 // slower, so at least kWideMinTiles (about two per SM) are asked of the rows the bucket can hold.
@@ -83,7 +83,8 @@ int heuristic_tile_n(const GemmProblem& p) {
   const int64_t out_cols = p.phase == GemmPhase::kFprop ? p.n : p.k;
   if (p.phase == GemmPhase::kWgrad) return p.expected_rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
   const int64_t busy_groups = std::min<int64_t>(p.groups, p.capacity_rows);  // a group with rows has one or more
-  const int64_t wide_tiles = busy_groups * ((out_cols + 255) / 256) * std::max<int64_t>(1, (p.expected_rows_per_group + 127) / 128);
+  const int64_t row_tiles = std::max<int64_t>(1, (p.expected_rows_per_group + 127) / 128);
+  const int64_t wide_tiles = busy_groups * ((out_cols + 255) / 256) * row_tiles;
   return out_cols >= kWideMinCols && wide_tiles >= kWideMinTiles ? 256 : 128;
 }
 
