@@ -37,4 +37,9 @@ GemmConfig mxfp8_swap_ab_config(GemmPhase phase, DType out);
 int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map);
 void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
 
+// sm90_grouped_gemm_mxfp8_dequant.cu (fprop and dgrad)
+GemmConfig mxfp8_dequant_config(GemmPhase phase, DType out);
+int prepare_mxfp8_dequant(const GemmConfig& config, void** encode_tensor_map);
+void launch_mxfp8_dequant(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
+
 }  // namespace moegraph::kernels

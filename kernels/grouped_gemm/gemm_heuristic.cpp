@@ -26,6 +26,7 @@ std::string_view gemm_family_name(GemmFamily family) {
     case GemmFamily::kTma16: return "wgmma_tma_ws_sw128";
     case GemmFamily::kMxfp8CpAsync: return "wgmma_e4m3_cp_async_sw128";
     case GemmFamily::kMxfp8SwapAb: return "wgmma_e4m3_swap_ab_tma_ws_sw128";
+    case GemmFamily::kMxfp8Dequant: return "wgmma_bf16_from_mxfp8_tma_ws_sw128";
   }
   return "?";
 }
@@ -36,6 +37,7 @@ std::string GemmConfig::to_string() const {
      << " threads=" << threads;
   if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
   if (family == GemmFamily::kMxfp8SwapAb) os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials";
+  if (family == GemmFamily::kMxfp8Dequant) os << " e4m3 dequantized to bf16 in shared memory";
   if (family == GemmFamily::kTma16 && ping_pong) os << " ping-pong consumers";
   return os.str();
 }
@@ -56,10 +58,13 @@ GemmOverrides with_environment(GemmOverrides o) {
     MG_CHECK(v == "0" || v == "1", "MOEGRAPH_MXFP8_PINGPONG must be 0 or 1, got '", v, "'");
     o.mxfp8_ping_pong = v == "1";
   }
-  if (const char* env = std::getenv("MOEGRAPH_MXFP8_SWAP_AB"); env != nullptr && o.mxfp8_swap_ab < 0) {
+  MG_CHECK(std::getenv("MOEGRAPH_MXFP8_SWAP_AB") == nullptr,
+           "MOEGRAPH_MXFP8_SWAP_AB was replaced by MOEGRAPH_MXFP8_ROUTE=e4m3|swap_ab|dequant");
+  if (const char* env = std::getenv("MOEGRAPH_MXFP8_ROUTE"); env != nullptr && o.mxfp8_route == Mxfp8Route::kAuto) {
     const std::string v = env;
-    MG_CHECK(v == "0" || v == "1", "MOEGRAPH_MXFP8_SWAP_AB must be 0 or 1, got '", v, "'");
-    o.mxfp8_swap_ab = v == "1";
+    MG_CHECK(v == "e4m3" || v == "swap_ab" || v == "dequant",
+             "MOEGRAPH_MXFP8_ROUTE must be e4m3, swap_ab or dequant, got '", v, "'");
+    o.mxfp8_route = v == "e4m3" ? Mxfp8Route::kE4m3 : v == "swap_ab" ? Mxfp8Route::kSwapAb : Mxfp8Route::kDequant;
   }
   if (const char* env = std::getenv("MOEGRAPH_WGRAD_PINGPONG"); env != nullptr && o.wgrad_ping_pong < 0) {
     const std::string v = env;
@@ -111,8 +116,18 @@ bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return p.expected_rows_pe
 // 80-500 rows it mostly loses to the row tiles (docs/PERF.md, "MXFP8 swap-AB: scale products by
 // adding exponents").
 constexpr int64_t kSwapAbMaxRowsPerGroup = 64;
-bool heuristic_mxfp8_swap_ab(const GemmProblem& p) {
-  return p.phase != GemmPhase::kWgrad && p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup;
+// Groups of many rows with long reductions: the operands dequantized to bf16 on chip. Measured
+// against the E4M3 128-row tiles in one session (docs/PERF.md, "MXFP8 dequantized on chip"): 4-13%
+// faster at 500-2048 rows a group and reductions of 2048-7168; mixed at 80-256 rows (+7% to -8% by
+// routing; the Qwen3 step 2-6% slower and Mixtral's at 256 rows a group 1% slower when forced), so
+// smaller groups and shorter reductions keep the E4M3 kernel.
+constexpr int64_t kDequantMinRowsPerGroup = 384, kDequantMinReduction = 2048;
+Mxfp8Route heuristic_mxfp8_route(const GemmProblem& p) {
+  if (p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup) return Mxfp8Route::kSwapAb;
+  const int64_t reduction = p.phase == GemmPhase::kDgrad ? p.n : p.k;
+  return p.expected_rows_per_group >= kDequantMinRowsPerGroup && reduction >= kDequantMinReduction
+             ? Mxfp8Route::kDequant
+             : Mxfp8Route::kE4m3;
 }
 
 }  // namespace
@@ -123,9 +138,14 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
   switch (p.recipe) {
     case Recipe::kMXFP8:
       MG_CHECK(!o.reference, "the mxfp8 recipe has no reference (WMMA) kernels");
-      if (p.phase != GemmPhase::kWgrad &&
-          (o.mxfp8_swap_ab >= 0 ? o.mxfp8_swap_ab == 1 : heuristic_mxfp8_swap_ab(p)))
-        return mxfp8_swap_ab_config(p.phase, p.dtype);
+      if (p.phase != GemmPhase::kWgrad) {
+        switch (o.mxfp8_route != Mxfp8Route::kAuto ? o.mxfp8_route : heuristic_mxfp8_route(p)) {
+          case Mxfp8Route::kSwapAb: return mxfp8_swap_ab_config(p.phase, p.dtype);
+          case Mxfp8Route::kDequant: return mxfp8_dequant_config(p.phase, p.dtype);
+          case Mxfp8Route::kE4m3:
+          case Mxfp8Route::kAuto: break;
+        }
+      }
       // Two fp32 partials per block measured faster (docs/PERF.md).
       return mxfp8_gemm_config(p.phase, p.dtype, o.mxfp8_ping_pong != 0);
     case Recipe::kBF16: {

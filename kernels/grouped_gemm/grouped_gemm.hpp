@@ -89,6 +89,8 @@ enum class GemmFamily {
   kMxfp8CpAsync,   // sm90_grouped_gemm_mxfp8_cp_async.cuh: e4m3 wgmma with per-32 scale promotion
   kMxfp8SwapAb,    // sm90_grouped_gemm_mxfp8_swap_ab.cuh: the same for groups of few rows, operands
                    // swapped (weight rows on M, the group's rows on N), TMA producer (fprop, dgrad)
+  kMxfp8Dequant,   // sm90_grouped_gemm_mxfp8_dequant.cuh: MXFP8 operands dequantized to bf16 in shared
+                   // memory, bf16 wgmma, TMA producer (fprop, dgrad)
 };
 std::string_view gemm_family_name(GemmFamily family);
 
@@ -103,17 +105,21 @@ struct GemmProblem {
   int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
 };
 
+// The kernel of an MXFP8 fprop or dgrad: E4M3 wgmma on 128-row tiles, E4M3 wgmma with the
+// operands swapped (groups of few rows), or the operands dequantized to bf16 on chip (bf16 wgmma).
+enum class Mxfp8Route { kAuto, kE4m3, kSwapAb, kDequant };
+
 // Choices forced by the caller or, where the caller left them open, by the environment.
 struct GemmOverrides {
   bool reference = false;                         // the reference (WMMA) kernels
   int tile_n = 0;                                 // 0: the heuristic's; 128 or 256
   GemmPipeline pipeline = GemmPipeline::kAuto;    // 16-bit wgmma kernels: cp.async or TMA
   int mxfp8_ping_pong = -1;                       // -1: the heuristic's; 0 or 1
-  int mxfp8_swap_ab = -1;                         // mxfp8 fprop/dgrad: -1 the heuristic's; 0 or 1
+  Mxfp8Route mxfp8_route = Mxfp8Route::kAuto;    // mxfp8 fprop/dgrad
   int wgrad_ping_pong = -1;                       // 16-bit TMA wgrad: -1 the heuristic's; 0 or 1
 };
 // `base` completed from MOEGRAPH_TILE_N=128|256, MOEGRAPH_GEMM_PIPELINE=tma|cp_async,
-// MOEGRAPH_MXFP8_PINGPONG=0|1, MOEGRAPH_MXFP8_SWAP_AB=0|1 and MOEGRAPH_WGRAD_PINGPONG=0|1 where it
+// MOEGRAPH_MXFP8_PINGPONG=0|1, MOEGRAPH_MXFP8_ROUTE=e4m3|swap_ab|dequant and MOEGRAPH_WGRAD_PINGPONG=0|1 where it
 // leaves a choice open: the one place the environment is read.
 // Throws on a malformed value.
 GemmOverrides with_environment(GemmOverrides base);

@@ -269,6 +269,36 @@ __device__ __forceinline__ void store_ragged_block(uint8_t* staging, const Acc<T
       });
 }
 
+// The warpgroup's 64-row block `wg` of an fprop / dgrad tile (output columns n0.. of `tile`) to
+// C [capacity_rows, cols] through `map`: data rows plus the group's bias times the row's bias scale,
+// alignment gap rows as zero (they read as zero downstream); rows past the group's span and columns
+// past `cols` are left alone.
+template <class T, class Tile>
+__device__ __forceinline__ void finish_ragged_block(uint8_t* staging, const Acc<Tile, 1>& acc, int wg,
+                                                    const RaggedTile& tile, int64_t n0, const CUtensorMap* map,
+                                                    T* c_all, int64_t cols, const T* bias_all,
+                                                    const float* bias_scale) {
+  using P = Pair<T>;
+  const T* b = bias_all != nullptr ? bias_all + static_cast<int64_t>(tile.group) * cols + n0 : nullptr;
+  float s[2];  // this thread's rows' bias scales
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = acc_row(wg, half);
+    s[half] = b != nullptr && bias_scale != nullptr && row < tile.data_rows ? bias_scale[tile.row0 + row] : 1.0f;
+  }
+  store_ragged_block<T, Tile>(staging, acc, wg, map, n0, tile.row0, c_all + tile.row0 * cols + n0, cols,
+                              static_cast<int>(tile.span_rows),
+                              static_cast<uint32_t>(min(static_cast<int64_t>(Tile::BN), cols - n0) * 2),
+                              [&](int half, int row, int col, float& v0, float& v1) {
+                                if (row >= tile.data_rows) {
+                                  v0 = v1 = 0.0f;  // alignment gap rows read as zero downstream
+                                } else if (b != nullptr && n0 + col < cols) {
+                                  const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
+                                  v0 += s[half] * bb.x, v1 += s[half] * bb.y;
+                                }
+                              });
+}
+
 // The mbarrier on which a consumer warpgroup waits for the main_grad boxes it loads, and its phase.
 struct EpilogueLoad {
   uint64_t* bar;
@@ -403,9 +433,6 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
 
   sm90::claim_registers<kConsumerRegs>();
   uint8_t* staging = smem + STAGES * Tile::kStageBytes;
-  const T* bias = static_cast<const T*>(p.bias);
-  T* c_all = static_cast<T*>(p.c);
-  using P = Pair<T>;
   RingPos pos;
   for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
     int mt, nt;
@@ -415,24 +442,8 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
     const int wg = threadIdx.x / 128 - 1;  // owns 64-row block wg of the tile
     Acc<Tile, 1> acc;
     consume<T, Tile, false, kDgrad, 1>(smem, full, empty, pos, ktiles, wg, acc, [](uint8_t*) {});
-    const T* b = bias != nullptr ? bias + static_cast<int64_t>(tile.group) * cols + n0 : nullptr;
-    float s[2];  // this thread's rows' bias scales
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = acc_row(wg, half);
-      s[half] = b != nullptr && p.bias_scale != nullptr && row < tile.data_rows ? p.bias_scale[tile.row0 + row] : 1.0f;
-    }
-    store_ragged_block<T, Tile>(staging, acc, wg, &tp.c, n0, tile.row0, c_all + tile.row0 * cols + n0, cols,
-                                static_cast<int>(tile.span_rows),
-                                static_cast<uint32_t>(min(static_cast<int64_t>(BN), cols - n0) * 2),
-                                [&](int half, int row, int col, float& v0, float& v1) {
-                                  if (row >= tile.data_rows) {
-                                    v0 = v1 = 0.0f;  // alignment gap rows read as zero downstream
-                                  } else if (b != nullptr && n0 + col < cols) {
-                                    const float2 bb = P::to_float2(*reinterpret_cast<const typename P::type*>(b + col));
-                                    v0 += s[half] * bb.x, v1 += s[half] * bb.y;
-                                  }
-                                });
+    finish_ragged_block<T, Tile>(staging, acc, wg, tile, n0, &tp.c, static_cast<T*>(p.c), cols,
+                                 static_cast<const T*>(p.bias), p.bias_scale);
   }
   sm90::bulk_wait();
 }

@@ -49,7 +49,8 @@ int prepare_mxfp8_gemm(const GemmConfig& config) {
 
 void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {
   MG_CHECK(plan.grid > 0 && plan.config.phase != GemmPhase::kWgrad &&
-               (plan.config.family == GemmFamily::kMxfp8CpAsync || plan.config.family == GemmFamily::kMxfp8SwapAb),
+               (plan.config.family == GemmFamily::kMxfp8CpAsync || plan.config.family == GemmFamily::kMxfp8SwapAb ||
+                plan.config.family == GemmFamily::kMxfp8Dequant),
            "launch_mxfp8_ragged_gemm: needs a prepared MXFP8 fprop or dgrad plan, got ", plan.config.to_string());
   MG_CHECK(p.k > 0 && p.k % m::BK == 0, "MXFP8 GEMM: the reduction must be a positive multiple of ", m::BK,
            ", got ", p.k);
@@ -57,6 +58,7 @@ void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams&
   MG_CHECK(p.num_groups >= 1 && p.num_groups <= kMaxGroups, "MXFP8 GEMM: num_groups must be in [1, ", kMaxGroups,
            "], got ", p.num_groups);
   if (plan.config.family == GemmFamily::kMxfp8SwapAb) return launch_mxfp8_swap_ab(plan, p, stream);
+  if (plan.config.family == GemmFamily::kMxfp8Dequant) return launch_mxfp8_dequant(plan, p, stream);
   with_kernel<false>(plan.config, [&](auto kernel) { kernel<<<plan.grid, m::THREADS, m::kSmemBytes, stream>>>(p); });
   MG_LAUNCH_CHECK();
 }

@@ -53,12 +53,6 @@ struct Params {
   CUtensorMap b;  // weights [G, cols, red] e4m3, box 128 rows x 128 bytes
 };
 
-// One arrival on `bar` once every cp.async this thread issued before it has landed (the barrier's
-// expected count already includes it).
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(sm90::smem_addr(bar)) : "memory");
-}
-
 // Virtual tile t: a row tile (a group's rows, 32 at a time) and a weight tile of the same group. The
 // tile prefix counts row tiles, so group g owns tiles [prefix[g], prefix[g + 1]) * tiles_n; within
 // them the row tile runs fastest, so the CTAs working at one time share weight tiles (16 KB a stage)

@@ -49,32 +49,41 @@ struct GemmCase {
   bool bias;
   int spread;  // binades of scale spread around 1
   int shift = 0;  // A's scales centred 2^-shift, B's 2^shift (their products stay near 1)
+  int rows_per_group = 37;  // on average
 };
 
-// Each case runs on both fprop/dgrad kernels: the row-major one (128-row tiles) and swap-AB
-// (weight rows on M, 32 group rows on N).
-class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, bool>> {};
+using kernels::Mxfp8Route;
+constexpr Mxfp8Route kRoutes[] = {Mxfp8Route::kE4m3, Mxfp8Route::kSwapAb, Mxfp8Route::kDequant};
+std::string route_name(Mxfp8Route r) {
+  return r == Mxfp8Route::kE4m3 ? "row_tiles" : r == Mxfp8Route::kSwapAb ? "swap_ab" : "dequant";
+}
+
+// Each case runs on every fprop/dgrad kernel: E4M3 wgmma on 128-row tiles, E4M3 swap-AB (weight rows
+// on M, 32 group rows on N), and the operands dequantized to bf16 on chip.
+class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, Mxfp8Route>> {};
 
 // The MXFP8 kernel for a phase (bf16 outputs), prepared on this device: fprop and dgrad on the
-// swap-AB kernel or not as asked, wgrad the heuristic's.
-kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, bool swap_ab = false) {
+// route asked for, wgrad the heuristic's.
+kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, Mxfp8Route route = Mxfp8Route::kE4m3) {
   kernels::GemmProblem problem;
   problem.phase = phase;
   problem.recipe = Recipe::kMXFP8;
   kernels::GemmOverrides forced;
-  forced.mxfp8_swap_ab = swap_ab ? 1 : 0;
+  forced.mxfp8_route = route;
   const kernels::GemmConfig config = kernels::choose_gemm_config(problem, kernels::with_environment(forced));
-  EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8SwapAb, swap_ab && phase != kernels::GemmPhase::kWgrad);
+  const bool wgrad = phase == kernels::GemmPhase::kWgrad;
+  EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8SwapAb, route == Mxfp8Route::kSwapAb && !wgrad);
+  EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8Dequant, route == Mxfp8Route::kDequant && !wgrad);
   return kernels::prepare_gemm(config, kernels::current_sm_count());
 }
 
 TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
-  const auto& [c, swap_ab] = GetParam();
+  const auto& [c, route] = GetParam();
   std::mt19937_64 rng(test_seed(c.name));
-  const int64_t data_rows = 37 * c.groups + 5;
+  const int64_t data_rows = int64_t{c.rows_per_group} * c.groups + 5;
   const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
   testing::Stream stream;
-  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, swap_ab);
+  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, route);
 
   const Mx a = random_mx(rng, capacity, c.k, c.spread, 127 - c.shift);
   const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread, 127 + c.shift);
@@ -143,11 +152,12 @@ const GemmCase kCases[] = {
     // Scales far from 1 (A's E8M0 bytes 37-97, B's 157-217), whose products are still normal: the
     // swap-AB kernel's promotion decodes them one by one instead of adding exponent fields.
     {"g8_k512_n256_scales_far_from_one", 8, 512, 256, 32, true, 30, 60},
+    // Groups of several 128-row tiles, long reductions: many tiles per CTA, chunks across tiles.
+    {"g5_k1536_n384_rows300", 5, 1536, 384, 1, true, 6, 0, 300},
 };
-INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::Combine(::testing::ValuesIn(kCases), ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kRoutes)),
                          [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) +
-                                  (std::get<1>(info.param) ? "_swap_ab" : "_row_tiles");
+                           return std::string(std::get<0>(info.param).name) + "_" + route_name(std::get<1>(info.param));
                          });
 
 // wgrad from column-wise operands: [cols][capacity] codes with block-major scales
@@ -225,8 +235,9 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
     ASSERT_EQ(acc[2 * n * k + i], static_cast<float>(init[2 * n * k + i])) << "empty group's main_grad changed";
 }
 
-// A NaN scale (E8M0 0xFF) poisons exactly the outputs that block feeds: never silently a number.
-class Mxfp8GemmNaN : public ::testing::TestWithParam<bool> {};
+// A NaN scale (E8M0 0xFF) or a NaN code (0x7F, 0xFF) poisons exactly the outputs that block feeds:
+// never silently a number.
+class Mxfp8GemmNaN : public ::testing::TestWithParam<Mxfp8Route> {};
 TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   std::mt19937_64 rng(5);
   const int groups = 2;
@@ -235,6 +246,8 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   Mx a = random_mx(rng, rows, k, 2);
   const Mx b = random_mx(rng, groups * n, k, 2);
   a.scales[10 * (k / 32) + 3] = 0xff;  // row 10, K block 3
+  a.data[40 * k + 77] = 0x7f;          // row 40: one NaN code under a finite scale
+  a.data[50 * k + 200] = 0xff;         // row 50: the negative NaN code
   DeviceArray<uint8_t> da(a.data.size()), das(a.scales.size()), db(b.data.size()), dbs(b.scales.size());
   da.upload(a.data), das.upload(a.scales), db.upload(b.data), dbs.upload(b.scales);
   DeviceArray<int32_t> dsplits(groups);
@@ -254,14 +267,62 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   for (int64_t r = 0; r < rows; ++r) {
     int nans = 0;
     for (int64_t col = 0; col < n; ++col) nans += std::isnan(from_bits(got[r * n + col], DType::kBF16));
-    if (r == 10) EXPECT_EQ(nans, n) << "every output of row 10 reads the NaN-scaled block";
+    if (r == 10 || r == 40 || r == 50) EXPECT_EQ(nans, n) << "every output of row " << r << " reads a NaN";
     else EXPECT_EQ(nans, 0) << "row " << r;
     nan_rows += nans > 0;
   }
-  EXPECT_EQ(nan_rows, 1);
+  EXPECT_EQ(nan_rows, 3);
 }
-INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8GemmNaN, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "swap_ab" : "row_tiles"; });
+INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8GemmNaN, ::testing::ValuesIn(kRoutes),
+                         [](const auto& info) { return route_name(info.param); });
+
+
+// Every finite E4M3 code at scales across the E8M0 range (0, the edges of the dequantizing kernel's
+// fast path at 134 / 135, and up to 246, where 448 x 2^119 is still finite) through a GEMM whose
+// weights are the identity (code 0x38 = 1, scale 2^0): each output is then one product, so it must
+// equal the dequantized code rounded to bf16 bit for bit (zeros by value), subnormals included. A conversion error
+// the accumulated sums of the other tests could hide shows here.
+class Mxfp8GemmExact : public ::testing::TestWithParam<Mxfp8Route> {};
+TEST_P(Mxfp8GemmExact, IdentityWeightsReturnEveryCodeExactly) {
+  const int64_t k = 256, n = 256, rows = 96;
+  const uint8_t kScaleBytes[] = {0, 1, 7, 64, 100, 119, 120, 126, 127, 128, 133, 134, 135, 200, 246};
+  std::vector<uint8_t> a(rows * k), as(rows * k / 32), b(n * k, 0), bs(n * k / 32, 127);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < k; ++c) {
+      uint8_t code = static_cast<uint8_t>((c + 37 * r) % 256);
+      if ((code & 0x7f) == 0x7f) code ^= 0x40;  // NaN codes would poison whole rows (see Mxfp8GemmNaN)
+      a[r * k + c] = code;
+    }
+  for (std::size_t i = 0; i < as.size(); ++i) as[i] = kScaleBytes[i % std::size(kScaleBytes)];
+  for (int64_t i = 0; i < n; ++i) b[i * k + i] = 0x38;
+  DeviceArray<uint8_t> da(a.size()), das(as.size()), db(b.size()), dbs(bs.size());
+  da.upload(a), das.upload(as), db.upload(b), dbs.upload(bs);
+  DeviceArray<int32_t> dsplits(1);
+  DeviceArray<int64_t> doffsets(2);
+  dsplits.upload({static_cast<int32_t>(rows)}), doffsets.upload({0, rows});
+  DeviceArray<uint16_t> dc(rows * n);
+  dc.poison();
+  kernels::Mxfp8RaggedGemmParams p;
+  p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
+  p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = 1, p.c = dc.get(), p.capacity_rows = rows;
+  kernels::launch_mxfp8_ragged_gemm(mxfp8_plan(kernels::GemmPhase::kFprop, GetParam()), p, nullptr);
+  const auto got = dc.download();
+  int wrong = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < n; ++c) {
+      const double v = e4m3_decode(a[r * k + c]) * e8m0_decode(as[(r * k + c) / 32]);
+      const uint16_t want = to_bits(v, DType::kBF16);
+      // -0 (code 0x80) times 1 plus the other columns' +0 products sums to +0: zeros compare by value.
+      const bool zeros = (got[r * n + c] & 0x7fff) == 0 && (want & 0x7fff) == 0;
+      if (got[r * n + c] != want && !zeros && wrong++ < 8)
+        ADD_FAILURE() << "row " << r << " code 0x" << std::hex << int{a[r * k + c]} << " scale byte " << std::dec
+                      << int{as[(r * k + c) / 32]} << ": got bf16 0x" << std::hex << got[r * n + c] << ", want 0x"
+                      << want;
+    }
+  EXPECT_EQ(wrong, 0);
+}
+INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8GemmExact, ::testing::ValuesIn(kRoutes),
+                         [](const auto& info) { return route_name(info.param); });
 
 }  // namespace
 }  // namespace moegraph::test

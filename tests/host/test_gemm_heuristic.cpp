@@ -69,14 +69,24 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   EXPECT_EQ(big_wgrad.family, GemmFamily::kTma16);
   EXPECT_FALSE(big_wgrad.ping_pong);
   EXPECT_EQ(big_wgrad.block_n, 256);
-  const auto mx = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 1024, 512), {});
+  const auto mx = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 4096, 1024, 512), {});
   EXPECT_EQ(mx.family, GemmFamily::kMxfp8CpAsync);
   EXPECT_TRUE(mx.ping_pong);
   EXPECT_NE(mx.to_string().find("wgmma_e4m3"), std::string::npos) << mx.to_string();
+  // 512 rows a group: dequantized on chip where the reduction is 2048 or longer, E4M3 below.
+  const auto long_red = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2048, 512), {});
+  EXPECT_EQ(long_red.family, GemmFamily::kMxfp8Dequant) << long_red.to_string();
+  const auto short_red = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2047, 4096), {});
+  EXPECT_EQ(short_red.family, GemmFamily::kMxfp8CpAsync) << short_red.to_string();
+  const auto fewer = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 8, 8 * 383, 1024, 4096), {});
+  EXPECT_EQ(fewer.family, GemmFamily::kMxfp8CpAsync) << fewer.to_string();
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 8, 8 * 384, 1024, 2048), {}).family,
+            GemmFamily::kMxfp8Dequant);
 }
 
-// MXFP8 fprop and dgrad of groups of at most 64 rows: the swap-AB kernel; larger groups and every
-// wgrad: the 128-row tiles. Forcing works both ways but never moves wgrad.
+// MXFP8 fprop and dgrad of groups of at most 64 rows: the swap-AB kernel; larger groups the E4M3
+// 128-row tiles (or, from 384 rows with long reductions, the dequantizing kernel: ChoosesByShapeAndPhase);
+// every wgrad: the E4M3 128-row tiles. Forcing picks any route but never moves wgrad.
 TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
   for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
     const auto decode = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 64 * 64, 2816, 4096), {});
@@ -86,20 +96,30 @@ TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
     const auto larger = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 65 * 64, 2816, 4096), {});
     EXPECT_EQ(larger.family, GemmFamily::kMxfp8CpAsync);
     kernels::GemmOverrides o;
-    o.mxfp8_swap_ab = 1;
+    o.mxfp8_route = kernels::Mxfp8Route::kSwapAb;
     EXPECT_EQ(kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 16384, 2816, 4096), o).family,
               GemmFamily::kMxfp8SwapAb);
-    o.mxfp8_swap_ab = 0;
+    o.mxfp8_route = kernels::Mxfp8Route::kE4m3;
     EXPECT_EQ(kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 384, 2816, 4096), o).family,
               GemmFamily::kMxfp8CpAsync);
+    o.mxfp8_route = kernels::Mxfp8Route::kDequant;
+    const auto forced = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 384, 2816, 4096), o);
+    EXPECT_EQ(forced.family, GemmFamily::kMxfp8Dequant);
+    EXPECT_NE(forced.to_string().find("dequantized to bf16"), std::string::npos) << forced.to_string();
   }
-  kernels::GemmOverrides o;
-  o.mxfp8_swap_ab = 1;
-  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kMXFP8, 64, 384, 2816, 4096), o).family,
-            GemmFamily::kMxfp8CpAsync);
-  EnvVar on("MOEGRAPH_MXFP8_SWAP_AB", "0");
-  EXPECT_EQ(kernels::with_environment({}).mxfp8_swap_ab, 0);
-  EnvVar bad("MOEGRAPH_MXFP8_SWAP_AB", "2");
+  for (auto route : {kernels::Mxfp8Route::kSwapAb, kernels::Mxfp8Route::kDequant}) {
+    kernels::GemmOverrides o;
+    o.mxfp8_route = route;
+    EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kMXFP8, 64, 384, 2816, 4096), o).family,
+              GemmFamily::kMxfp8CpAsync);
+  }
+  {
+    EnvVar on("MOEGRAPH_MXFP8_ROUTE", "dequant");
+    EXPECT_EQ(kernels::with_environment({}).mxfp8_route, kernels::Mxfp8Route::kDequant);
+    EnvVar bad("MOEGRAPH_MXFP8_ROUTE", "fast");
+    EXPECT_THROW(kernels::with_environment({}), Error);
+  }
+  EnvVar old("MOEGRAPH_MXFP8_SWAP_AB", "1");  // replaced: an error, never silently ignored
   EXPECT_THROW(kernels::with_environment({}), Error);
 }
 
