@@ -117,10 +117,11 @@ bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return p.expected_rows_pe
 // adding exponents").
 constexpr int64_t kSwapAbMaxRowsPerGroup = 64;
 // Groups of many rows with long reductions: the operands dequantized to bf16 on chip. Measured
-// against the E4M3 128-row tiles in one session (docs/PERF.md, "MXFP8 dequantized on chip"): 4-13%
-// faster at 500-2048 rows a group and reductions of 2048-7168; mixed at 80-256 rows (+7% to -8% by
-// routing; the Qwen3 step 2-6% slower and Mixtral's at 256 rows a group 1% slower when forced), so
-// smaller groups and shorter reductions keep the E4M3 kernel.
+// against the E4M3 128-row tiles in one session (docs/PERF.md, "MXFP8 dequantized on chip"): 6-15%
+// faster at 500-2048 rows a group (reductions 2048-7168), 3-8% on Qwen3's FC1 at 256 rows, mixed at
+// 80-128 rows (+9% to -8% by routing); with the route forced on every GEMM, the Qwen3 step got 2-6%
+// slower and Mixtral's at 256 rows a group 1% slower. So smaller groups and shorter reductions keep
+// the E4M3 kernel.
 constexpr int64_t kDequantMinRowsPerGroup = 384, kDequantMinReduction = 2048;
 Mxfp8Route heuristic_mxfp8_route(const GemmProblem& p) {
   if (p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup) return Mxfp8Route::kSwapAb;
