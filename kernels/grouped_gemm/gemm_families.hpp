@@ -42,4 +42,11 @@ GemmConfig mxfp8_dequant_config(GemmPhase phase, DType out);
 int prepare_mxfp8_dequant(const GemmConfig& config, void** encode_tensor_map);
 void launch_mxfp8_dequant(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
 
+// mxfp8_staged.cpp (every phase): the 16-bit TMA kernel of tile_n (ping_pong: wgrad's ping-pong
+// kernel) over operands dequantized to bf16 in Mxfp8*Params::staging.
+GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping_pong);
+int prepare_mxfp8_staged(const GemmConfig& config, void** encode_tensor_map);
+void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
+void launch_mxfp8_staged_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream);
+
 }  // namespace moegraph::kernels

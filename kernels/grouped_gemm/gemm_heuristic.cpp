@@ -27,6 +27,7 @@ std::string_view gemm_family_name(GemmFamily family) {
     case GemmFamily::kMxfp8CpAsync: return "wgmma_e4m3_cp_async_sw128";
     case GemmFamily::kMxfp8SwapAb: return "wgmma_e4m3_swap_ab_tma_ws_sw128";
     case GemmFamily::kMxfp8Dequant: return "wgmma_bf16_from_mxfp8_tma_ws_sw128";
+    case GemmFamily::kMxfp8Staged: return "mxfp8_staged_bf16_wgmma_tma_ws_sw128";
   }
   return "?";
 }
@@ -38,6 +39,8 @@ std::string GemmConfig::to_string() const {
   if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
   if (family == GemmFamily::kMxfp8SwapAb) os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials";
   if (family == GemmFamily::kMxfp8Dequant) os << " e4m3 dequantized to bf16 in shared memory";
+  if (family == GemmFamily::kMxfp8Staged)
+    os << " on operands dequantized to bf16 in scratch" << (ping_pong ? ", ping-pong consumers" : "");
   if (family == GemmFamily::kTma16 && ping_pong) os << " ping-pong consumers";
   return os.str();
 }
@@ -59,12 +62,15 @@ GemmOverrides with_environment(GemmOverrides o) {
     o.mxfp8_ping_pong = v == "1";
   }
   MG_CHECK(std::getenv("MOEGRAPH_MXFP8_SWAP_AB") == nullptr,
-           "MOEGRAPH_MXFP8_SWAP_AB was replaced by MOEGRAPH_MXFP8_ROUTE=e4m3|swap_ab|dequant");
+           "MOEGRAPH_MXFP8_SWAP_AB was replaced by MOEGRAPH_MXFP8_ROUTE=e4m3|swap_ab|dequant|staged");
   if (const char* env = std::getenv("MOEGRAPH_MXFP8_ROUTE"); env != nullptr && o.mxfp8_route == Mxfp8Route::kAuto) {
     const std::string v = env;
-    MG_CHECK(v == "e4m3" || v == "swap_ab" || v == "dequant",
-             "MOEGRAPH_MXFP8_ROUTE must be e4m3, swap_ab or dequant, got '", v, "'");
-    o.mxfp8_route = v == "e4m3" ? Mxfp8Route::kE4m3 : v == "swap_ab" ? Mxfp8Route::kSwapAb : Mxfp8Route::kDequant;
+    MG_CHECK(v == "e4m3" || v == "swap_ab" || v == "dequant" || v == "staged",
+             "MOEGRAPH_MXFP8_ROUTE must be e4m3, swap_ab, dequant or staged, got '", v, "'");
+    o.mxfp8_route = v == "e4m3"      ? Mxfp8Route::kE4m3
+                    : v == "swap_ab" ? Mxfp8Route::kSwapAb
+                    : v == "dequant" ? Mxfp8Route::kDequant
+                                     : Mxfp8Route::kStaged;
   }
   if (const char* env = std::getenv("MOEGRAPH_WGRAD_PINGPONG"); env != nullptr && o.wgrad_ping_pong < 0) {
     const std::string v = env;
@@ -123,8 +129,18 @@ constexpr int64_t kSwapAbMaxRowsPerGroup = 64;
 // slower and Mixtral's at 256 rows a group 1% slower. So smaller groups and shorter reductions keep
 // the E4M3 kernel.
 constexpr int64_t kDequantMinRowsPerGroup = 384, kDequantMinReduction = 2048;
+// Staged (bf16 activations only): the operands dequantized to bf16 through memory, then the bf16
+// kernel. Its cost over bf16 is about 3 bytes per weight element for fprop and dgrad (the weights
+// are dequantized every call) and 3 bytes per activation element for wgrad. Measured in one
+// session against the on-chip routes (docs/PERF.md, "MXFP8 staged through bf16"): wgrad 0.78-0.91x
+// bf16 against 0.28-0.35x on every shape from 80 to 2048 rows a group; fprop/dgrad 0.47-0.70x
+// against 0.31-0.38x at 500-2048 rows, 0.39-0.41x against 0.41-0.43x at 256, and behind below.
+constexpr int64_t kStagedMinRowsPerGroup = 384;
 Mxfp8Route heuristic_mxfp8_route(const GemmProblem& p) {
+  const bool bf16 = p.dtype == DType::kBF16;
+  if (p.phase == GemmPhase::kWgrad) return bf16 ? Mxfp8Route::kStaged : Mxfp8Route::kE4m3;
   if (p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup) return Mxfp8Route::kSwapAb;
+  if (bf16 && p.expected_rows_per_group >= kStagedMinRowsPerGroup) return Mxfp8Route::kStaged;
   const int64_t reduction = p.phase == GemmPhase::kDgrad ? p.n : p.k;
   return p.expected_rows_per_group >= kDequantMinRowsPerGroup && reduction >= kDequantMinReduction
              ? Mxfp8Route::kDequant
@@ -137,18 +153,30 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
   MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
            o.tile_n);
   switch (p.recipe) {
-    case Recipe::kMXFP8:
+    case Recipe::kMXFP8: {
       MG_CHECK(!o.reference, "the mxfp8 recipe has no reference (WMMA) kernels");
-      if (p.phase != GemmPhase::kWgrad) {
-        switch (o.mxfp8_route != Mxfp8Route::kAuto ? o.mxfp8_route : heuristic_mxfp8_route(p)) {
-          case Mxfp8Route::kSwapAb: return mxfp8_swap_ab_config(p.phase, p.dtype);
-          case Mxfp8Route::kDequant: return mxfp8_dequant_config(p.phase, p.dtype);
-          case Mxfp8Route::kE4m3:
-          case Mxfp8Route::kAuto: break;
+      // A forced route applies where it can run: staged needs bf16 activations.
+      const bool forced = o.mxfp8_route != Mxfp8Route::kAuto &&
+                          (o.mxfp8_route != Mxfp8Route::kStaged || p.dtype == DType::kBF16);
+      switch (forced ? o.mxfp8_route : heuristic_mxfp8_route(p)) {
+        case Mxfp8Route::kStaged: {  // the bf16 recipe's tile for the same problem
+          const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 &&
+                                 (o.wgrad_ping_pong >= 0 ? o.wgrad_ping_pong == 1 : heuristic_wgrad_ping_pong(p));
+          const int tile_n = ping_pong ? 128 : o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);
+          return mxfp8_staged_config(p.phase, p.dtype, tile_n, ping_pong);
         }
+        case Mxfp8Route::kSwapAb:
+          if (p.phase != GemmPhase::kWgrad) return mxfp8_swap_ab_config(p.phase, p.dtype);
+          break;
+        case Mxfp8Route::kDequant:
+          if (p.phase != GemmPhase::kWgrad) return mxfp8_dequant_config(p.phase, p.dtype);
+          break;
+        case Mxfp8Route::kE4m3:
+        case Mxfp8Route::kAuto: break;
       }
       // Two fp32 partials per block measured faster (docs/PERF.md).
       return mxfp8_gemm_config(p.phase, p.dtype, o.mxfp8_ping_pong != 0);
+    }
     case Recipe::kBF16: {
       if (o.reference) return reference_gemm_config(p.phase, p.dtype);
       const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 && o.pipeline != GemmPipeline::kCpAsync &&

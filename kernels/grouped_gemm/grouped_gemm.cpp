@@ -17,6 +17,7 @@ GemmPlan prepare_gemm(const GemmConfig& config, int sm_count) {
     case GemmFamily::kMxfp8CpAsync: ctas_per_sm = prepare_mxfp8_gemm(config); break;
     case GemmFamily::kMxfp8SwapAb: ctas_per_sm = prepare_mxfp8_swap_ab(config, &plan.encode_tensor_map); break;
     case GemmFamily::kMxfp8Dequant: ctas_per_sm = prepare_mxfp8_dequant(config, &plan.encode_tensor_map); break;
+    case GemmFamily::kMxfp8Staged: ctas_per_sm = prepare_mxfp8_staged(config, &plan.encode_tensor_map); break;
   }
   MG_CHECK(ctas_per_sm > 0, "the grouped GEMM kernel ", config.to_string(), " cannot be resident on this device");
   plan.grid = sm_count * ctas_per_sm;
@@ -41,7 +42,8 @@ void launch_ragged_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStr
     case GemmFamily::kTma16: return launch_tma_gemm(plan, p, stream);
     case GemmFamily::kMxfp8CpAsync:
     case GemmFamily::kMxfp8SwapAb:
-    case GemmFamily::kMxfp8Dequant: break;
+    case GemmFamily::kMxfp8Dequant:
+    case GemmFamily::kMxfp8Staged: break;
   }
   MG_FAIL("launch_ragged_gemm: ", plan.config.to_string(), " takes MXFP8 operands (launch_mxfp8_ragged_gemm)");
 }
@@ -55,7 +57,8 @@ void launch_grouped_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream
     case GemmFamily::kTma16: return launch_tma_wgrad(plan, p, stream);
     case GemmFamily::kMxfp8CpAsync:
     case GemmFamily::kMxfp8SwapAb:
-    case GemmFamily::kMxfp8Dequant: break;
+    case GemmFamily::kMxfp8Dequant:
+    case GemmFamily::kMxfp8Staged: break;
   }
   MG_FAIL("launch_grouped_wgrad: ", plan.config.to_string(), " takes MXFP8 operands (launch_mxfp8_wgrad)");
 }

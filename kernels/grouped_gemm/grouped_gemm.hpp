@@ -7,6 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -61,6 +62,10 @@ struct Mxfp8RaggedGemmParams {
   const float* bias_scale = nullptr;  // [capacity_rows] or null
   void* c = nullptr;                  // [capacity_rows, n] bf16 or fp16
   int64_t capacity_rows = 0;          // rows of a and c (the swap-AB kernel's tensor extent)
+  // The staged route (kMxfp8Staged) only: device scratch of at least mxfp8_staging_bytes(), where
+  // the operands are dequantized to bf16 before the bf16 kernel reads them.
+  void* staging = nullptr;
+  std::size_t staging_bytes = 0;
 };
 // MXFP8 wgrad: dW_e = dy_e^T · x_e from the column-wise copies (blocks of 32 rows along each column,
 // stored transposed; groups start on multiples of 32 rows). Scales are block-major:
@@ -76,6 +81,8 @@ struct Mxfp8WgradParams {
   int num_groups = 0;
   void* dweight = nullptr;               // [G, n, k] bf16 / fp16, written (empty group: zeros), or
   float* main_grad = nullptr;            // [G, n, k] fp32, accumulated
+  void* staging = nullptr;               // the staged route only, as in Mxfp8RaggedGemmParams
+  std::size_t staging_bytes = 0;
 };
 // ---- Problem -> config -> plan -> launch ---------------------------------------------------------
 enum class GemmPhase { kFprop, kDgrad, kWgrad };
@@ -91,6 +98,8 @@ enum class GemmFamily {
                    // swapped (weight rows on M, the group's rows on N), TMA producer (fprop, dgrad)
   kMxfp8Dequant,   // sm90_grouped_gemm_mxfp8_dequant.cuh: MXFP8 operands dequantized to bf16 in shared
                    // memory, bf16 wgmma, TMA producer (fprop, dgrad)
+  kMxfp8Staged,    // mxfp8_staged.cpp: MXFP8 operands dequantized to bf16 in device scratch, then the
+                   // 16-bit TMA kernel of the config's tile (every phase; bf16 outputs)
 };
 std::string_view gemm_family_name(GemmFamily family);
 
@@ -105,9 +114,12 @@ struct GemmProblem {
   int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
 };
 
-// The kernel of an MXFP8 fprop or dgrad: E4M3 wgmma on 128-row tiles, E4M3 wgmma with the
-// operands swapped (groups of few rows), or the operands dequantized to bf16 on chip (bf16 wgmma).
-enum class Mxfp8Route { kAuto, kE4m3, kSwapAb, kDequant };
+// The kernel of an MXFP8 GEMM: E4M3 wgmma on 128-row tiles, E4M3 wgmma with the operands swapped
+// (groups of few rows), the operands dequantized to bf16 on chip (bf16 wgmma), or dequantized to
+// bf16 in device scratch for the bf16 kernel (staged). wgrad takes E4M3 or staged (swap_ab and
+// dequant are fprop/dgrad kernels: wgrad keeps E4M3 under them). Staged needs bf16 activations:
+// forced on fp16 ones, the heuristic's route runs.
+enum class Mxfp8Route { kAuto, kE4m3, kSwapAb, kDequant, kStaged };
 
 // Choices forced by the caller or, where the caller left them open, by the environment.
 struct GemmOverrides {
@@ -119,7 +131,7 @@ struct GemmOverrides {
   int wgrad_ping_pong = -1;                       // 16-bit TMA wgrad: -1 the heuristic's; 0 or 1
 };
 // `base` completed from MOEGRAPH_TILE_N=128|256, MOEGRAPH_GEMM_PIPELINE=tma|cp_async,
-// MOEGRAPH_MXFP8_PINGPONG=0|1, MOEGRAPH_MXFP8_ROUTE=e4m3|swap_ab|dequant and MOEGRAPH_WGRAD_PINGPONG=0|1 where it
+// MOEGRAPH_MXFP8_PINGPONG=0|1, MOEGRAPH_MXFP8_ROUTE=e4m3|swap_ab|dequant|staged and MOEGRAPH_WGRAD_PINGPONG=0|1 where it
 // leaves a choice open: the one place the environment is read.
 // Throws on a malformed value.
 GemmOverrides with_environment(GemmOverrides base);
@@ -146,6 +158,16 @@ struct GemmPlan {
   void* encode_tensor_map = nullptr; // the driver's cuTensorMapEncodeTiled (TMA family)
 };
 GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
+
+// Device scratch the config's launches need (Mxfp8*Params::staging): 0 except for kMxfp8Staged.
+// Its wgrad dequantizes dy and x, [capacity_rows, n + k]. Its fprop/dgrad dequantize A
+// [capacity_rows, k] and then the weights a run of experts at a time: as many experts as the
+// given staging_bytes hold past A (at least one). This size holds runs of `experts_per_run`, or by
+// default as many experts as fit kStagedWeightBytes (at least one). n and k as in the launch's
+// params (output columns and reduction; wgrad: the layer's N and K); throws past 2^48 bytes.
+inline constexpr std::size_t kStagedWeightBytes = std::size_t{256} << 20;
+std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,
+                                int experts_per_run = 0);
 
 // Launches (enqueue paths: capturable). The plan's phase and family pick the kernel; the params
 // must be of that phase (RaggedGemmParams: fprop and dgrad; WgradParams: wgrad) and family

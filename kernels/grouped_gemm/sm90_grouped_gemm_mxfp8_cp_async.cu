@@ -50,7 +50,7 @@ int prepare_mxfp8_gemm(const GemmConfig& config) {
 void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {
   MG_CHECK(plan.grid > 0 && plan.config.phase != GemmPhase::kWgrad &&
                (plan.config.family == GemmFamily::kMxfp8CpAsync || plan.config.family == GemmFamily::kMxfp8SwapAb ||
-                plan.config.family == GemmFamily::kMxfp8Dequant),
+                plan.config.family == GemmFamily::kMxfp8Dequant || plan.config.family == GemmFamily::kMxfp8Staged),
            "launch_mxfp8_ragged_gemm: needs a prepared MXFP8 fprop or dgrad plan, got ", plan.config.to_string());
   MG_CHECK(p.k > 0 && p.k % m::BK == 0, "MXFP8 GEMM: the reduction must be a positive multiple of ", m::BK,
            ", got ", p.k);
@@ -59,12 +59,15 @@ void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams&
            "], got ", p.num_groups);
   if (plan.config.family == GemmFamily::kMxfp8SwapAb) return launch_mxfp8_swap_ab(plan, p, stream);
   if (plan.config.family == GemmFamily::kMxfp8Dequant) return launch_mxfp8_dequant(plan, p, stream);
+  if (plan.config.family == GemmFamily::kMxfp8Staged) return launch_mxfp8_staged(plan, p, stream);
   with_kernel<false>(plan.config, [&](auto kernel) { kernel<<<plan.grid, m::THREADS, m::kSmemBytes, stream>>>(p); });
   MG_LAUNCH_CHECK();
 }
 
 void launch_mxfp8_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream) {
-  check_plan(plan, true, "launch_mxfp8_wgrad");
+  const bool staged = plan.config.family == GemmFamily::kMxfp8Staged && plan.config.phase == GemmPhase::kWgrad;
+  if (!staged) check_plan(plan, true, "launch_mxfp8_wgrad");
+  MG_CHECK(plan.grid > 0, "launch_mxfp8_wgrad: the plan was not prepared (prepare_gemm at set-up)");
   MG_CHECK(p.n > 0 && p.n % 16 == 0 && p.k > 0 && p.k % 16 == 0, "MXFP8 wgrad: n and k must be positive multiples "
            "of 16, got ", p.n, " and ", p.k);
   MG_CHECK(p.capacity_rows > 0 && p.capacity_rows % m::kBlock == 0, "MXFP8 wgrad: capacity_rows must be a positive "
@@ -72,6 +75,7 @@ void launch_mxfp8_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStr
   MG_CHECK(p.num_groups >= 1 && p.num_groups <= kMaxGroups, "MXFP8 wgrad: num_groups must be in [1, ", kMaxGroups,
            "], got ", p.num_groups);
   MG_CHECK((p.dweight != nullptr) != (p.main_grad != nullptr), "MXFP8 wgrad: exactly one of dweight and main_grad");
+  if (staged) return launch_mxfp8_staged_wgrad(plan, p, stream);
   with_kernel<true>(plan.config, [&](auto kernel) { kernel<<<plan.grid, m::THREADS, m::kSmemBytes, stream>>>(p); });
   MG_LAUNCH_CHECK();
 }

@@ -382,7 +382,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_rowwise_kernel(cons
                                                                            const uint8_t* __restrict__ scales,
                                                                            Out* __restrict__ y, int64_t rows,
                                                                            int64_t cols, const int64_t* used_rows) {
-  const int64_t used = min(max(*used_rows, int64_t{0}), rows);
+  const int64_t used = used_rows != nullptr ? min(max(*used_rows, int64_t{0}), rows) : rows;
   const int64_t chunks = used * cols / kChunk;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
@@ -408,6 +408,61 @@ void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int6
   const int blocks_per_sm = resident_blocks_per_sm(dequantize_mxfp8_rowwise_kernel<Out>, kThreads);
   const int64_t max_blocks = (rows * cols / kChunk + kThreads - 1) / kThreads;
   dequantize_mxfp8_rowwise_kernel<Out><<<grid_blocks(max_blocks, blocks_per_sm), kThreads, 0, stream>>>(
+      data, scales, static_cast<Out*>(y), rows, cols, used_rows);
+  MG_LAUNCH_CHECK();
+}
+
+// ---- Dequantize (column-wise, back to row-major) ----------------------------------------------
+
+// Tiles of 64 rows x 64 columns of y [rows, cols], grid-stride. Loads: thread t takes column t / 4
+// of the tile and 16 consecutive rows (one 16-byte vector of the [cols, rows] codes, half a block);
+// the values go through a shared tile to be stored as whole rows of y.
+constexpr int kColwiseTile = 64;
+template <class Out>
+__global__ void __launch_bounds__(kThreads) dequantize_mxfp8_colwise_kernel(const uint8_t* __restrict__ data,
+                                                                           const uint8_t* __restrict__ scales,
+                                                                           Out* __restrict__ y, int64_t rows,
+                                                                           int64_t cols, const int64_t* used_rows) {
+  constexpr int kPad = 16 / sizeof(Out);  // rows of the shared tile stay 16-byte aligned
+  __shared__ __align__(16) Out tile[kColwiseTile][kColwiseTile + kPad];
+  const int64_t used = min(max(*used_rows, int64_t{0}), rows);
+  const int64_t row_tiles = (used + kColwiseTile - 1) / kColwiseTile;
+  const int64_t col_tiles = (cols + kColwiseTile - 1) / kColwiseTile;
+  const int lc = threadIdx.x / 4, lr = threadIdx.x % 4 * 16;
+  for (int64_t t = blockIdx.x; t < row_tiles * col_tiles; t += gridDim.x) {
+    const int64_t r0 = t / col_tiles * kColwiseTile, c0 = t % col_tiles * kColwiseTile;
+    // rows (a multiple of 32) bounds the load; rows past `used` are converted but never stored.
+    if (c0 + lc < cols && r0 + lr < rows) {
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(data + (c0 + lc) * rows + r0 + lr));
+      const float s = mx_scale_value(__ldg(scales + (r0 + lr) / kMxBlock * cols + c0 + lc));
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t w = word_of(q, j);
+        const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
+        tile[lr + 4 * j][lc] = static_cast<Out>(lo.x * s);  // exact in fp32, then rounded to nearest even
+        tile[lr + 4 * j + 1][lc] = static_cast<Out>(lo.y * s);
+        tile[lr + 4 * j + 2][lc] = static_cast<Out>(hi.x * s);
+        tile[lr + 4 * j + 3][lc] = static_cast<Out>(hi.y * s);
+      }
+    }
+    __syncthreads();
+    // Stores: 16-byte pieces of tile rows; cols is a multiple of 16, so a piece is whole or absent.
+    constexpr int kPerPiece = 16 / sizeof(Out), kPiecesPerRow = kColwiseTile / kPerPiece;
+    for (int i = threadIdx.x; i < kColwiseTile * kPiecesPerRow; i += kThreads) {
+      const int r = i / kPiecesPerRow, c = i % kPiecesPerRow * kPerPiece;
+      if (r0 + r < used && c0 + c < cols)
+        *reinterpret_cast<uint4*>(y + (r0 + r) * cols + c0 + c) = *reinterpret_cast<const uint4*>(&tile[r][c]);
+    }
+    __syncthreads();
+  }
+}
+
+template <class Out>
+void launch_dequantize_colwise(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
+                               const int64_t* used_rows, cudaStream_t stream) {
+  const int blocks_per_sm = resident_blocks_per_sm(dequantize_mxfp8_colwise_kernel<Out>, kThreads);
+  const int64_t tiles = (rows + kColwiseTile - 1) / kColwiseTile * ((cols + kColwiseTile - 1) / kColwiseTile);
+  dequantize_mxfp8_colwise_kernel<Out><<<grid_blocks(tiles, blocks_per_sm), kThreads, 0, stream>>>(
       data, scales, static_cast<Out*>(y), rows, cols, used_rows);
   MG_LAUNCH_CHECK();
 }
@@ -459,6 +514,37 @@ void launch_dequantize_mxfp8_rowwise(const uint8_t* data, const uint8_t* scales,
     case DType::kBF16: launch_dequantize<__nv_bfloat16>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
     case DType::kFP16: launch_dequantize<__half>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
     case DType::kFP32: launch_dequantize<float>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
+  }
+}
+
+void launch_dequantize_mxfp8_weights(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
+                                     cudaStream_t stream) {
+  constexpr const char* kWho = "launch_dequantize_mxfp8_weights";
+  MG_CHECK(rows >= 0 && cols > 0 && cols % kMxBlock == 0, kWho,
+           ": needs rows >= 0 and cols a positive multiple of 32, got ", rows, " x ", cols);
+  MG_CHECK(data != nullptr && aligned16(data) && scales != nullptr && y != nullptr && aligned16(y), kWho,
+           ": data and y must be 16-byte aligned device pointers, scales non-null");
+  if (rows > 0) launch_dequantize<__nv_bfloat16>(data, scales, y, rows, cols, nullptr, stream);
+}
+
+void launch_dequantize_mxfp8_colwise(const uint8_t* data, const uint8_t* scales, DType out, void* y,
+                                     int64_t capacity_rows, int64_t cols, const int64_t* offsets, int groups,
+                                     cudaStream_t stream) {
+  constexpr const char* kWho = "launch_dequantize_mxfp8_colwise";
+  MG_CHECK(capacity_rows >= 0 && capacity_rows % kMxBlock == 0 && cols > 0 && cols % 16 == 0, kWho,
+           ": needs capacity_rows a multiple of 32 and cols a positive multiple of 16, got ", capacity_rows, " x ",
+           cols);
+  MG_CHECK(offsets != nullptr && groups >= 0, kWho, ": needs the device offsets [groups + 1], groups = ", groups);
+  MG_CHECK(data != nullptr && aligned16(data) && scales != nullptr && y != nullptr && aligned16(y), kWho,
+           ": data and y must be 16-byte aligned device pointers, scales non-null");
+  if (capacity_rows == 0) return;
+  const int64_t* used_rows = offsets + groups;
+  switch (out) {
+    case DType::kBF16:
+      launch_dequantize_colwise<__nv_bfloat16>(data, scales, y, capacity_rows, cols, used_rows, stream);
+      break;
+    case DType::kFP16: launch_dequantize_colwise<__half>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
+    case DType::kFP32: launch_dequantize_colwise<float>(data, scales, y, capacity_rows, cols, used_rows, stream); break;
   }
 }
 

@@ -82,4 +82,17 @@ void launch_dequantize_mxfp8_rowwise(const uint8_t* data, const uint8_t* scales,
                                      int64_t capacity_rows, int64_t cols, const int64_t* offsets, int groups,
                                      cudaStream_t stream);
 
+// The same for every row of a row-wise copy [rows, cols] into bf16 (the weights' copies, all
+// experts: rows = G * N along K, or G * K along N for the transposed copy).
+void launch_dequantize_mxfp8_weights(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
+                                     cudaStream_t stream);
+
+// A column-wise copy ([cols, capacity_rows] codes, block-major scales [capacity_rows / 32, cols])
+// back to a row-major y [capacity_rows, cols] in `out`, for the used rows [0, offsets[groups]);
+// the rest of y is untouched. capacity_rows is a multiple of 32, cols of 16; data and y 16-byte
+// aligned. Values as launch_dequantize_mxfp8_rowwise.
+void launch_dequantize_mxfp8_colwise(const uint8_t* data, const uint8_t* scales, DType out, void* y,
+                                     int64_t capacity_rows, int64_t cols, const int64_t* offsets, int groups,
+                                     cudaStream_t stream);
+
 }  // namespace moegraph::kernels

@@ -4,6 +4,7 @@
 // with a per-row scale, NaN scales propagating, and a captured launch replayed on new routings.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -53,13 +54,34 @@ struct GemmCase {
 };
 
 using kernels::Mxfp8Route;
-constexpr Mxfp8Route kRoutes[] = {Mxfp8Route::kE4m3, Mxfp8Route::kSwapAb, Mxfp8Route::kDequant};
+constexpr Mxfp8Route kRoutes[] = {Mxfp8Route::kE4m3, Mxfp8Route::kSwapAb, Mxfp8Route::kDequant,
+                                  Mxfp8Route::kStaged};
+constexpr Mxfp8Route kWgradRoutes[] = {Mxfp8Route::kE4m3, Mxfp8Route::kStaged};
 std::string route_name(Mxfp8Route r) {
-  return r == Mxfp8Route::kE4m3 ? "row_tiles" : r == Mxfp8Route::kSwapAb ? "swap_ab" : "dequant";
+  switch (r) {
+    case Mxfp8Route::kSwapAb: return "swap_ab";
+    case Mxfp8Route::kDequant: return "dequant";
+    case Mxfp8Route::kStaged: return "staged";
+    default: return "row_tiles";
+  }
 }
 
+// The staged route's scratch for a launch (none for the other routes), poisoned: the route must
+// write every staged value it reads. experts_per_run: 0 for the default size.
+struct Staging {
+  Staging(const kernels::GemmPlan& plan, int groups, int64_t capacity_rows, int64_t n, int64_t k,
+          int experts_per_run = 0)
+      : bytes(kernels::mxfp8_staging_bytes(plan.config, groups, capacity_rows, n, k, experts_per_run)),
+        buffer(std::max<std::size_t>(bytes, 1)) {
+    buffer.poison();
+  }
+  std::size_t bytes;
+  DeviceArray<uint8_t> buffer;
+};
+
 // Each case runs on every fprop/dgrad kernel: E4M3 wgmma on 128-row tiles, E4M3 swap-AB (weight rows
-// on M, 32 group rows on N), and the operands dequantized to bf16 on chip.
+// on M, 32 group rows on N), the operands dequantized to bf16 on chip, and the operands staged as
+// bf16 in scratch for the bf16 kernel.
 class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, Mxfp8Route>> {};
 
 // The MXFP8 kernel for a phase (bf16 outputs), prepared on this device: fprop and dgrad on the
@@ -74,6 +96,7 @@ kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, Mxfp8Route route = Mxfp8R
   const bool wgrad = phase == kernels::GemmPhase::kWgrad;
   EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8SwapAb, route == Mxfp8Route::kSwapAb && !wgrad);
   EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8Dequant, route == Mxfp8Route::kDequant && !wgrad);
+  EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8Staged, route == Mxfp8Route::kStaged);
   return kernels::prepare_gemm(config, kernels::current_sm_count());
 }
 
@@ -99,12 +122,15 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   DeviceArray<DeviceErrorRecord> derr(1);
   testing::memset_and_wait(derr.get(), 0, sizeof(DeviceErrorRecord));
   DeviceArray<uint16_t> dc(capacity * c.n);
+  // Weights staged two experts at a time: several runs, the last one short when groups are odd.
+  Staging staging(fprop_plan, c.groups, capacity, c.n, c.k, 2);
 
   kernels::Mxfp8RaggedGemmParams p;
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = c.n, p.k = c.k;
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = c.groups;
   p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
   p.capacity_rows = capacity;
+  p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
   auto enqueue = [&] {
     kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
     kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, stream.get());
@@ -188,7 +214,8 @@ ColumnWise random_column_wise(std::mt19937_64& rng, const GroupLayout& l, int64_
   return m;
 }
 
-TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
+class Mxfp8Wgrad : public ::testing::TestWithParam<Mxfp8Route> {};
+TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   std::mt19937_64 rng(test_seed("mxfp8_wgrad"));
   const int groups = 6;
   const int64_t n = 144, k = 272, data_rows_total = 700;
@@ -199,7 +226,8 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   const GroupLayout layout = make_layout(splits, 32, capacity);
   const ColumnWise dy = random_column_wise(rng, layout, n, 6), x = random_column_wise(rng, layout, k, 6);
   const Mat ref = ref_wgrad(layout, dy.values, x.values, n, k);
-  const kernels::GemmPlan wgrad_plan = mxfp8_plan(kernels::GemmPhase::kWgrad);
+  const kernels::GemmPlan wgrad_plan = mxfp8_plan(kernels::GemmPhase::kWgrad, GetParam());
+  Staging staging(wgrad_plan, groups, capacity, n, k);
   DeviceArray<uint8_t> ddy(dy.data.size()), ddys(dy.scales.size()), dx(x.data.size()), dxs(x.scales.size());
   ddy.upload(dy.data), ddys.upload(dy.scales), dx.upload(x.data), dxs.upload(x.scales);
   DeviceArray<int32_t> dsplits(groups);
@@ -211,6 +239,7 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   p.dy_t = ddy.get(), p.dy_t_scales = ddys.get(), p.x_t = dx.get(), p.x_t_scales = dxs.get();
   p.n = n, p.k = k, p.capacity_rows = capacity, p.splits = dsplits.get(), p.offsets = doffsets.get();
   p.num_groups = groups;
+  p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
 
   dw.poison();
   p.dweight = dw.get();
@@ -234,6 +263,8 @@ TEST(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   for (int64_t i = 0; i < n * k; ++i)  // group 2 is empty: main_grad unchanged, bit for bit
     ASSERT_EQ(acc[2 * n * k + i], static_cast<float>(init[2 * n * k + i])) << "empty group's main_grad changed";
 }
+INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8Wgrad, ::testing::ValuesIn(kWgradRoutes),
+                         [](const auto& info) { return route_name(info.param); });
 
 // A NaN scale (E8M0 0xFF) or a NaN code (0x7F, 0xFF) poisons exactly the outputs that block feeds:
 // never silently a number.
@@ -243,6 +274,7 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   const int groups = 2;
   const int64_t k = 256, n = 128, rows = 64;
   const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, GetParam());
+  Staging staging(fprop_plan, groups, rows, n, k);
   Mx a = random_mx(rng, rows, k, 2);
   const Mx b = random_mx(rng, groups * n, k, 2);
   a.scales[10 * (k / 32) + 3] = 0xff;  // row 10, K block 3
@@ -261,6 +293,7 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = groups, p.c = dc.get();
   p.capacity_rows = rows;
+  p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
   kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, nullptr);
   const auto got = dc.download();
   int nan_rows = 0;
@@ -305,7 +338,10 @@ TEST_P(Mxfp8GemmExact, IdentityWeightsReturnEveryCodeExactly) {
   kernels::Mxfp8RaggedGemmParams p;
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = 1, p.c = dc.get(), p.capacity_rows = rows;
-  kernels::launch_mxfp8_ragged_gemm(mxfp8_plan(kernels::GemmPhase::kFprop, GetParam()), p, nullptr);
+  const kernels::GemmPlan plan = mxfp8_plan(kernels::GemmPhase::kFprop, GetParam());
+  Staging staging(plan, 1, rows, n, k);
+  p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
+  kernels::launch_mxfp8_ragged_gemm(plan, p, nullptr);
   const auto got = dc.download();
   int wrong = 0;
   for (int64_t r = 0; r < rows; ++r)

@@ -258,6 +258,51 @@ TEST(Mxfp8Dequantize, EveryCodeAtManyScalesMatchesReference) {
   }
 }
 
+// The column-wise copy back to row-major (the staged MXFP8 wgrad's operands): every code under
+// scales over the whole E8M0 range, cols not a multiple of the 64-column tile, used rows ending at
+// 77 of 96 (the rest of y keeps the poison). The want side is the row-wise reference, applied to
+// each element as a block of its own.
+TEST(Mxfp8Dequantize, ColumnWiseCopyBackToRowMajorMatchesReference) {
+  std::mt19937_64 rng(test_seed("mxfp8_dequantize_colwise"));
+  const int64_t rows = 96, cols = 144, used = 77;
+  std::vector<uint8_t> data(cols * rows), scales(rows / 32 * cols);
+  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i % 256 ^ (i / 256 * 91 % 256));
+  static constexpr uint8_t kScales[] = {0, 1, 2, 60, 119, 126, 127, 128, 135, 200, 247, 253, 254, 255};
+  for (uint8_t& s : scales) s = rng() % 2 ? kScales[rng() % std::size(kScales)] : static_cast<uint8_t>(rng());
+  // Element (r, c) as block r * cols + c of a row-wise buffer whose first element is its code.
+  MxBuffer single = mx_buffer(used * cols, 32, 0);
+  for (int64_t r = 0; r < used; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      single.data[(r * cols + c) * 32] = data[c * rows + r];
+      single.scales[r * cols + c] = scales[r / 32 * cols + c];
+    }
+  DeviceArray<uint8_t> ddata(data.size()), dscales(scales.size());
+  ddata.upload(data), dscales.upload(scales);
+  DeviceArray<int64_t> offsets(3);
+  offsets.upload({0, 64, used});
+  for (DType out : {DType::kBF16, DType::kFP16, DType::kFP32}) {
+    const std::size_t size = dtype_size(out);
+    DeviceArray<uint8_t> y(rows * cols * size);
+    y.poison();
+    kernels::launch_dequantize_mxfp8_colwise(ddata.get(), dscales.get(), out, y.get(), rows, cols, offsets.get(), 2,
+                                             nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint8_t> got = y.download();
+    const std::vector<double> want = mx_dequantize_rowwise(single, 32, used * cols, out);
+    std::size_t bad = 0;
+    for (int64_t i = 0; i < used * cols; ++i) {
+      if (same_value(device_value(got, i, out), want[32 * i])) continue;
+      if (bad++ < 5)
+        ADD_FAILURE() << dtype_name(out) << " row " << i / cols << " col " << i % cols << ": got "
+                      << device_value(got, i, out) << ", want " << want[32 * i];
+    }
+    EXPECT_EQ(bad, 0u) << dtype_name(out);
+    const bool untouched =
+        std::all_of(got.begin() + used * cols * size, got.end(), [](uint8_t b) { return b == 0xff; });
+    EXPECT_TRUE(untouched) << dtype_name(out) << ": rows past offsets[G] were written";
+  }
+}
+
 // ---- Graph capture -------------------------------------------------------------------------------
 
 // offsets (row_align 32) -> quantize both copies -> dequantize the row-wise one, captured once under

@@ -69,24 +69,49 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   EXPECT_EQ(big_wgrad.family, GemmFamily::kTma16);
   EXPECT_FALSE(big_wgrad.ping_pong);
   EXPECT_EQ(big_wgrad.block_n, 256);
-  const auto mx = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 4096, 1024, 512), {});
-  EXPECT_EQ(mx.family, GemmFamily::kMxfp8CpAsync);
-  EXPECT_TRUE(mx.ping_pong);
-  EXPECT_NE(mx.to_string().find("wgmma_e4m3"), std::string::npos) << mx.to_string();
-  // 512 rows a group: dequantized on chip where the reduction is 2048 or longer, E4M3 below.
-  const auto long_red = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2048, 512), {});
-  EXPECT_EQ(long_red.family, GemmFamily::kMxfp8Dequant) << long_red.to_string();
-  const auto short_red = kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2047, 4096), {});
-  EXPECT_EQ(short_red.family, GemmFamily::kMxfp8CpAsync) << short_red.to_string();
-  const auto fewer = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 8, 8 * 383, 1024, 4096), {});
-  EXPECT_EQ(fewer.family, GemmFamily::kMxfp8CpAsync) << fewer.to_string();
-  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 8, 8 * 384, 1024, 2048), {}).family,
-            GemmFamily::kMxfp8Dequant);
+  // MXFP8 wgrad of bf16 activations: staged through bf16, on the bf16 recipe's tile for the shape
+  // (ping-pong under 512 rows a group, the wide tile for long reductions onto wide outputs).
+  for (int64_t rows_per_group : {40, 511, 512, 2048}) {
+    const auto mx = kernels::choose_gemm_config(
+        problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 8 * rows_per_group, 28672, 4096), {});
+    const auto bf = kernels::choose_gemm_config(
+        problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 8 * rows_per_group, 28672, 4096), {});
+    EXPECT_EQ(mx.family, GemmFamily::kMxfp8Staged) << mx.to_string();
+    EXPECT_EQ(mx.block_n, bf.block_n) << rows_per_group;
+    EXPECT_EQ(mx.ping_pong, rows_per_group < 512) << mx.to_string();
+    EXPECT_NE(mx.to_string().find("dequantized to bf16 in scratch"), std::string::npos) << mx.to_string();
+  }
+  // fp16 activations keep the E4M3 kernels (the staged values need bf16's range).
+  auto fp16 = problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 4096, 1024, 512);
+  fp16.dtype = DType::kFP16;
+  const auto mx16 = kernels::choose_gemm_config(fp16, {});
+  EXPECT_EQ(mx16.family, GemmFamily::kMxfp8CpAsync);
+  EXPECT_TRUE(mx16.ping_pong);
+  EXPECT_NE(mx16.to_string().find("wgmma_e4m3"), std::string::npos) << mx16.to_string();
+  // fprop and dgrad: staged from 384 rows a group, E4M3 below (above the swap-AB bound).
+  for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
+    const auto staged = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 8 * 384, 1024, 2048), {});
+    EXPECT_EQ(staged.family, GemmFamily::kMxfp8Staged) << staged.to_string();
+    const auto fewer = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 8 * 383, 1024, 4096), {});
+    EXPECT_EQ(fewer.family, GemmFamily::kMxfp8CpAsync) << fewer.to_string();
+  }
+  // fp16 activations at 512 rows a group: dequantized on chip where the reduction is 2048 or
+  // longer, E4M3 below; forcing staged there leaves the heuristic's route.
+  auto long_red = problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2048, 512);
+  auto short_red = problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2047, 4096);
+  long_red.dtype = short_red.dtype = DType::kFP16;
+  EXPECT_EQ(kernels::choose_gemm_config(long_red, {}).family, GemmFamily::kMxfp8Dequant);
+  EXPECT_EQ(kernels::choose_gemm_config(short_red, {}).family, GemmFamily::kMxfp8CpAsync);
+  kernels::GemmOverrides staged;
+  staged.mxfp8_route = kernels::Mxfp8Route::kStaged;
+  EXPECT_EQ(kernels::choose_gemm_config(long_red, staged).family, GemmFamily::kMxfp8Dequant);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 64, 384, 2816, 4096), staged).family,
+            GemmFamily::kMxfp8Staged);
 }
 
 // MXFP8 fprop and dgrad of groups of at most 64 rows: the swap-AB kernel; larger groups the E4M3
-// 128-row tiles (or, from 384 rows with long reductions, the dequantizing kernel: ChoosesByShapeAndPhase);
-// every wgrad: the E4M3 128-row tiles. Forcing picks any route but never moves wgrad.
+// 128-row tiles (or, from 384 rows, the staged route: ChoosesByShapeAndPhase). Forcing picks any
+// route; swap_ab and dequant, fprop/dgrad kernels, leave wgrad on E4M3.
 TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
   for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
     const auto decode = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 64 * 64, 2816, 4096), {});
@@ -94,6 +119,7 @@ TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
     EXPECT_EQ(decode.block_n, 32);
     EXPECT_NE(decode.to_string().find("swap_ab"), std::string::npos) << decode.to_string();
     const auto larger = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 65 * 64, 2816, 4096), {});
+    // (65 rows a group: E4M3.)
     EXPECT_EQ(larger.family, GemmFamily::kMxfp8CpAsync);
     kernels::GemmOverrides o;
     o.mxfp8_route = kernels::Mxfp8Route::kSwapAb;
@@ -116,6 +142,8 @@ TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
   {
     EnvVar on("MOEGRAPH_MXFP8_ROUTE", "dequant");
     EXPECT_EQ(kernels::with_environment({}).mxfp8_route, kernels::Mxfp8Route::kDequant);
+    EnvVar staged("MOEGRAPH_MXFP8_ROUTE", "staged");
+    EXPECT_EQ(kernels::with_environment({}).mxfp8_route, kernels::Mxfp8Route::kStaged);
     EnvVar bad("MOEGRAPH_MXFP8_ROUTE", "fast");
     EXPECT_THROW(kernels::with_environment({}), Error);
   }
@@ -194,9 +222,17 @@ TEST(StepPlan, PrintsTheKernelsThatRun) {
     for (const std::string& line : plan.kernels) {
       if (line.find("fprop: ") == std::string::npos) continue;
       ++gemm_lines;
-      const bool tma = line.find("wgmma_tma") != std::string::npos, e4m3 = line.find("wgmma_e4m3") != std::string::npos;
-      EXPECT_EQ(e4m3, recipe == Recipe::kMXFP8) << line;
-      EXPECT_EQ(tma, recipe == Recipe::kBF16) << line;
+      // An mxfp8 line names MXFP8 kernels only (E4M3 ones, or bf16 ones on staged operands).
+      const bool mx = line.find("e4m3") != std::string::npos || line.find("mxfp8") != std::string::npos;
+      EXPECT_EQ(mx, recipe == Recipe::kMXFP8) << line;
+      if (recipe == Recipe::kBF16) EXPECT_NE(line.find("wgmma_tma"), std::string::npos) << line;
+      if (recipe == Recipe::kMXFP8)  // every phase's config is an MXFP8 one
+        for (const char* phase : {"fprop: ", "dgrad: ", "wgrad: "}) {
+          const std::size_t at = line.find(phase);
+          ASSERT_NE(at, std::string::npos) << line;
+          const std::string config = line.substr(at + 7, line.find(" | ", at) - at - 7);
+          EXPECT_TRUE(config.find("e4m3") != std::string::npos || config.find("mxfp8") != std::string::npos) << config;
+        }
     }
     EXPECT_EQ(gemm_lines, 2 * static_cast<int>(c.buckets.size()));
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {

@@ -155,6 +155,15 @@ MxBuffers make_mx_buffers(const KernelShape& s, std::mt19937_64& rng) {
   return m;
 }
 
+const char* mxfp8_route_name(kernels::GemmFamily family) {
+  switch (family) {
+    case kernels::GemmFamily::kMxfp8SwapAb: return "swap_ab";
+    case kernels::GemmFamily::kMxfp8Dequant: return "dequant";
+    case kernels::GemmFamily::kMxfp8Staged: return "staged";
+    default: return "e4m3";
+  }
+}
+
 // One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels.
 double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
                  const MxBuffers& mx, int sm_count, int replays, cudaStream_t stream) {
@@ -163,8 +172,12 @@ double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vecto
   auto splits = b.splits.as<int32_t>();
   auto offsets = b.offsets.as<int64_t>();
   auto err = b.error.as<DeviceErrorRecord>();
+  // The staged route's scratch (its dequantizing passes are part of the time).
+  const bool fprop = phase == Phase::kFprop, wgrad = phase == Phase::kWgrad;
+  const DeviceBuffer staging(kernels::mxfp8_staging_bytes(plan.config, s.groups, wgrad ? mx.cap32 : s.rows,
+                                                          fprop || wgrad ? s.n : s.k, fprop || wgrad ? s.k : s.n));
   auto grouped = [&] {
-    if (phase == Phase::kWgrad) {
+    if (wgrad) {
       auto off32 = mx.offsets32.as<int64_t>();
       kernels::launch_group_offsets(splits, s.groups, 32, mx.cap32, off32, err, stream);
       kernels::Mxfp8WgradParams p;
@@ -172,17 +185,18 @@ double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vecto
       p.x_t = mx.x_t.as<uint8_t>(), p.x_t_scales = mx.x_ts.as<uint8_t>();
       p.n = s.n, p.k = s.k, p.capacity_rows = mx.cap32, p.splits = splits, p.offsets = off32;
       p.num_groups = s.groups, p.dweight = b.dw.get();
+      p.staging = staging.get(), p.staging_bytes = staging.bytes();
       kernels::launch_mxfp8_wgrad(plan, p, stream);
       return;
     }
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
-    const bool fprop = phase == Phase::kFprop;
     kernels::Mxfp8RaggedGemmParams p;
     p.a = (fprop ? mx.x : mx.dy).as<uint8_t>(), p.a_scales = (fprop ? mx.xs : mx.dys).as<uint8_t>();
     p.b = (fprop ? mx.w : mx.wt).as<uint8_t>(), p.b_scales = (fprop ? mx.ws : mx.wts).as<uint8_t>();
     p.n = fprop ? s.n : s.k, p.k = fprop ? s.k : s.n;
     p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();
     p.capacity_rows = s.rows;
+    p.staging = staging.get(), p.staging_bytes = staging.bytes();
     kernels::launch_mxfp8_ragged_gemm(plan, p, stream);
   };
   auto set_routing = [&](int i) {
@@ -463,7 +477,9 @@ int run_kernel_bench(const KernelBenchOptions& options) {
         double mx_ms = 0;
         if (mx_shape && phase != Phase::kWgradMainGrad) {
           mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
-          mx_table.add({s.name, routing_name(routing), phase_name(phase), fmt(r.grouped_ms, 3),
+          const kernels::GemmFamily route =
+              plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, grid).config.family;
+          mx_table.add({s.name, routing_name(routing), phase_name(phase), mxfp8_route_name(route), fmt(r.grouped_ms, 3),
                         fmt(flops / r.grouped_ms / 1e9, 1), fmt(mx_ms, 3), fmt(flops / mx_ms / 1e9, 1),
                         fmt(r.grouped_ms / mx_ms, 2)});
         }
@@ -493,9 +509,10 @@ int run_kernel_bench(const KernelBenchOptions& options) {
               std::min(replays, 20));
   table.print({"shape", "routing", "phase", "tile", "grouped ms", "TFLOP/s", "GB/s", "floor ms", "bound",
                "of roofline", "cp_async of roofline", "dense ms", "vs dense", "legacy ms", "vs legacy"});
-  std::printf("\nMXFP8 (e4m3 wgmma, per-32 E8M0 scales promoted every K block) vs BF16, same routings"
-              " (MXFP8 wgrad: groups 32-row aligned)\n");
-  mx_table.print({"shape", "routing", "phase", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
+  std::printf("\nMXFP8 vs BF16, same routings (MXFP8 wgrad: groups 32-row aligned); route: e4m3 (E4M3 wgmma, "
+              "per-32 scales promoted), swap_ab, dequant (to bf16 on chip) or staged (to bf16 in scratch, then the "
+              "bf16 kernel), as the heuristic or MOEGRAPH_MXFP8_ROUTE picks\n");
+  mx_table.print({"shape", "routing", "phase", "route", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
                   "mxfp8 speed-up"});
   std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing; "
               "same-size copy: the faster of cudaMemcpyAsync and the copy kernel over the same bytes (half read, half "

@@ -26,6 +26,9 @@ class Mxfp8Backend final : public LinearBackend {
     // A forward-only operator (row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (trains_ && !o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
+    // The staged route's bf16 operands: one buffer for every phase (they run one after another).
+    staging_bytes_ = staging_bytes();
+    staging_ = walk.take("mxfp8.staging", staging_bytes_);
   }
   void lay_out_slot(LayoutWalker& walk, int slot, const std::string& prefix) override {
     if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
@@ -74,6 +77,7 @@ class Mxfp8Backend final : public LinearBackend {
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y, p.capacity_rows = o_.capacity_rows;
+    p.staging = staging_, p.staging_bytes = staging_bytes_;
     kernels::launch_mxfp8_ragged_gemm(fprop_, p, stream);
   }
 
@@ -91,6 +95,7 @@ class Mxfp8Backend final : public LinearBackend {
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
       p.capacity_rows = o_.capacity_rows;
+      p.staging = staging_, p.staging_bytes = staging_bytes_;
       kernels::launch_mxfp8_ragged_gemm(dgrad_, p, stream);
     }
     switch (mode) {
@@ -122,7 +127,19 @@ class Mxfp8Backend final : public LinearBackend {
     p.n = o_.out_features, p.k = o_.in_features, p.capacity_rows = o_.capacity_rows;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.dweight = dweight, p.main_grad = main_grad;
+    p.staging = staging_, p.staging_bytes = staging_bytes_;
     kernels::launch_mxfp8_wgrad(wgrad_, p, stream);
+  }
+  // The most scratch any phase's route needs (0 unless one is staged); a forward-only operator
+  // never runs wgrad.
+  std::size_t staging_bytes() const {
+    using kernels::GemmPhase;
+    const int g = o_.num_groups;
+    const int64_t rows = o_.capacity_rows, n = o_.out_features, k = o_.in_features;
+    std::size_t bytes = kernels::mxfp8_staging_bytes(gemm_config(o_, GemmPhase::kFprop), g, rows, n, k);
+    if (!trains_) return bytes;
+    bytes = std::max(bytes, kernels::mxfp8_staging_bytes(gemm_config(o_, GemmPhase::kDgrad), g, rows, k, n));
+    return std::max(bytes, kernels::mxfp8_staging_bytes(gemm_config(o_, GemmPhase::kWgrad), g, rows, n, k));
   }
 
   struct Slot {
@@ -134,6 +151,8 @@ class Mxfp8Backend final : public LinearBackend {
   std::vector<Slot> slots_;
   kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]
   kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy
+  void* staging_ = nullptr;        // the staged route's bf16 operands (kernels::mxfp8_staging_bytes)
+  std::size_t staging_bytes_ = 0;
   // The quantized weights live outside the workspace: they persist across steps until the weights change.
   // Without prequantized_weights only: the layouts of moegraph/mxfp8_weights.hpp.
   DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N

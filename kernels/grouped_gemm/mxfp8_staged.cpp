@@ -1,0 +1,133 @@
+// The staged MXFP8 route: the operands dequantized to bf16 in device scratch, then the 16-bit TMA
+// kernel of the config's tile. Why a route that spends bytes: on Hopper, faithful per-32 scaling
+// on the E4M3 tensor cores costs instructions per output, and dequantizing on chip costs about 8
+// instructions per pair of elements loaded; both ran at 0.3-0.5x bf16 on groups of hundreds of rows
+// (docs/PERF.md, "MXFP8 dequantized on chip"). A pass through memory costs about 3 bytes per
+// element (read 1 + 1/32, write 2), which is small against the GEMM's work once a group holds many
+// rows, and the bf16 kernel then runs at its own rate.
+//
+// The values multiplied are the MXFP8 values: E4M3 x 2^(s - 127) is exact in bf16 (4 significant
+// bits) unless it falls below bf16's normal range, where it is rounded to nearest even, as the
+// dequantizing kernel does; products and sums are fp32 as in every route.
+//
+// fprop and dgrad: A [capacity_rows, red] once, then the weights a run of experts at a time (at most
+// kStagedWeightBytes), each run followed by the bf16 kernel on those experts' groups (offsets are
+// absolute rows, so a run is the same kernel on a shorter list of groups). dgrad reads W^T
+// [G, K, N], so it is the fprop kernel with the roles of N and K exchanged.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/grouped_gemm/gemm_families.hpp"
+#include "kernels/quantize/mxfp8.hpp"
+#include "moegraph/error.hpp"
+
+namespace moegraph::kernels {
+namespace {
+
+constexpr std::size_t kAlign = 256;  // each staged operand starts aligned (TMA needs 16 bytes)
+constexpr std::size_t kMaxBytes = std::size_t{1} << 48;
+
+// a * b * c bytes, refused past kMaxBytes (inputs are non-negative).
+std::size_t bytes_of(int64_t a, int64_t b, int64_t c) {
+  MG_CHECK(a >= 0 && b >= 0 && c >= 0, "MXFP8 staging: negative extent ", a, " x ", b, " x ", c);
+  unsigned __int128 v = static_cast<unsigned __int128>(a) * static_cast<unsigned __int128>(b);
+  v *= static_cast<unsigned __int128>(c);
+  MG_CHECK(v <= kMaxBytes, "MXFP8 staging: ", a, " x ", b, " x ", c, " bytes are more than 2^48");
+  return static_cast<std::size_t>(v);
+}
+std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Experts whose weights fit `bytes` (at least one, at most all).
+int experts_fitting(std::size_t bytes, int groups, int64_t n, int64_t k) {
+  const std::size_t per_expert = aligned(bytes_of(n, k, 2));
+  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(bytes / per_expert, groups)));
+}
+
+// The bf16 kernel this route launches: dgrad runs the fprop kernel over W^T.
+GemmPlan inner_plan(const GemmPlan& plan) {
+  GemmPlan inner = plan;
+  inner.config.family = GemmFamily::kTma16;
+  if (inner.config.phase == GemmPhase::kDgrad) inner.config.phase = GemmPhase::kFprop;
+  return inner;
+}
+
+void check_staging(const GemmPlan& plan, const void* staging, std::size_t given, int groups, int64_t capacity_rows,
+                   int64_t n, int64_t k, const char* who) {
+  const std::size_t need = mxfp8_staging_bytes(plan.config, groups, capacity_rows, n, k, 1);
+  MG_CHECK(staging != nullptr && reinterpret_cast<std::uintptr_t>(staging) % kAlign == 0 && given >= need, who,
+           ": the staged route needs ", need, " bytes of 256-byte aligned device scratch (staging), got ", given,
+           " bytes at ", staging);
+}
+
+}  // namespace
+
+GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping_pong) {
+  MG_CHECK(out == DType::kBF16, "the staged MXFP8 route needs bf16 outputs (the 16-bit kernels read and write one "
+           "type, and the dequantized values fit bf16, not fp16); got ", dtype_name(out));
+  GemmConfig c = tma_gemm_config(phase == GemmPhase::kDgrad ? GemmPhase::kFprop : phase, out, tile_n, ping_pong);
+  c.phase = phase;
+  c.family = GemmFamily::kMxfp8Staged;
+  return c;
+}
+
+int prepare_mxfp8_staged(const GemmConfig& config, void** encode_tensor_map) {
+  GemmPlan probe;
+  probe.config = config;
+  return prepare_tma_gemm(inner_plan(probe).config, encode_tensor_map);
+}
+
+std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,
+                                int experts_per_run) {
+  if (config.family != GemmFamily::kMxfp8Staged) return 0;
+  MG_CHECK(groups >= 1 && experts_per_run >= 0, "MXFP8 staging: needs groups >= 1 and experts_per_run >= 0, got ",
+           groups, " and ", experts_per_run);
+  if (config.phase == GemmPhase::kWgrad)
+    return aligned(bytes_of(capacity_rows, n, 2)) + aligned(bytes_of(capacity_rows, k, 2));
+  const int run = experts_per_run > 0 ? std::min(experts_per_run, groups)
+                                      : experts_fitting(kStagedWeightBytes, groups, n, k);
+  return aligned(bytes_of(capacity_rows, k, 2)) + bytes_of(run, static_cast<int64_t>(aligned(bytes_of(n, k, 2))), 1);
+}
+
+void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {
+  constexpr const char* kWho = "launch_mxfp8_ragged_gemm (staged)";
+  check_staging(plan, p.staging, p.staging_bytes, p.num_groups, p.capacity_rows, p.n, p.k, kWho);
+  MG_CHECK(p.capacity_rows > 0, kWho, ": needs capacity_rows");
+  auto* a16 = static_cast<std::byte*>(p.staging);
+  const std::size_t a_bytes = aligned(bytes_of(p.capacity_rows, p.k, 2));
+  auto* w16 = a16 + a_bytes;
+  launch_dequantize_mxfp8_rowwise(p.a, p.a_scales, DType::kBF16, a16, p.capacity_rows, p.k, p.offsets, p.num_groups,
+                                  stream);
+  const GemmPlan inner = inner_plan(plan);
+  const int run = experts_fitting(p.staging_bytes - a_bytes, p.num_groups, p.n, p.k);
+  const int64_t expert = p.n * p.k;  // elements of one expert's weights
+  for (int e0 = 0; e0 < p.num_groups; e0 += run) {
+    const int experts = std::min(run, p.num_groups - e0);
+    launch_dequantize_mxfp8_weights(p.b + e0 * expert, p.b_scales + e0 * expert / kMxBlock, w16, experts * p.n, p.k,
+                                    stream);
+    RaggedGemmParams q;
+    q.a = a16, q.w = w16, q.n = p.n, q.k = p.k;
+    q.splits = p.splits + e0, q.offsets = p.offsets + e0, q.num_groups = experts;
+    q.bias = p.bias != nullptr ? static_cast<const uint16_t*>(p.bias) + e0 * p.n : nullptr;
+    q.bias_scale = p.bias_scale, q.c = p.c, q.capacity_rows = p.capacity_rows;
+    launch_tma_gemm(inner, q, stream);
+  }
+}
+
+void launch_mxfp8_staged_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream) {
+  constexpr const char* kWho = "launch_mxfp8_wgrad (staged)";
+  check_staging(plan, p.staging, p.staging_bytes, p.num_groups, p.capacity_rows, p.n, p.k, kWho);
+  auto* dy16 = static_cast<std::byte*>(p.staging);
+  auto* x16 = dy16 + aligned(bytes_of(p.capacity_rows, p.n, 2));
+  launch_dequantize_mxfp8_colwise(p.dy_t, p.dy_t_scales, DType::kBF16, dy16, p.capacity_rows, p.n, p.offsets,
+                                  p.num_groups, stream);
+  launch_dequantize_mxfp8_colwise(p.x_t, p.x_t_scales, DType::kBF16, x16, p.capacity_rows, p.k, p.offsets,
+                                  p.num_groups, stream);
+  WgradParams q;
+  q.dy = dy16, q.x = x16, q.n = p.n, q.k = p.k;
+  q.splits = p.splits, q.offsets = p.offsets, q.num_groups = p.num_groups;
+  q.dweight = p.dweight, q.main_grad = p.main_grad, q.capacity_rows = p.capacity_rows;
+  launch_tma_wgrad(inner_plan(plan), q, stream);
+}
+
+}  // namespace moegraph::kernels
