@@ -361,6 +361,20 @@ double phase_bytes(const KernelShape& s, Phase phase, double active) {
   return 0;
 }
 
+// The same for the MXFP8 GEMMs: their operands as E4M3 with one E8M0 byte per 32 (1 + 1/32 bytes
+// an element; wgrad reads the column-wise copies), their outputs in bf16 as above.
+double mxfp8_phase_bytes(const KernelShape& s, Phase phase, double active) {
+  constexpr double kMx = 1.0 + 1.0 / 32;
+  const double rows = static_cast<double>(s.rows), weight = static_cast<double>(s.n) * s.k;
+  switch (phase) {
+    case Phase::kFprop: return rows * s.k * kMx + rows * s.n * 2 + active * weight * kMx;
+    case Phase::kDgrad: return rows * s.n * kMx + rows * s.k * 2 + active * weight * kMx;
+    case Phase::kWgrad: return rows * (s.n + s.k) * kMx + s.groups * weight * 2;
+    case Phase::kWgradMainGrad: return rows * (s.n + s.k) * kMx + active * weight * 8;
+  }
+  return 0;
+}
+
 int64_t parse_int(const std::string& field, const std::string& what, const std::string& spec, int64_t lo, int64_t hi) {
   char* end = nullptr;
   errno = 0;
@@ -474,13 +488,16 @@ int run_kernel_bench(const KernelBenchOptions& options) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
         const double flops = 2.0 * s.rows * s.n * s.k, bytes = phase_bytes(s, phase, active);
         const double floor = roof.floor_ms(flops, bytes);
-        double mx_ms = 0;
+        double mx_ms = 0, mx_floor = 0;
+        std::string mx_route;
         if (mx_shape && phase != Phase::kWgradMainGrad) {
           mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
           const kernels::GemmFamily route =
               plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, grid).config.family;
-          mx_table.add({s.name, routing_name(routing), phase_name(phase), mxfp8_route_name(route), fmt(r.grouped_ms, 3),
-                        fmt(flops / r.grouped_ms / 1e9, 1), fmt(mx_ms, 3), fmt(flops / mx_ms / 1e9, 1),
+          mx_floor = roof.floor_ms(flops, mxfp8_phase_bytes(s, phase, active));
+          mx_route = mxfp8_route_name(route);
+          mx_table.add({s.name, routing_name(routing), phase_name(phase), mx_route, fmt(r.grouped_ms, 3),
+                        fmt(floor / r.grouped_ms, 2), fmt(mx_ms, 3), fmt(mx_floor, 3), fmt(mx_floor / mx_ms, 2),
                         fmt(r.grouped_ms / mx_ms, 2)});
         }
         const kernels::GemmConfig chosen = plan_for(s, phase, Recipe::kBF16, s.rows, grid).config;
@@ -496,7 +513,7 @@ int run_kernel_bench(const KernelBenchOptions& options) {
                              {"dense_ms", r.dense_ms}, {"legacy_ms", r.legacy_ms}, {"flops", flops},
                              {"bytes", bytes}, {"active_experts", active}, {"floor_ms", floor},
                              {"bound", roof.bound(flops, bytes)}, {"of_roofline", floor / r.grouped_ms}};
-        if (mx_ms > 0) jr["mxfp8_ms"] = mx_ms;
+        if (mx_ms > 0) jr["mxfp8_ms"] = mx_ms, jr["mxfp8_floor_ms"] = mx_floor, jr["mxfp8_route"] = mx_route;
         out["results"].push_back(jr);
         progress(++done, total, s.name.c_str());
       }
@@ -511,9 +528,11 @@ int run_kernel_bench(const KernelBenchOptions& options) {
                "of roofline", "cp_async of roofline", "dense ms", "vs dense", "legacy ms", "vs legacy"});
   std::printf("\nMXFP8 vs BF16, same routings (MXFP8 wgrad: groups 32-row aligned); route: e4m3 (E4M3 wgmma, "
               "per-32 scales promoted), swap_ab, dequant (to bf16 on chip) or staged (to bf16 in scratch, then the "
-              "bf16 kernel), as the heuristic or MOEGRAPH_MXFP8_ROUTE picks\n");
-  mx_table.print({"shape", "routing", "phase", "route", "bf16 ms", "bf16 TFLOP/s", "mxfp8 ms", "mxfp8 TFLOP/s",
-                  "mxfp8 speed-up"});
+              "bf16 kernel), as the heuristic or MOEGRAPH_MXFP8_ROUTE picks; mxfp8 floor: FLOPs at the dense bf16 "
+              "rate (faithful per-32 scaling cannot beat it on Hopper) or the MXFP8 bytes (1 + 1/32 per operand "
+              "element) at the copy bandwidth, whichever is larger\n");
+  mx_table.print({"shape", "routing", "phase", "route", "bf16 ms", "bf16 of roofline", "mxfp8 ms", "mxfp8 floor ms",
+                  "mxfp8 of roofline", "mxfp8 speed-up"});
   std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing; "
               "same-size copy: the faster of cudaMemcpyAsync and the copy kernel over the same bytes (half read, half "
               "written), graph-replayed like the quantizer; of same-size copy = its time / the quantizer's\n");
