@@ -15,29 +15,17 @@ namespace {
 
 namespace t = tma_gemm;
 
-// A row-major tensor of the plan's 16-bit type (or fp32) with dims[0] contiguous; strides in
-// elements for dims 1...
-template <int kRank>
-CUtensorMap encode(const GemmPlan& plan, const void* base, const uint64_t (&dims)[kRank],
-                   const uint64_t (&strides)[kRank - 1], const uint32_t (&box)[kRank], bool f32 = false) {
-  uint64_t byte_strides[kRank > 1 ? kRank - 1 : 1];
-  for (int i = 0; i + 1 < kRank; ++i) byte_strides[i] = strides[i] * (f32 ? 4 : 2);
-  const auto type = f32                                 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
-                    : plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  return encode_sw128_map(plan.encode_tensor_map, type, kRank, base, dims, byte_strides, box);
-}
-
-// Rows [capacity, cols] with a box of box_rows x 64 columns.
+// Rows [capacity, cols] of the plan's 16-bit type with a box of box_rows x 64 columns.
 CUtensorMap rows_map(const GemmPlan& plan, const void* base, int64_t capacity, int64_t cols, uint32_t box_rows) {
-  return encode<2>(plan, base, {static_cast<uint64_t>(cols), static_cast<uint64_t>(capacity)},
-                   {static_cast<uint64_t>(cols)}, {64u, box_rows});
+  return encode_rows_map(plan.encode_tensor_map, tensor_map_type_16bit(plan.config.dtype), 2, base, capacity, cols,
+                         64, box_rows);
 }
 // W [G][N][K] with a box of box_k K x box_n N x 1 (fp32 elements when f32).
 CUtensorMap weight_map(const GemmPlan& plan, const void* w, int64_t groups, int64_t n, int64_t k, uint32_t box_n,
                        uint32_t box_k = 64, bool f32 = false) {
-  return encode<3>(plan, w, {static_cast<uint64_t>(k), static_cast<uint64_t>(n), static_cast<uint64_t>(groups)},
-                   {static_cast<uint64_t>(k), static_cast<uint64_t>(n * k)}, {box_k, box_n, 1u}, f32);
+  return encode_grouped_map(plan.encode_tensor_map,
+                            f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : tensor_map_type_16bit(plan.config.dtype),
+                            f32 ? 4 : 2, w, groups, n, k, box_k, box_n);
 }
 
 // Calls f(T{}, Tile{}) for the plan's 16-bit type and tile shape.

@@ -37,24 +37,12 @@ void launch_mxfp8_dequant(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
            "the MXFP8 dequantizing GEMM's tensor coordinates must fit 32 bits");
   d::Params tp;
   tp.p = p;
-  const uint64_t red = static_cast<uint64_t>(p.k), cols = static_cast<uint64_t>(p.n);
-  const uint64_t capacity = static_cast<uint64_t>(p.capacity_rows), groups = static_cast<uint64_t>(p.num_groups);
-  {
-    const uint64_t dims[2] = {red, capacity}, strides[1] = {red};
-    const uint32_t box[2] = {d::BK, d::BM};
-    tp.a = encode_sw128_map(plan.encode_tensor_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p.a, dims, strides, box);
-  }
-  {
-    const uint64_t dims[3] = {red, cols, groups}, strides[2] = {red, cols * red};
-    const uint32_t box[3] = {d::BK, d::BN, 1};
-    tp.b = encode_sw128_map(plan.encode_tensor_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, p.b, dims, strides, box);
-  }
-  {
-    const uint64_t dims[2] = {cols, capacity}, strides[1] = {cols * 2};
-    const uint32_t box[2] = {64, tma_gemm::kBoxRows};
-    const auto type = plan.config.dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    tp.c = encode_sw128_map(plan.encode_tensor_map, type, 2, p.c, dims, strides, box);
-  }
+  void* const enc = plan.encode_tensor_map;
+  constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  tp.a = encode_rows_map(enc, kBytes, 1, p.a, p.capacity_rows, p.k, d::BK, d::BM);
+  tp.b = encode_grouped_map(enc, kBytes, 1, p.b, p.num_groups, p.n, p.k, d::BK, d::BN);
+  tp.c = encode_rows_map(enc, tensor_map_type_16bit(plan.config.dtype), 2, p.c, p.capacity_rows, p.n, 64,
+                         tma_gemm::kBoxRows);
   with_kernel(plan.config, [&](auto kernel) { kernel<<<plan.grid, d::THREADS, d::kSmemBytes, stream>>>(tp); });
   MG_LAUNCH_CHECK();
 }

@@ -12,16 +12,6 @@ namespace moegraph::kernels {
 namespace {
 namespace s = mxfp8_swap_ab;
 
-// e4m3 bytes with dims[0] contiguous (strides in bytes for dims 1...), a box of 128 bytes x box_rows.
-template <int kRank>
-CUtensorMap encode_bytes(const GemmPlan& plan, const void* base, const uint64_t (&dims)[kRank],
-                         const uint64_t (&strides)[kRank - 1], uint32_t box_rows) {
-  uint32_t box[kRank];
-  for (int i = 0; i < kRank; ++i) box[i] = 1;
-  box[0] = s::BK, box[1] = box_rows;
-  return encode_sw128_map(plan.encode_tensor_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, kRank, base, dims, strides, box);
-}
-
 template <class F>
 void with_kernel(const GemmConfig& config, F&& f) {
   with_16bit_type(config.dtype, "MXFP8 swap-AB GEMM", [&](auto t) { f(s::ragged_gemm_kernel<decltype(t)>); });
@@ -47,9 +37,10 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
            "the MXFP8 swap-AB GEMM's tensor coordinates must fit 32 bits");
   s::Params tp;
   tp.p = p;
-  const uint64_t red = static_cast<uint64_t>(p.k), cols = static_cast<uint64_t>(p.n);
-  tp.a = encode_bytes<2>(plan, p.a, {red, static_cast<uint64_t>(p.capacity_rows)}, {red}, s::BR);
-  tp.b = encode_bytes<3>(plan, p.b, {red, cols, static_cast<uint64_t>(p.num_groups)}, {red, cols * red}, s::BM);
+  // E4M3 bytes in boxes of 128 bytes of the reduction x the tile's rows.
+  constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  tp.a = encode_rows_map(plan.encode_tensor_map, kBytes, 1, p.a, p.capacity_rows, p.k, s::BK, s::BR);
+  tp.b = encode_grouped_map(plan.encode_tensor_map, kBytes, 1, p.b, p.num_groups, p.n, p.k, s::BK, s::BM);
   with_kernel(plan.config, [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
   MG_LAUNCH_CHECK();
 }

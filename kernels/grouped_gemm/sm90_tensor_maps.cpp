@@ -33,4 +33,24 @@ CUtensorMap encode_sw128_map(void* encoder, CUtensorMapDataType type, int rank, 
   return map;
 }
 
+CUtensorMap encode_rows_map(void* encoder, CUtensorMapDataType type, int elem_bytes, const void* base, int64_t rows,
+                            int64_t cols, uint32_t box_cols, uint32_t box_rows) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(cols) * elem_bytes};
+  const uint32_t box[2] = {box_cols, box_rows};
+  return encode_sw128_map(encoder, type, 2, base, dims, strides, box);
+}
+
+CUtensorMap encode_grouped_map(void* encoder, CUtensorMapDataType type, int elem_bytes, const void* base, int64_t groups,
+                               int64_t n, int64_t k, uint32_t box_k, uint32_t box_n) {
+  const uint64_t dims[3] = {static_cast<uint64_t>(k), static_cast<uint64_t>(n), static_cast<uint64_t>(groups)};
+  const uint64_t strides[2] = {static_cast<uint64_t>(k) * elem_bytes, static_cast<uint64_t>(n * k) * elem_bytes};
+  const uint32_t box[3] = {box_k, box_n, 1};
+  return encode_sw128_map(encoder, type, 3, base, dims, strides, box);
+}
+
+CUtensorMapDataType tensor_map_type_16bit(DType dtype) {
+  return dtype == DType::kFP16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+}
+
 }  // namespace moegraph::kernels
