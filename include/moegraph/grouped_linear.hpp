@@ -3,6 +3,9 @@
 // allocates, or reads device memory on the host. Set-up (the constructor) may do all three and
 // must happen before capture.
 // Threading: one thread at a time per handle; the whole contract is in moegraph/step_graphs.hpp.
+// Streams: a handle's calls share scratch in its workspace (the mxfp8 recipe's operand copies),
+// so their work must not overlap on the device: one stream, or streams ordered by events; a
+// backward_dw on a side stream may not run beside the next forward or backward.
 #pragma once
 
 #include "moegraph/export.h"

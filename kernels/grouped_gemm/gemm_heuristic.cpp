@@ -159,7 +159,8 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
       const bool forced = o.mxfp8_route != Mxfp8Route::kAuto &&
                           (o.mxfp8_route != Mxfp8Route::kStaged || p.dtype == DType::kBF16);
       switch (forced ? o.mxfp8_route : heuristic_mxfp8_route(p)) {
-        case Mxfp8Route::kStaged: {  // the bf16 recipe's tile for the same problem
+        case Mxfp8Route::kStaged: {  // the bf16 recipe's tile for the same problem, always on TMA (the
+                                     // 128-wide wgrad of long reductions is cp.async in bf16)
           const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 &&
                                  (o.wgrad_ping_pong >= 0 ? o.wgrad_ping_pong == 1 : heuristic_wgrad_ping_pong(p));
           const int tile_n = ping_pong ? 128 : o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);

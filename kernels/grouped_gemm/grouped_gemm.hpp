@@ -171,7 +171,7 @@ std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t ca
 
 // Launches (enqueue paths: capturable). The plan's phase and family pick the kernel; the params
 // must be of that phase (RaggedGemmParams: fprop and dgrad; WgradParams: wgrad) and family
-// (Mxfp8*: kMxfp8CpAsync or kMxfp8SwapAb).
+// (Mxfp8*: the kMxfp8* families; wgrad: kMxfp8CpAsync or kMxfp8Staged).
 void launch_ragged_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
 void launch_grouped_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
 void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);

@@ -10,10 +10,15 @@
 // bits) unless it falls below bf16's normal range, where it is rounded to nearest even, as the
 // dequantizing kernel does; products and sums are fp32 as in every route.
 //
-// fprop and dgrad: A [capacity_rows, red] once, then the weights a run of experts at a time (at most
-// kStagedWeightBytes), each run followed by the bf16 kernel on those experts' groups (offsets are
-// absolute rows, so a run is the same kernel on a shorter list of groups). dgrad reads W^T
-// [G, K, N], so it is the fprop kernel with the roles of N and K exchanged.
+// fprop and dgrad: A [capacity_rows, red] once, then the weights a run of experts at a time (as many
+// as the given scratch holds past A: mxfp8_staging_bytes sizes runs of up to kStagedWeightBytes,
+// and an operator that gives the larger buffer another phase needs gets longer runs), each run
+// followed by the bf16 kernel on those experts' groups (offsets are absolute rows, so a run is the
+// same kernel on a shorter list of groups). dgrad reads W^T [G, K, N], so it is the fprop kernel
+// with the roles of N and K exchanged.
+//
+// The values multiplied overflow to Inf where the dequantized value passes bf16's (and fp32's)
+// range, scale bytes of about 248 and up, as in the reference rule.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -80,13 +85,20 @@ int prepare_mxfp8_staged(const GemmConfig& config, void** encode_tensor_map) {
 std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,
                                 int experts_per_run) {
   if (config.family != GemmFamily::kMxfp8Staged) return 0;
-  MG_CHECK(groups >= 1 && experts_per_run >= 0, "MXFP8 staging: needs groups >= 1 and experts_per_run >= 0, got ",
-           groups, " and ", experts_per_run);
-  if (config.phase == GemmPhase::kWgrad)
-    return aligned(bytes_of(capacity_rows, n, 2)) + aligned(bytes_of(capacity_rows, k, 2));
+  MG_CHECK(groups >= 1 && experts_per_run >= 0 && n >= 1 && k >= 1,
+           "MXFP8 staging: needs groups, n and k >= 1 and experts_per_run >= 0, got ", groups, ", ", n, ", ", k,
+           " and ", experts_per_run);
+  if (config.phase == GemmPhase::kWgrad) {
+    const std::size_t bytes = aligned(bytes_of(capacity_rows, n, 2)) + aligned(bytes_of(capacity_rows, k, 2));
+    MG_CHECK(bytes <= kMaxBytes, "MXFP8 staging: ", bytes, " bytes are more than 2^48");
+    return bytes;
+  }
   const int run = experts_per_run > 0 ? std::min(experts_per_run, groups)
                                       : experts_fitting(kStagedWeightBytes, groups, n, k);
-  return aligned(bytes_of(capacity_rows, k, 2)) + bytes_of(run, static_cast<int64_t>(aligned(bytes_of(n, k, 2))), 1);
+  const std::size_t bytes =
+      aligned(bytes_of(capacity_rows, k, 2)) + bytes_of(run, static_cast<int64_t>(aligned(bytes_of(n, k, 2))), 1);
+  MG_CHECK(bytes <= kMaxBytes, "MXFP8 staging: ", bytes, " bytes are more than 2^48");
+  return bytes;
 }
 
 void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {

@@ -56,7 +56,6 @@ struct GemmCase {
 using kernels::Mxfp8Route;
 constexpr Mxfp8Route kRoutes[] = {Mxfp8Route::kE4m3, Mxfp8Route::kSwapAb, Mxfp8Route::kDequant,
                                   Mxfp8Route::kStaged};
-constexpr Mxfp8Route kWgradRoutes[] = {Mxfp8Route::kE4m3, Mxfp8Route::kStaged};
 std::string route_name(Mxfp8Route r) {
   switch (r) {
     case Mxfp8Route::kSwapAb: return "swap_ab";
@@ -84,14 +83,17 @@ struct Staging {
 // bf16 in scratch for the bf16 kernel.
 class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, Mxfp8Route>> {};
 
-// The MXFP8 kernel for a phase (bf16 outputs), prepared on this device: fprop and dgrad on the
-// route asked for, wgrad the heuristic's.
-kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, Mxfp8Route route = Mxfp8Route::kE4m3) {
+// The MXFP8 kernel for a phase (bf16 outputs), prepared on this device, on the route asked for
+// (wgrad: E4M3 or staged; for staged, the bf16 wgrad kernel may be forced too).
+kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, Mxfp8Route route = Mxfp8Route::kE4m3, int wgrad_ping_pong = -1,
+                             int tile_n = 0) {
   kernels::GemmProblem problem;
   problem.phase = phase;
   problem.recipe = Recipe::kMXFP8;
   kernels::GemmOverrides forced;
   forced.mxfp8_route = route;
+  forced.wgrad_ping_pong = wgrad_ping_pong;
+  forced.tile_n = tile_n;
   const kernels::GemmConfig config = kernels::choose_gemm_config(problem, kernels::with_environment(forced));
   const bool wgrad = phase == kernels::GemmPhase::kWgrad;
   EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8SwapAb, route == Mxfp8Route::kSwapAb && !wgrad);
@@ -135,9 +137,9 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
     kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
     kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, stream.get());
   };
-  auto check = [&](const std::vector<int32_t>& splits, const std::string& where) {
+  auto check = [&](const std::vector<int32_t>& splits, const std::string& where, bool with_bias = true) {
     const GroupLayout layout = make_layout(splits, c.row_align, capacity);
-    const Mat ref = ref_fprop(layout, a.values, b.values, bias, scale, c.n, c.k);
+    const Mat ref = ref_fprop(layout, a.values, b.values, with_bias ? bias : Mat{}, with_bias ? scale : Mat{}, c.n, c.k);
     const auto got_bits = dc.download();
     Mat got(got_bits.size());
     for (std::size_t i = 0; i < got.size(); ++i) got[i] = from_bits(got_bits[i], DType::kBF16);
@@ -167,6 +169,21 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
     MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
     check(splits, detail::concat(c.name, " graph replay ", replay));
   }
+
+  // The route's dgrad plan on the same operands: to the GEMM, dgrad is the same form C = A · B_e^T
+  // (B is then W^T [G, K, N], blocked along N), without bias. The staged route runs its fprop
+  // kernel over the staged W^T there, here with weights in runs of three.
+  const kernels::GemmPlan dgrad_plan = mxfp8_plan(kernels::GemmPhase::kDgrad, route);
+  Staging dgrad_staging(dgrad_plan, c.groups, capacity, c.n, c.k, 3);
+  p.bias = nullptr, p.bias_scale = nullptr;
+  p.staging = dgrad_staging.buffer.get(), p.staging_bytes = dgrad_staging.bytes;
+  splits = random_splits(rng, c.groups, data_rows, Routing::kSkewed);
+  dsplits.upload(splits);
+  dc.poison();
+  kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
+  kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get());
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+  check(splits, detail::concat(c.name, " dgrad plan"), false);
   EXPECT_EQ(derr.download()[0].code, 0);
 }
 
@@ -214,7 +231,18 @@ ColumnWise random_column_wise(std::mt19937_64& rng, const GroupLayout& l, int64_
   return m;
 }
 
-class Mxfp8Wgrad : public ::testing::TestWithParam<Mxfp8Route> {};
+// wgrad on the E4M3 kernel and on the staged route with each bf16 wgrad kernel it may run:
+// ping-pong consumers (short reductions), 128-wide and 256-wide shared tiles.
+struct WgradRoute {
+  const char* name;
+  Mxfp8Route route;
+  int ping_pong, tile_n;  // forced onto the staged route's bf16 kernel (-1, 0: the heuristic's)
+};
+constexpr WgradRoute kWgradRoutes[] = {{"row_tiles", Mxfp8Route::kE4m3, -1, 0},
+                                       {"staged_ping_pong", Mxfp8Route::kStaged, 1, 0},
+                                       {"staged_128", Mxfp8Route::kStaged, 0, 128},
+                                       {"staged_256", Mxfp8Route::kStaged, 0, 256}};
+class Mxfp8Wgrad : public ::testing::TestWithParam<WgradRoute> {};
 TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   std::mt19937_64 rng(test_seed("mxfp8_wgrad"));
   const int groups = 6;
@@ -226,7 +254,12 @@ TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   const GroupLayout layout = make_layout(splits, 32, capacity);
   const ColumnWise dy = random_column_wise(rng, layout, n, 6), x = random_column_wise(rng, layout, k, 6);
   const Mat ref = ref_wgrad(layout, dy.values, x.values, n, k);
-  const kernels::GemmPlan wgrad_plan = mxfp8_plan(kernels::GemmPhase::kWgrad, GetParam());
+  const WgradRoute r = GetParam();
+  const kernels::GemmPlan wgrad_plan = mxfp8_plan(kernels::GemmPhase::kWgrad, r.route, r.ping_pong, r.tile_n);
+  if (r.route == Mxfp8Route::kStaged) {
+    EXPECT_EQ(wgrad_plan.config.ping_pong, r.ping_pong == 1) << wgrad_plan.config.to_string();
+    if (r.tile_n != 0) EXPECT_EQ(wgrad_plan.config.block_n, r.tile_n) << wgrad_plan.config.to_string();
+  }
   Staging staging(wgrad_plan, groups, capacity, n, k);
   DeviceArray<uint8_t> ddy(dy.data.size()), ddys(dy.scales.size()), dx(x.data.size()), dxs(x.scales.size());
   ddy.upload(dy.data), ddys.upload(dy.scales), dx.upload(x.data), dxs.upload(x.scales);
@@ -264,7 +297,7 @@ TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
     ASSERT_EQ(acc[2 * n * k + i], static_cast<float>(init[2 * n * k + i])) << "empty group's main_grad changed";
 }
 INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8Wgrad, ::testing::ValuesIn(kWgradRoutes),
-                         [](const auto& info) { return route_name(info.param); });
+                         [](const auto& info) { return std::string(info.param.name); });
 
 // A NaN scale (E8M0 0xFF) or a NaN code (0x7F, 0xFF) poisons exactly the outputs that block feeds:
 // never silently a number.
