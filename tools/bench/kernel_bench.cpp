@@ -164,8 +164,13 @@ const char* mxfp8_route_name(kernels::GemmFamily family) {
   }
 }
 
-// One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels.
-double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
+// One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels: its time and the
+// route (kernel family) the heuristic chose.
+struct MxResult {
+  double ms;
+  kernels::GemmFamily family;
+};
+MxResult run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
                  const MxBuffers& mx, int sm_count, int replays, cudaStream_t stream) {
   const kernels::GemmPlan plan =
       plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, sm_count);  // set-up
@@ -213,7 +218,7 @@ double run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vecto
     set_routing(i);
     t.push_back(timer.time(stream, [&] { graph.launch(stream); }));
   }
-  return median(t);
+  return {median(t), plan.config.family};
 }
 
 Result run_phase(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
@@ -491,11 +496,10 @@ int run_kernel_bench(const KernelBenchOptions& options) {
         double mx_ms = 0, mx_floor = 0;
         std::string mx_route;
         if (mx_shape && phase != Phase::kWgradMainGrad) {
-          mx_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
-          const kernels::GemmFamily route =
-              plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, grid).config.family;
+          const MxResult m = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
+          mx_ms = m.ms;
           mx_floor = roof.floor_ms(flops, mxfp8_phase_bytes(s, phase, active));
-          mx_route = mxfp8_route_name(route);
+          mx_route = mxfp8_route_name(m.family);
           mx_table.add({s.name, routing_name(routing), phase_name(phase), mx_route, fmt(r.grouped_ms, 3),
                         fmt(floor / r.grouped_ms, 2), fmt(mx_ms, 3), fmt(mx_floor, 3), fmt(mx_floor / mx_ms, 2),
                         fmt(r.grouped_ms / mx_ms, 2)});

@@ -17,7 +17,13 @@ namespace {
 
 class Mxfp8Backend final : public LinearBackend {
  public:
-  explicit Mxfp8Backend(const GroupedLinearOptions& o) : o_(o), trains_(mxfp8_can_train(o).empty()) {}
+  // The GEMM configs are chosen once (no GPU): the scratch layout and set-up both follow them.
+  explicit Mxfp8Backend(const GroupedLinearOptions& o)
+      : o_(o),
+        trains_(mxfp8_can_train(o).empty()),
+        fprop_config_(gemm_config(o, kernels::GemmPhase::kFprop)),
+        dgrad_config_(gemm_config(o, kernels::GemmPhase::kDgrad)),
+        wgrad_config_(gemm_config(o, kernels::GemmPhase::kWgrad)) {}
 
   void lay_out_scratch(LayoutWalker& walk) override {
     const int64_t widest = std::max(o_.in_features, o_.out_features);
@@ -38,9 +44,9 @@ class Mxfp8Backend final : public LinearBackend {
   }
 
   void prepare(int sm_count) override {
-    fprop_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kFprop), sm_count);
-    dgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kDgrad), sm_count);
-    wgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kWgrad), sm_count);
+    fprop_ = kernels::prepare_gemm(fprop_config_, sm_count);
+    dgrad_ = kernels::prepare_gemm(dgrad_config_, sm_count);
+    wgrad_ = kernels::prepare_gemm(wgrad_config_, sm_count);
     if (o_.prequantized_weights) return;  // the caller's MXFP8 weights arrive with each call
     const std::size_t data = mxfp8_weight_data_bytes(o_.num_groups, o_.out_features, o_.in_features);
     const std::size_t scales = mxfp8_weight_scale_bytes(o_.num_groups, o_.out_features, o_.in_features);
@@ -133,13 +139,12 @@ class Mxfp8Backend final : public LinearBackend {
   // The most scratch any phase's route needs (0 unless one is staged); a forward-only operator
   // never runs wgrad.
   std::size_t staging_bytes() const {
-    using kernels::GemmPhase;
     const int g = o_.num_groups;
     const int64_t rows = o_.capacity_rows, n = o_.out_features, k = o_.in_features;
-    std::size_t bytes = kernels::mxfp8_staging_bytes(gemm_config(o_, GemmPhase::kFprop), g, rows, n, k);
+    std::size_t bytes = kernels::mxfp8_staging_bytes(fprop_config_, g, rows, n, k);
     if (!trains_) return bytes;
-    bytes = std::max(bytes, kernels::mxfp8_staging_bytes(gemm_config(o_, GemmPhase::kDgrad), g, rows, k, n));
-    return std::max(bytes, kernels::mxfp8_staging_bytes(gemm_config(o_, GemmPhase::kWgrad), g, rows, n, k));
+    bytes = std::max(bytes, kernels::mxfp8_staging_bytes(dgrad_config_, g, rows, k, n));
+    return std::max(bytes, kernels::mxfp8_staging_bytes(wgrad_config_, g, rows, n, k));
   }
 
   struct Slot {
@@ -158,6 +163,7 @@ class Mxfp8Backend final : public LinearBackend {
   DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N
   Mxfp8Weights own_;                                      // views of those four buffers
   bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
+  kernels::GemmConfig fprop_config_, dgrad_config_, wgrad_config_;
   kernels::GemmPlan fprop_, dgrad_, wgrad_;
 };
 
