@@ -306,7 +306,8 @@ def _moe_forward(x: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2
     layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
     y = torch.empty_like(x)
     aux = torch.zeros((1,), dtype=torch.float32, device=x.device)
-    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=_num_tokens(x.shape[0], x.device).data_ptr(), y=y.data_ptr(),
+    tokens = _num_tokens(x.shape[0], x.device)  # named: it must outlive the call that reads it
+    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=tokens.data_ptr(), y=y.data_ptr(),
                          aux_loss=aux.data_ptr() if h.options.aux_loss_coef > 0 else None)
     _lib.call("mg_moe_layer_forward", layer, ctypes.byref(io), int(train), _stream(x.device))
     return y, aux
@@ -332,8 +333,8 @@ def _moe_backward(dy: Tensor, x: Tensor, router: Tensor, w1: Tensor, b1: Optiona
     layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2), grads)
     n, max_tokens = x.shape[0], h.options.max_tokens
     dx = torch.empty((max_tokens, x.shape[1]), dtype=x.dtype, device=x.device)  # rows [n, max) written as 0
-    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=_num_tokens(n, x.device).data_ptr(), dy=dy.data_ptr(),
-                         dx=dx.data_ptr())
+    tokens = _num_tokens(n, x.device)
+    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=tokens.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr())
     _lib.call("mg_moe_layer_backward", layer, ctypes.byref(io), _stream(x.device))
     grad = lambda name: grads[name] if name in grads else _empty(x)  # noqa: E731
     return dx[:n].clone(), grad("d_router"), grad("dw1"), grad("db1"), grad("dw2"), grad("db2")

@@ -1,6 +1,10 @@
 """GPU tests of moegraph.torch against PyTorch references in float64: every output and gradient,
 eager, under torch.cuda.graph and under torch.compile(fullgraph=True). Skipped without PyTorch or
 a GPU."""
+import os
+import pathlib
+import subprocess
+import sys
 import unittest
 
 try:
@@ -208,6 +212,27 @@ class MoELayerTest(unittest.TestCase):
         layer, _, _ = self.make()
         with self.assertRaises(ValueError):
             layer(torch.zeros(257, self.H, dtype=torch.bfloat16, device="cuda"))
+
+
+@unittest.skipUnless(HAVE_GPU, "needs PyTorch and a GPU")
+class WithoutTheCachingAllocator(unittest.TestCase):
+    """Every tensor the modules hand the library must outlive the call that reads it. PyTorch's caching
+    allocator keeps freed memory mapped, which hides a pointer to a dropped temporary; without it
+    (PYTORCH_NO_CUDA_MEMORY_CACHING=1) each tensor is freed when it is dropped, so such a pointer
+    fails. Runs the eager tests of both modules that way in a fresh process."""
+
+    def test_eager_modules(self):
+        here = pathlib.Path(__file__).resolve().parent
+        env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1",
+                   PYTHONPATH=os.pathsep.join([str(here.parent), os.environ.get("PYTHONPATH", "")]))
+        tests = [f"test_torch.{case}" for case in ("GroupedLinearTest.test_forward_and_every_gradient",
+                                                    "GroupedLinearTest.test_main_grad_with_delayed_wgrad",
+                                                    "MoELayerTest.test_forward_and_every_gradient",
+                                                    "MoELayerTest.test_main_grad")]
+        run = subprocess.run([sys.executable, "-m", "unittest", *tests], cwd=here, env=env, capture_output=True,
+                             text=True, timeout=600)
+        self.assertEqual(run.returncode, 0, run.stderr[-4000:])
+        self.assertIn(f"Ran {len(tests)} tests", run.stderr)
 
 
 if __name__ == "__main__":
