@@ -50,10 +50,15 @@ int experts_fitting(std::size_t bytes, int groups, int64_t n, int64_t k) {
 }
 
 // The bf16 kernel this route launches: dgrad runs the fprop kernel over W^T.
+GemmConfig inner_config(GemmConfig config) {
+  config.family = GemmFamily::kTma16;
+  if (config.phase == GemmPhase::kDgrad) config.phase = GemmPhase::kFprop;
+  return config;
+}
+
 GemmPlan inner_plan(const GemmPlan& plan) {
   GemmPlan inner = plan;
-  inner.config.family = GemmFamily::kTma16;
-  if (inner.config.phase == GemmPhase::kDgrad) inner.config.phase = GemmPhase::kFprop;
+  inner.config = inner_config(plan.config);
   return inner;
 }
 
@@ -77,9 +82,7 @@ GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping
 }
 
 int prepare_mxfp8_staged(const GemmConfig& config, void** encode_tensor_map) {
-  GemmPlan probe;
-  probe.config = config;
-  return prepare_tma_gemm(inner_plan(probe).config, encode_tensor_map);
+  return prepare_tma_gemm(inner_config(config), encode_tensor_map);
 }
 
 std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,

@@ -198,10 +198,6 @@ __device__ __forceinline__ void accumulate_main_grad(const float* staging, float
   __syncthreads();
 }
 
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-}
-
 // fprop (kDgrad = false) and dgrad (true): rows ragged by group; gap rows written as zero.
 template <class T, class Tile, bool kDgrad>
 __global__ void __launch_bounds__(THREADS, Tile::CTAS_PER_SM) ragged_gemm_kernel(RaggedGemmParams p) {
@@ -209,7 +205,7 @@ __global__ void __launch_bounds__(THREADS, Tile::CTAS_PER_SM) ragged_gemm_kernel
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
-  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const T* a_all = static_cast<const T*>(p.a);
   const T* w = static_cast<const T*>(p.w);
   const T* bias = static_cast<const T*>(p.bias);
@@ -243,7 +239,7 @@ template <class T, class Tile>
 __global__ void __launch_bounds__(THREADS, Tile::CTAS_PER_SM) grouped_wgrad_kernel(WgradParams p) {
   constexpr int BN = Tile::BN;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const T* dy = static_cast<const T*>(p.dy);
   const T* x = static_cast<const T*>(p.x);
   T* dweight = static_cast<T*>(p.dweight);

@@ -378,10 +378,6 @@ __device__ __forceinline__ void store_boxes(uint8_t* staging, const Acc<Tile, kB
       });
 }
 
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-}
-
 // fprop (kDgrad = false) and dgrad (true): rows ragged by group; gap rows written as zero.
 template <class T, class Tile, bool kDgrad>
 __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid_constant__ RaggedTmaParams tp) {
@@ -390,7 +386,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
-  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const RaggedGemmParams& p = tp.p;
   const int64_t red = kDgrad ? p.n : p.k, cols = kDgrad ? p.k : p.n;
 
@@ -541,7 +537,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
   constexpr int STAGES = Tile::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES], loaded[2];
-  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const WgradParams& p = tp.p;
   init_ring<Tile>(full, empty, kConsumerThreads, loaded);
   __syncthreads();
@@ -583,7 +579,7 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   constexpr int STAGES = Tile::STAGES;
   extern __shared__ uint8_t smem_raw[];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES], loaded[2];
-  uint8_t* smem = aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const WgradParams& p = tp.p;
   init_ring<Tile>(full, empty, 128, loaded);
   __syncthreads();

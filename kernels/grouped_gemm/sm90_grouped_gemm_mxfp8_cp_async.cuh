@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_kernel(Mxfp8RaggedGemm
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
-  uint8_t* smem = cp_async_gemm::aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   float* sf = reinterpret_cast<float*>(smem + STAGES * kStageBytes);
   const T* bias = static_cast<const T*>(p.bias);
   T* c_all = static_cast<T*>(p.c);
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_kernel(Mxfp8RaggedGemm
 template <class T, bool kPingPong>
 __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_kernel(Mxfp8WgradParams p) {
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = cp_async_gemm::aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   float* sf = reinterpret_cast<float*>(smem + STAGES * kStageBytes);
   T* dweight = static_cast<T*>(p.dweight);
   const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_kernel(const __grid_co
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
-  uint8_t* smem = tg::aligned_smem(smem_raw);
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
   if (threadIdx.x == 0) {
 #pragma unroll

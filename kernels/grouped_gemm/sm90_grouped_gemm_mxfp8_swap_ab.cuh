@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {

@@ -390,4 +390,11 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// The first 1024-byte boundary at or after `raw` (dynamic shared memory is only 16-byte aligned):
+// the 128-byte swizzle repeats every 1024 bytes, and the descriptors and TMA boxes assume tiles
+// start on it.
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+}
+
 }  // namespace moegraph::kernels::sm90
