@@ -40,17 +40,20 @@ constexpr int kRasterM = 16;             // most row tiles walked together (L2 r
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus kStagings (128, kBN) 16-bit
-// output staging areas (one per warpgroup that owns whole tiles), whose rows are padded by 16 bytes so
-// a warp's 8 rows x 4 words hit 32 distinct banks.
-template <int kBN, int kStages, int kStagings = 1>
+// output staging areas (one per warpgroup that owns whole tiles). Their rows are padded by 16 bytes,
+// so a warp's 8 rows x 4 words hit 32 distinct banks, unless kBoxesOnly: a wgrad-only tile stages
+// nothing but the copy engine's swizzled boxes, which are conflict free without padding, and its
+// kernel has no static tile prefix; the bytes saved go to the ring.
+template <int kBN, int kStages, int kStagings = 1, bool kBoxesOnly = false>
 struct TileShape {
   static constexpr int BN = kBN, STAGES = kStages, STAGINGS = kStagings;
   static constexpr int kTileBytesB = BN * BK * 2;
   static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
-  static constexpr int kStagingLd = BN * 2 + 16;  // bytes per staged row
+  static constexpr int kStagingLd = BN * 2 + (kBoxesOnly ? 0 : 16);  // bytes per staged row
   static constexpr int kStagingBytes = BM * kStagingLd;
   static constexpr int kSmemBytes = STAGES * kStageBytes + STAGINGS * kStagingBytes + 1024;  // + align slack
-  static_assert(kSmemBytes + 5 * 1024 <= 227 * 1024, "with the static tile prefix and barriers");
+  static constexpr int kStaticBytes = kBoxesOnly ? 256 : 5 * 1024;  // barriers (and the tile prefix)
+  static_assert(kSmemBytes + kStaticBytes <= 227 * 1024, "with the static tile prefix and barriers");
 };
 using Tile128 = TileShape<128, 5>;
 using Tile256 = TileShape<256, 3>;
@@ -94,15 +97,8 @@ struct RingPos {
 template <class Tile>
 __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, uint32_t releasers = kConsumerThreads,
                                           uint64_t* loaded = nullptr) {
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < Tile::STAGES; ++s) {
-      sm90::mbar_init(&full[s], 1);  // the producer's arrive.expect_tx
-      sm90::mbar_init(&empty[s], releasers);
-    }
-    if (loaded != nullptr) sm90::mbar_init(&loaded[0], 1), sm90::mbar_init(&loaded[1], 1);
-    sm90::fence_mbarrier_init();
-  }
+  if (threadIdx.x == 0 && loaded != nullptr) sm90::mbar_init(&loaded[0], 1), sm90::mbar_init(&loaded[1], 1);
+  sm90::init_stage_barriers<Tile::STAGES>(full, 1, empty, releasers);  // full: the producer's arrive.expect_tx
 }
 
 // Row tile mt and column tile nt of virtual tile t. Tiles go group by group (each group's row tiles

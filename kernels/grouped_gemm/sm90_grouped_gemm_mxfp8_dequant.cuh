@@ -207,14 +207,8 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_kernel(const __grid_co
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
   uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int s = 0; s < STAGES; ++s) {
-      sm90::mbar_init(&full[s], 1 + 32);  // lane 0's arrive.expect_tx and the 32 lanes' scale copies
-      sm90::mbar_init(&empty[s], kConsumerThreads);
-    }
-    sm90::fence_mbarrier_init();
-  }
+  // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies
+  sm90::init_stage_barriers<STAGES>(full, 1 + 32, empty, kConsumerThreads);
   build_tile_prefix<THREADS, BM, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);  // ends in a barrier
   const int tiles_n = static_cast<int>((p.n + BN - 1) / BN);
   const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;

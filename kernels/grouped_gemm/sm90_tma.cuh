@@ -25,6 +25,20 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// Thread 0 initializes a ring of kStages stage barriers, `full` (counting the producer's arrivals) and
+// `empty` (the consumers' releases), and publishes every barrier it initialized so far to the copy
+// engine. The other threads return at once; the caller's next block-wide barrier orders their use.
+template <int kStages>
+__device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint32_t full_arrivals, uint64_t* empty,
+                                                    uint32_t empty_arrivals) {
+  if (threadIdx.x != 0) return;
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    mbar_init(&full[s], full_arrivals);
+    mbar_init(&empty[s], empty_arrivals);
+  }
+  fence_mbarrier_init();
+}
 // Waits until the phase with the given parity has completed. A fresh barrier counts its
 // (nonexistent) previous phase, parity 1, as complete: producers start by waiting on parity 1.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
