@@ -23,4 +23,9 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   return *this;
 }
 
+void zero_now(void* p, std::size_t bytes) {
+  MG_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, nullptr));
+  MG_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+}
+
 }  // namespace moegraph

@@ -26,4 +26,10 @@ class DeviceBuffer {
   std::size_t bytes_ = 0;
 };
 
+// Zeroes `bytes` at device address p and waits until that is done. For set-up and for the queries
+// that synchronize anyway (reading a device error record back), never an enqueue path. A plain
+// cudaMemset would run on the default stream, which does not order the caller's non-blocking
+// streams: a kernel enqueued there next could record an error that the late memset then erases.
+void zero_now(void* p, std::size_t bytes);
+
 }  // namespace moegraph

@@ -50,7 +50,7 @@ std::string describe_device_error(const DeviceErrorRecord& e, int row_align, std
 DeviceErrorRecord take_device_error_record(DeviceErrorRecord* record) {
   DeviceErrorRecord r{};
   MG_CUDA_CHECK(cudaMemcpy(&r, record, sizeof(r), cudaMemcpyDeviceToHost));
-  if (r.code != kDeviceErrorNone) MG_CUDA_CHECK(cudaMemset(record, 0, sizeof(r)));
+  if (r.code != kDeviceErrorNone) zero_now(record, sizeof(r));
   return r;
 }
 

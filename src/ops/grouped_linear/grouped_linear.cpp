@@ -199,7 +199,7 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   backend_->prepare(scratch_->sm_count);
   for (int s = options_.wgrad_slots - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
-  MG_CUDA_CHECK(cudaMemset(scratch_->error.get(), 0, sizeof(DeviceErrorRecord)));
+  zero_now(scratch_->error.get(), sizeof(DeviceErrorRecord));
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
     std::fprintf(stderr, "moegraph: %s\n", describe().c_str());
 }

@@ -119,9 +119,9 @@ class CombineOp final : public LayerOp {
 
 void DispatchRecords::bind() {
   error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
-  MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
+  zero_now(error_.get(), sizeof(DeviceErrorRecord));
   dropped_ = DeviceBuffer(sizeof(unsigned long long));
-  MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(unsigned long long)));
+  zero_now(dropped_.get(), sizeof(unsigned long long));
 }
 
 DeviceErrorRecord DispatchRecords::take_error() { return take_device_error_record(error_); }
@@ -129,7 +129,7 @@ DeviceErrorRecord DispatchRecords::take_error() { return take_device_error_recor
 uint64_t DispatchRecords::take_dropped() {
   unsigned long long dropped = 0;
   MG_CUDA_CHECK(cudaMemcpy(&dropped, dropped_.get(), sizeof(dropped), cudaMemcpyDeviceToHost));
-  MG_CUDA_CHECK(cudaMemset(dropped_.get(), 0, sizeof(dropped)));
+  zero_now(dropped_.get(), sizeof(dropped));
   return dropped;
 }
 

@@ -354,7 +354,7 @@ class EpCombineOp final : public LayerOp {
 
   void bind(TensorTable&) override {
     error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
-    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
+    zero_now(error_.get(), sizeof(DeviceErrorRecord));
   }
 
   void forward(const Phase& p, cudaStream_t stream) override {

@@ -42,7 +42,7 @@ class RouterOp final : public LayerOp {
   void bind(TensorTable&) override {
     gemm_ = std::make_unique<LtGemm>();
     error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
-    MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
+    zero_now(error_.get(), sizeof(DeviceErrorRecord));
     // Heuristic queries now: they are not capturable.
     gemm_->prepare(logits_gemm(nullptr, nullptr));
     if (!o_.training) return;
