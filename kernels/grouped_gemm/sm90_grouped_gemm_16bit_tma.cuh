@@ -40,20 +40,17 @@ constexpr int kRasterM = 16;             // most row tiles walked together (L2 r
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // (BLOCK_M, BLOCK_N) x BLOCK_K = (128, kBN) x 64, one CTA per SM, plus kStagings (128, kBN) 16-bit
-// output staging areas (one per warpgroup that owns whole tiles). Their rows are padded by 16 bytes,
-// so a warp's 8 rows x 4 words hit 32 distinct banks, unless kBoxesOnly: a wgrad-only tile stages
-// nothing but the copy engine's swizzled boxes, which are conflict free without padding, and its
-// kernel has no static tile prefix; the bytes saved go to the ring.
-template <int kBN, int kStages, int kStagings = 1, bool kBoxesOnly = false>
+// output staging areas (one per warpgroup that owns whole tiles), whose rows are padded by 16 bytes so
+// a warp's 8 rows x 4 words hit 32 distinct banks.
+template <int kBN, int kStages, int kStagings = 1>
 struct TileShape {
   static constexpr int BN = kBN, STAGES = kStages, STAGINGS = kStagings;
   static constexpr int kTileBytesB = BN * BK * 2;
   static constexpr int kStageBytes = kTileBytesA + kTileBytesB;
-  static constexpr int kStagingLd = BN * 2 + (kBoxesOnly ? 0 : 16);  // bytes per staged row
+  static constexpr int kStagingLd = BN * 2 + 16;  // bytes per staged row
   static constexpr int kStagingBytes = BM * kStagingLd;
   static constexpr int kSmemBytes = STAGES * kStageBytes + STAGINGS * kStagingBytes + 1024;  // + align slack
-  static constexpr int kStaticBytes = kBoxesOnly ? 256 : 5 * 1024;  // barriers (and the tile prefix)
-  static_assert(kSmemBytes + kStaticBytes <= 227 * 1024, "with the static tile prefix and barriers");
+  static_assert(kSmemBytes + 5 * 1024 <= 227 * 1024, "with the static tile prefix and barriers");
 };
 using Tile128 = TileShape<128, 5>;
 using Tile256 = TileShape<256, 3>;
