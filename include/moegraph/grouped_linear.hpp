@@ -78,7 +78,8 @@ MOEGRAPH_API std::string recipe_can_train(const GroupedLinearOptions& options);
 
 // Buffers are device pointers; all row buffers have options.capacity_rows rows. Group e occupies
 // rows [offsets[e], offsets[e] + splits[e]); gap rows up to the next aligned start read as zero
-// and are written as zero; rows past the last group are neither read nor written.
+// and are written as zero; rows past the last group are never written and their values never reach
+// a result, but the kernels may read them (whole tiles of rows, up to capacity_rows).
 struct ForwardArgs {
   const void* x = nullptr;            // [capacity_rows, K]
   const int32_t* splits = nullptr;    // [G] int32, device

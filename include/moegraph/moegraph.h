@@ -535,7 +535,8 @@ typedef struct {
 
 /* A bucket's device buffers (moegraph::BucketIO). Whole layer: write x [tokens, hidden] and
  * *num_tokens (and dy), read y, aux_loss (and dx). Experts only: write x [rows, hidden] grouped by
- * expert and splits (and dy), read y (and dx). */
+ * expert and splits (and dy), read y (and dx); rows of y and dx past the last group are not
+ * written (they hold whatever the buffer held). */
 typedef struct {
   size_t struct_size;   /* sizeof(mg_bucket_io) */
   int64_t tokens;       /* capacity in tokens */

@@ -117,7 +117,8 @@ MOEGRAPH_API StepPlan plan_step(const StepGraphsOptions& options);
 
 // A bucket's device buffers. Whole layer: the caller writes x [tokens, hidden] and num_tokens (and
 // dy), reads y, aux_loss (and dx); the router makes the splits. Experts only: the caller writes x
-// [rows, hidden] grouped by expert and splits (and dy), reads y (and dx), all [rows, hidden].
+// [rows, hidden] grouped by expert and splits (and dy), reads y (and dx), all [rows, hidden]; rows
+// of y and dx past the last group are not written (they hold whatever the buffer held).
 struct BucketIO {
   int64_t tokens = 0, rows = 0;  // capacity in tokens; permuted rows (tokens * top_k + alignment padding)
   void* x = nullptr;
