@@ -208,7 +208,7 @@ MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* 
  *   differ. A rank that falls out of step makes the others' device barriers time out after
  *   MOEGRAPH_EP_TIMEOUT_MS (default 20000) milliseconds, which check_device_errors reports.
  * - Transports: NCCL (one process per GPU of one host's NVLink domain: NCCL 2.28 or newer, and
- *   NCCL_NVLS_ENABLE=0 in every rank's environment, else creation is refused with
+ *   NCCL_NVLS_ENABLE=0 in the environment every rank starts with, else creation is refused with
  *   MG_ERR_INVALID_ARGUMENT; the send/recv exchange also needs NCCL_GRAPH_REGISTER=0 and
  *   NCCL_LOCAL_REGISTER=0, else its first exchange fails), or emulated ranks in one process on one
  *   GPU (for tests).
@@ -229,7 +229,8 @@ MOEGRAPH_API mg_status mg_nccl_unique_id(char* out, size_t size);
  * current device, joined by `unique_id_hex` (mg_nccl_unique_id's digits, the same on every rank).
  * Collective: blocks until every rank has called it (ncclCommInitRank). Checked in this order: the
  * arguments (MG_ERR_INVALID_ARGUMENT naming the argument), the environment and NCCL
- * (MG_ERR_INVALID_ARGUMENT without NCCL_NVLS_ENABLE=0 or with NCCL older than 2.28), the device
+ * (MG_ERR_INVALID_ARGUMENT without NCCL_NVLS_ENABLE=0 since the process started, or with NCCL
+ * older than 2.28), the device
  * (MG_ERR_NO_DEVICE, MG_ERR_UNSUPPORTED_DEVICE); a failed NCCL call is MG_ERR_LIBRARY. Every rank
  * must reach every other by load/store (one host's NVLink domain), else MG_ERR_INVALID_ARGUMENT. */
 MOEGRAPH_API mg_status mg_ep_comm_create_nccl(int ranks, int rank, const char* unique_id_hex, mg_ep_comm** out);

@@ -1,6 +1,8 @@
 #include "src/comm/ep_environment.hpp"
 
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "moegraph/error.hpp"
@@ -23,6 +25,40 @@ long long env_integer(const char* name, long long lo, long long hi, long long fa
 long long barrier_timeout_ns_from_environment() {
   constexpr long long kDefaultMs = 20000, kMaxMs = 3600LL * 1000;
   return env_integer("MOEGRAPH_EP_TIMEOUT_MS", 1, kMaxMs, kDefaultMs) * 1000000;
+}
+
+std::string nvls_refusal(const char* now, const std::string& initial) {
+  const std::string why = "moegraph never uses NVLink multicast, and a communicator with it enabled may bind multicast "
+                          "memory to every window";
+  if (now == nullptr || std::string(now) != "0")
+    return "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment of every rank (got " +
+           (now != nullptr ? "\"" + std::string(now) + "\"" : std::string("unset")) + "): " + why;
+  // The block's entries, each ended by a NUL (the last one too).
+  std::size_t at = 0;
+  while (at < initial.size()) {
+    const std::size_t end = initial.find('\0', at);
+    const std::string entry = initial.substr(at, end == std::string::npos ? std::string::npos : end - at);
+    if (entry == "NCCL_NVLS_ENABLE=0") return "";
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment the process starts with "
+         "(export it, or start the ranks with scripts/launch): it is set now but was not at start, and NCCL reads it "
+         "once, when it first starts in the process, so a communicator may already have NVLink multicast on; " +
+         why;
+}
+
+void require_nvls_off() {
+  const char* now = std::getenv("NCCL_NVLS_ENABLE");
+  std::string initial;
+  if (now != nullptr && std::string(now) == "0") {  // only then is the start's environment needed
+    std::ifstream in("/proc/self/environ", std::ios::binary);
+    MG_CHECK(in.good(), "cannot read /proc/self/environ to check that NCCL_NVLS_ENABLE=0 was set at the process's "
+                        "start (expert parallelism over NCCL needs it)");
+    initial.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const std::string refusal = nvls_refusal(now, initial);
+  MG_CHECK(refusal.empty(), refusal);
 }
 
 }  // namespace moegraph::comm

@@ -1,6 +1,8 @@
 // The environment variables of expert parallelism, read at set-up (docs/expert-parallel.md).
 #pragma once
 
+#include <string>
+
 namespace moegraph::comm {
 
 // The integer in `name`, refused by name unless in [lo, hi]; `fallback` when unset or empty (a
@@ -9,5 +11,14 @@ long long env_integer(const char* name, long long lo, long long hi, long long fa
 
 // The device barrier timeout of every EpComm: MOEGRAPH_EP_TIMEOUT_MS (at most one hour) or 20 s.
 long long barrier_timeout_ns_from_environment();
+
+// Why NVLink multicast might be on, or "" when NCCL_NVLS_ENABLE is "0" both now (`now`, null when
+// unset) and in the environment the process started with (`initial`: its NUL-separated NAME=value
+// block). NCCL reads the variable once, when it first starts in a process, and keeps the value: one
+// set later may not reach a communicator made before it (a caller's, say torch.distributed's), nor
+// one made after it in a process whose NCCL had already started.
+std::string nvls_refusal(const char* now, const std::string& initial);
+// Refuses (moegraph::Error) unless nvls_refusal of this process (getenv, /proc/self/environ) is "".
+void require_nvls_off();
 
 }  // namespace moegraph::comm

@@ -72,15 +72,6 @@ void require_user_buffer_registration_off() {
   }
 }
 
-void require_nvls_off() {
-  const char* nvls = std::getenv("NCCL_NVLS_ENABLE");
-  MG_CHECK(nvls != nullptr && std::string(nvls) == "0",
-           "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment of every rank (got ",
-           nvls ? std::string("\"") + nvls + "\"" : std::string("unset"),
-           "): moegraph never uses NVLink multicast, and a communicator with it enabled may bind multicast memory to "
-           "every window");
-}
-
 void require_nccl_version() {
   int version = 0;
   MG_NCCL_CHECK(ncclGetVersion(&version));
@@ -231,7 +222,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_init(int ranks, int rank, const std::st
   MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "ranks must be in [1, ", kMaxExpertParallel, "], got ", ranks);
   MG_CHECK(rank >= 0 && rank < ranks, "rank must be in [0, ranks - 1 = ", ranks - 1, "], got ", rank);
   const ncclUniqueId id = from_hex(unique_id_hex);
-  require_nvls_off();
+  comm::require_nvls_off();
   require_nccl_version();
   require_supported_device();
   ncclComm_t comm = nullptr;
@@ -270,7 +261,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment() {
 
 std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm) {
   MG_CHECK(comm != nullptr, "nccl_ep_comm_wrap: the communicator is null");
-  require_nvls_off();
+  comm::require_nvls_off();
   require_nccl_version();
   require_supported_device();
   return make_comm(comm, false);
@@ -279,7 +270,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm) {
 std::shared_ptr<NcclEpComm> nccl_ep_comm_split(const NcclEpComm& parent, int color, int key) {
   // Every rank takes part (NCCL_SPLIT_NOCOLOR would leave one out, with no communicator to return).
   MG_CHECK(color >= 0, "nccl_ep_comm_split: color must be >= 0, got ", color);
-  require_nvls_off();
+  comm::require_nvls_off();
   const DeviceScope on_device(parent.device());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   ncclComm_t comm = nullptr;

@@ -193,7 +193,8 @@ int main(int argc, char** argv) {
     if (nccl_ep_environment_present()) {
       test::g_comm = nccl_ep_comm_from_environment();
     } else {
-      setenv("NCCL_NVLS_ENABLE", "0", 0);  // a group of one: no launcher set it
+      // A group of one. NCCL_NVLS_ENABLE=0 must come from the environment the process starts with
+      // (meson's test definition sets it; a setenv here would be refused).
       MG_CUDA_CHECK(cudaSetDevice(0));
       test::g_comm = nccl_ep_comm_init(1, 0, nccl_unique_id_hex());
     }

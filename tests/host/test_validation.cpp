@@ -3,6 +3,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "moegraph/error.hpp"
@@ -11,6 +13,7 @@
 #include "moegraph/moegraph.h"
 #include "moegraph/nccl_ep.hpp"
 #include "moegraph/step_graphs.hpp"
+#include "src/comm/ep_environment.hpp"
 
 namespace moegraph {
 namespace {
@@ -342,6 +345,24 @@ TEST(ExpertParallelOptions, ReceiveRowsAndWindow) {
   EXPECT_THROW(validate(o), Error);
 }
 
+// NVLink multicast must be off now and must have been since the process started: NCCL reads
+// NCCL_NVLS_ENABLE once, when it first starts, so a value set later may not reach a communicator.
+TEST(ExpertParallelOptions, NvlsMustBeOffSinceTheProcessStarted) {
+  using namespace std::string_literals;
+  using moegraph::comm::nvls_refusal;
+  const std::string at_start = "PATH=/bin\0NCCL_NVLS_ENABLE=0\0HOME=/root\0"s;
+  EXPECT_EQ(nvls_refusal("0", at_start), "");
+  EXPECT_EQ(nvls_refusal("0", "A=1\0NCCL_NVLS_ENABLE=0"s), "") << "the last entry without its NUL";
+  EXPECT_NE(nvls_refusal(nullptr, at_start).find("got unset"), std::string::npos);
+  EXPECT_NE(nvls_refusal("1", at_start).find("got \"1\""), std::string::npos);
+  for (const std::string& initial : {"PATH=/bin\0HOME=/root\0"s, "NCCL_NVLS_ENABLE=1\0"s, "XNCCL_NVLS_ENABLE=0\0"s,
+                                     "NCCL_NVLS_ENABLE=00\0"s, ""s}) {
+    const std::string why = nvls_refusal("0", initial);
+    EXPECT_NE(why.find("the environment the process starts with"), std::string::npos) << why;
+    EXPECT_NE(why.find("NCCL_NVLS_ENABLE=0"), std::string::npos) << why;
+  }
+}
+
 // The NCCL transport refuses a process with NVLink multicast enabled, and bad ranks or ids, before it
 // touches NCCL or a GPU; so does a StepGraphs without its communicator.
 TEST(ExpertParallelOptions, NcclCommunicatorInputsAreCheckedFirst) {
@@ -360,6 +381,22 @@ TEST(ExpertParallelOptions, NcclCommunicatorInputsAreCheckedFirst) {
   EXPECT_THROW(nccl_ep_comm_init(2, 2, std::string(256, '0')), Error);
   EXPECT_THROW(nccl_ep_comm_init(65, 0, std::string(256, '0')), Error);
   if (before) setenv("NCCL_NVLS_ENABLE", saved.c_str(), 1); else unsetenv("NCCL_NVLS_ENABLE");
+
+  // Set only since the process started (as here, unless the runner exported it): refused, before
+  // NCCL starts, for NCCL reads the variable once, when it first starts.
+  std::ifstream environ_file("/proc/self/environ", std::ios::binary);
+  const std::string initial((std::istreambuf_iterator<char>(environ_file)), std::istreambuf_iterator<char>());
+  if (!comm::nvls_refusal("0", initial).empty()) {
+    setenv("NCCL_NVLS_ENABLE", "0", 1);
+    try {
+      nccl_ep_comm_init(2, 0, std::string(256, '0'));
+      ADD_FAILURE() << "NCCL_NVLS_ENABLE=0 set only after the start was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the environment the process starts with"), std::string::npos)
+          << e.what();
+    }
+    if (before) setenv("NCCL_NVLS_ENABLE", saved.c_str(), 1); else unsetenv("NCCL_NVLS_ENABLE");
+  }
 
   StepGraphsOptions o;
   o.layer.experts = 8, o.layer.hidden = 64, o.layer.ffn = 32, o.layer.top_k = 2, o.layer.expert_parallel = 2;
