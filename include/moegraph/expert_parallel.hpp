@@ -85,7 +85,9 @@ class MOEGRAPH_API EpComm {
 // concurrently on their own streams and wait for each other on the device, so every kernel must be
 // loaded before the first step: the process needs CUDA_MODULE_LOADING=EAGER (set before CUDA
 // initializes; lazy loading, the default, can stall a waiting rank's peers). The constructor
-// refuses to run without it.
+// refuses to run without it, and refuses more ranks than the process has hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set before CUDA initializes, at most 32): ranks sharing a
+// queue could wait on each other's kernels queued behind their barriers.
 class MOEGRAPH_API EmulatedEpGroup {
  public:
   explicit EmulatedEpGroup(int ranks);

@@ -257,8 +257,9 @@ MOEGRAPH_API mg_status mg_ep_comm_split(mg_ep_comm* parent, int color, int key, 
  * (the caller's array of `ranks` handles) is rank r, destroyed separately; on failure every entry
  * is NULL. Each rank's layer or step runs on its own stream, driven by its own host thread. With
  * more than one rank the process needs CUDA_MODULE_LOADING=EAGER (set before CUDA initializes:
- * a kernel loaded lazily mid-step would stall its waiting peers), else MG_ERR_INVALID_ARGUMENT.
- * The ranks' layers may be created by one thread, one after the other; their steps not
+ * a kernel loaded lazily mid-step would stall its waiting peers), and no more ranks than
+ * CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 unless set before CUDA initializes, at most 32:
+ * ranks sharing a queue could wait on each other), else MG_ERR_INVALID_ARGUMENT. The ranks' layers may be created by one thread, one after the other; their steps not
  * (mg_step_graphs_create warms up with the other ranks): each on its rank's thread, with
  * thread_local_capture. */
 MOEGRAPH_API mg_status mg_ep_emulated_group_create(int ranks, mg_ep_comm** out_array);

@@ -135,6 +135,13 @@ class EmulatedComm final : public EpComm {
 EmulatedEpGroup::EmulatedEpGroup(int ranks) : state_(std::make_shared<State>()) {
   MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "an emulated expert-parallel group needs 1 to ",
            kMaxExpertParallel, " ranks, got ", ranks);
+  // Each rank's stream needs a hardware queue of its own. Streams beyond the process's queues share
+  // one, in submission order: a rank's kernel queued behind another rank's spinning barrier and its
+  // successor cannot start, and the barrier waits for it until the timeout.
+  const long long queues = comm::env_integer("CUDA_DEVICE_MAX_CONNECTIONS", 1, 32, 8);
+  MG_CHECK(ranks <= queues, "an emulated expert-parallel group of ", ranks, " ranks needs as many hardware queues, "
+           "and this process has ", queues, " (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set, at most 32; set it before "
+           "CUDA initializes)");
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
   MG_CHECK(ranks == 1 || (loading != nullptr && std::string(loading) == "EAGER"),
            "emulated expert-parallel ranks wait for each other on one GPU, so every kernel must be loaded before "

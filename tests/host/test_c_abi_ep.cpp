@@ -159,6 +159,15 @@ TEST(CAbiEp, EmulatedGroupHandsOutOneHandlePerRank) {
     EXPECT_TRUE(last_error_has("ranks must be in [1, 64], got " + std::to_string(ranks))) << mg_last_error();
   }
   EXPECT_EQ(mg_ep_emulated_group_create(2, nullptr), MG_ERR_INVALID_ARGUMENT);
+  {  // more ranks than hardware queues: refused before CUDA is touched, every entry NULL
+    mg_ep_comm* nine[9];
+    for (mg_ep_comm*& c : nine) c = reinterpret_cast<mg_ep_comm*>(0x1);
+    ScopedEnv queues("CUDA_DEVICE_MAX_CONNECTIONS", nullptr);
+    EXPECT_EQ(mg_ep_emulated_group_create(9, nine), MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has("group of 9 ranks needs as many hardware queues, and this process has 8"))
+        << mg_last_error();
+    for (mg_ep_comm* c : nine) EXPECT_EQ(c, nullptr);
+  }
   const mg_status status = mg_ep_emulated_group_create(1, comms);
   if (status != MG_OK) {
     EXPECT_TRUE(status == MG_ERR_NO_DEVICE || status == MG_ERR_UNSUPPORTED_DEVICE || status == MG_ERR_CUDA)
