@@ -230,9 +230,9 @@ MOEGRAPH_API mg_status mg_nccl_unique_id(char* out, size_t size);
  * Collective: blocks until every rank has called it (ncclCommInitRank). Checked in this order: the
  * arguments (MG_ERR_INVALID_ARGUMENT naming the argument), the environment and NCCL
  * (MG_ERR_INVALID_ARGUMENT without NCCL_NVLS_ENABLE=0 since the process started, or with NCCL
- * older than 2.28), the device
- * (MG_ERR_NO_DEVICE, MG_ERR_UNSUPPORTED_DEVICE); a failed NCCL call is MG_ERR_LIBRARY. Every rank
- * must reach every other by load/store (one host's NVLink domain), else MG_ERR_INVALID_ARGUMENT. */
+ * older than 2.28), the device (MG_ERR_NO_DEVICE, MG_ERR_UNSUPPORTED_DEVICE); a failed NCCL call is
+ * MG_ERR_LIBRARY. Every rank must reach every other by load/store (one host's NVLink domain), else
+ * MG_ERR_INVALID_ARGUMENT. */
 MOEGRAPH_API mg_status mg_ep_comm_create_nccl(int ranks, int rank, const char* unique_id_hex, mg_ep_comm** out);
 /* The same from a launcher's environment (scripts/launch): MOEGRAPH_EP_RANKS, MOEGRAPH_EP_RANK,
  * MOEGRAPH_EP_DEVICE (default: the rank; made the current device here), and the unique id in
@@ -259,9 +259,9 @@ MOEGRAPH_API mg_status mg_ep_comm_split(mg_ep_comm* parent, int color, int key, 
  * more than one rank the process needs CUDA_MODULE_LOADING=EAGER (set before CUDA initializes:
  * a kernel loaded lazily mid-step would stall its waiting peers), and no more ranks than
  * CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 unless set before CUDA initializes, at most 32:
- * ranks sharing a queue could wait on each other), else MG_ERR_INVALID_ARGUMENT. The ranks' layers may be created by one thread, one after the other; their steps not
- * (mg_step_graphs_create warms up with the other ranks): each on its rank's thread, with
- * thread_local_capture. */
+ * ranks sharing a queue could wait on each other), else MG_ERR_INVALID_ARGUMENT. The ranks'
+ * layers may be created by one thread, one after the other; their steps not (mg_step_graphs_create
+ * warms up with the other ranks): each on its rank's thread, with thread_local_capture. */
 MOEGRAPH_API mg_status mg_ep_emulated_group_create(int ranks, mg_ep_comm** out_array);
 /* NULL or a destroyed handle: nothing happens. Layers and steps made with it keep working. */
 MOEGRAPH_API void mg_ep_comm_destroy(mg_ep_comm* comm);

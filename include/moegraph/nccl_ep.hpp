@@ -7,8 +7,8 @@
 // rank's LSA team (one host's NVLink domain); NCCL_NVLS_ENABLE=0 in the process, since it started
 // (moegraph never uses NVLink multicast, and a communicator created with it may bind multicast
 // memory to every window: on shared machines that is refused rather than risked; NCCL reads the
-// variable once, when it first starts, so a setenv after the start is refused too). The send/recv exchange
-// (EpExchange::kSendRecv) also needs NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0, checked by
+// variable once, when it first starts, so a setenv after the start is refused too). The send/recv
+// exchange (EpExchange::kSendRecv) also needs NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0, checked by
 // its first exchange (a StepGraphs' set-up, or a MoeLayer's first forward): with NCCL's own
 // registration of the captured buffers it hung (docs/expert-parallel.md).
 //

@@ -33,15 +33,9 @@ std::string nvls_refusal(const char* now, const std::string& initial) {
   if (now == nullptr || std::string(now) != "0")
     return "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment of every rank (got " +
            (now != nullptr ? "\"" + std::string(now) + "\"" : std::string("unset")) + "): " + why;
-  // The block's entries, each ended by a NUL (the last one too).
-  std::size_t at = 0;
-  while (at < initial.size()) {
-    const std::size_t end = initial.find('\0', at);
-    const std::string entry = initial.substr(at, end == std::string::npos ? std::string::npos : end - at);
-    if (entry == "NCCL_NVLS_ENABLE=0") return "";
-    if (end == std::string::npos) break;
-    at = end + 1;
-  }
+  // An entry of the block, whole: between two NULs once the block is framed by them.
+  const std::string framed = '\0' + initial + '\0', entry("\0NCCL_NVLS_ENABLE=0\0", 20);
+  if (framed.find(entry) != std::string::npos) return "";
   return "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment the process starts with "
          "(export it, or start the ranks with scripts/launch): it is set now but was not at start, and NCCL reads it "
          "once, when it first starts in the process, so a communicator may already have NVLink multicast on; " +
