@@ -111,7 +111,8 @@ struct MoeLayerWeights {
 };
 
 // One step's activations (device). Rows at or past *num_tokens are neither read nor written,
-// except dx, whose rows [n, max_tokens) are written as zero.
+// except dx, whose rows [n, max_tokens) are written as zero: x, y and dy may be buffers of just n
+// rows (a graph replayed for several n needs max_tokens), dx must hold max_tokens rows.
 struct MoeLayerIO {
   const void* x = nullptr;            // [max_tokens, hidden]
   const int32_t* num_tokens = nullptr;  // device scalar n, 0 <= n <= max_tokens

@@ -365,7 +365,8 @@ typedef struct {
 } mg_moe_layer_weights;
 
 /* One step's activations (device). Rows at or past *num_tokens are neither read nor written,
- * except dx, whose rows [n, max_tokens) are written as zero. */
+ * except dx, whose rows [n, max_tokens) are written as zero: x, y and dy may be buffers of just n
+ * rows (a graph replayed for several n needs max_tokens), dx must hold max_tokens rows. */
 typedef struct {
   size_t struct_size;         /* sizeof(mg_moe_layer_io) */
   const void* x;              /* [max_tokens, hidden] */

@@ -5,13 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "moegraph/moe_layer.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "testing/data.hpp"
 #include "testing/device_array.hpp"
 #include "testing/graph.hpp"
+#include "testing/guarded_buffer.hpp"
 #include "testing/moe_layer_reference.hpp"
 #include "testing/step_weights.hpp"
 #include "tests/common/expect.hpp"
@@ -121,6 +124,55 @@ TEST(MoeLayer, InvalidTokenCountIsReported) {
   h.set_tokens(-1);
   h.layer().forward(h.io(), h.stream());
   EXPECT_THROW(h.layer().check_device_errors(h.stream()), Error);
+}
+
+std::vector<uint16_t> download16(const void* p, int64_t count) {
+  std::vector<uint16_t> host(static_cast<std::size_t>(count));
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  MG_CUDA_CHECK(cudaMemcpy(host.data(), p, host.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// MoeLayerIO's promise that rows at or past n of x, y and dy are never read or written, on which
+// the PyTorch module relies (it passes tensors of n rows). Each of those buffers here ends where
+// mapped memory ends, so an access past row n faults; the results must equal, bit for bit, those of
+// the harness's buffers of max_tokens rows. (The router's logits GEMM, which runs over max_tokens
+// rows, read x past row n until it read the router's own copy.)
+TEST(MoeLayer, BuffersOfNTokenRowsSuffice) {
+  const LayerCase c = kCases[1];  // 64 experts, top-8, aux loss, delayed wgrad
+  LayerHarness h(options_of(c), 17);
+  const int64_t n = c.max_tokens - 7, elements = n * c.hidden;
+  const std::size_t bytes = static_cast<std::size_t>(elements) * sizeof(uint16_t);
+  h.set_inputs(n);
+  h.poison();
+  h.layer().forward(h.io(), h.stream());
+  const std::vector<uint16_t> y_infer = download16(h.io().y, elements);
+  h.poison();
+  h.train_step();
+  const LayerOutputs full = h.read();
+  const std::vector<uint16_t> y_train = download16(h.io().y, elements);
+
+  testing::GuardedBuffer x(bytes), y(bytes), dy(bytes);
+  MG_CUDA_CHECK(cudaMemcpy(x.get(), h.io().x, bytes, cudaMemcpyDeviceToDevice));
+  MG_CUDA_CHECK(cudaMemcpy(dy.get(), h.io().dy, bytes, cudaMemcpyDeviceToDevice));
+  MoeLayerIO io = h.io();
+  io.x = x.get(), io.y = y.get(), io.dy = dy.get();
+  MG_CUDA_CHECK(cudaMemset(y.get(), 0xff, bytes));  // NaN
+  h.layer().forward(io, h.stream());
+  EXPECT_EQ(download16(y.get(), elements), y_infer) << "inference forward";  // synchronizes: a fault shows here
+
+  MG_CUDA_CHECK(cudaMemset(y.get(), 0xff, bytes));
+  h.poison();
+  h.layer().forward_train(io, h.stream());
+  h.layer().backward(io, h.stream());
+  if (c.delay) h.layer().backward_dw(h.stream());
+  const LayerOutputs guarded = h.read();
+  EXPECT_EQ(download16(y.get(), elements), y_train) << "training forward";
+  EXPECT_TRUE(same_bits(guarded.dx, full.dx));
+  EXPECT_TRUE(same_bits(guarded.dwr, full.dwr));
+  EXPECT_TRUE(same_bits(guarded.dw1, full.dw1));
+  EXPECT_TRUE(same_bits(guarded.dw2, full.dw2));
+  EXPECT_EQ(guarded.aux, full.aux);
 }
 
 TEST(MoeLayer, PhaseOrderIsChecked) {

@@ -15,6 +15,9 @@
 namespace moegraph::layer {
 namespace {
 
+// The router's copy of x (declare).
+constexpr const char* kX = "router.x";
+
 class RouterOp final : public LayerOp {
  public:
   RouterOp(const MoeLayerOptions& o, const MoeLayerWeights& w) : o_(o), w_(w) {}
@@ -33,9 +36,11 @@ class RouterOp final : public LayerOp {
     t.declare(tensor::kScores, checked_mul(tensor::kScores, tk, e, sizeof(float)), Lifetime::kSaved);
     t.declare(tensor::kTopkIds, checked_mul(tensor::kTopkIds, tk, k, sizeof(int32_t)), Lifetime::kSaved);
     t.declare(tensor::kTopkWeights, checked_mul(tensor::kTopkWeights, tk, k, sizeof(float)), Lifetime::kSaved);
+    // x's first n rows, zeros past them: the logits GEMM runs over all max_tokens rows, and the
+    // caller's x may hold only n (MoeLayerIO). Training keeps it for dW_r, which runs after the
+    // caller may have reused its buffer for the next micro-batch.
+    t.declare(kX, checked_mul(kX, tk, o_.hidden, es), training ? Lifetime::kSaved : Lifetime::kStep);
     if (!training) return;
-    // dW_r reads x after the caller may have reused its buffer for the next micro-batch.
-    t.declare("router.x", checked_mul("router.x", tk, o_.hidden, es), Lifetime::kSaved);
     t.declare("d.logits", checked_mul("d.logits", tk, e, es), o_.delay_wgrad ? Lifetime::kSaved : Lifetime::kStep);
   }
 
@@ -56,8 +61,10 @@ class RouterOp final : public LayerOp {
     int32_t* tokens = t.get<int32_t>(tensor::kTokens, p.slot);
     // The micro-batch keeps its own token count: the caller may change num_tokens before backward.
     MG_CUDA_CHECK(cudaMemcpyAsync(tokens, p.io->num_tokens, sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+    void* x = t.get(kX, p.slot);
+    kernels::launch_copy_tokens(p.io->x, x, o_.hidden * dtype_size(o_.dtype), tokens, o_.max_tokens, stream);
     float* logits = t.get<float>("logits");
-    gemm_->run(logits_gemm(p.io->x, logits), stream);
+    gemm_->run(logits_gemm(x, logits), stream);
     kernels::RouterTopkParams r;
     r.logits = logits;
     r.num_tokens = tokens;
@@ -71,9 +78,6 @@ class RouterOp final : public LayerOp {
     r.topk_weights = t.get<float>(tensor::kTopkWeights, p.slot);
     r.error = error_.as<DeviceErrorRecord>();
     kernels::launch_router_topk(r, stream);
-    if (p.train)
-      kernels::launch_copy_tokens(p.io->x, t.get("router.x", p.slot), o_.hidden * dtype_size(o_.dtype), tokens,
-                                  o_.max_tokens, stream);
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {
@@ -146,7 +150,7 @@ class RouterOp final : public LayerOp {
     return g;
   }
   void run_wgrad(const TensorTable& t, int slot, cudaStream_t stream) {
-    const RowMajorGemm g = dw_gemm(t.get("d.logits", slot), t.get("router.x", slot));
+    const RowMajorGemm g = dw_gemm(t.get("d.logits", slot), t.get(kX, slot));
     MG_CHECK(g.c != nullptr, "router: MoeLayerWeights needs ", o_.main_grad_fp32 ? "main_grad_router" : "d_router");
     gemm_->run(g, stream);
   }
