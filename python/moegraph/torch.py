@@ -7,9 +7,11 @@ id (a constant to the compiler).
 
 Contracts the C layer brings (moegraph/moegraph.h):
 - A training forward saves its context inside the handle, in one of `wgrad_slots` slots; backward
-  takes the oldest (forward order, as pipeline schedules run them). With one slot, a second
-  training forward before the first one's backward is refused. Inference (torch.no_grad, or no
-  input requiring grad) saves nothing.
+  takes the oldest (forward order, as pipeline schedules run them). A backward out of that order
+  is refused (RuntimeError): summing the losses of several pending micro-batches and calling one
+  backward runs their backwards last-first. With one slot, a second training forward before the
+  first one's backward is refused. Inference (torch.no_grad, or no input requiring grad) saves
+  nothing.
 - Handles are created (and their device memory set up) on a module's first call for a shape:
   run each shape once before capturing it into a CUDA graph, as torch.cuda.graph's warm-up does.
 - main_grad=True: weight gradients accumulate into fp32 `param.main_grad` (their .grad stays None);
@@ -20,6 +22,7 @@ Contracts the C layer brings (moegraph/moegraph.h):
   ranks holding no rows included) are gathered here, and their gradients come back as DTensors of
   the same mesh and placements holding this rank's rows of the sum over ranks (not with main_grad).
 """
+import collections
 import ctypes
 import itertools
 from typing import Optional, Tuple
@@ -46,6 +49,47 @@ def _stream(device):
 
 def _empty(like):
     return like.new_empty((0,))
+
+
+def _some_rows(t):
+    """t, or for a tensor of no rows one row like it: the library touches no row at or past the
+    token count, but refuses null buffers."""
+    return t if t.numel() > 0 else t.new_empty((1,) + tuple(t.shape[1:]))
+
+
+def _ticket(device):
+    """A tensor that names one training forward by its address: made inside the forward op and saved
+    for its backward (an op's own output, so autograd's partitioner cannot recompute it elsewhere, as
+    it may an input). Never read or written on the device."""
+    return torch.empty((1,), dtype=torch.int32, device=device)
+
+
+class _Pending:
+    """The training forwards whose backward has not run, oldest first, by their tickets' addresses.
+    The library pairs every backward with the oldest; autograd may run them in another order (one
+    backward of a sum of micro-batch losses runs the last one first), which would pair a backward
+    with another micro-batch's saved context."""
+
+    def __init__(self):
+        self.queue = collections.deque()
+
+    def push(self, ticket):
+        self.queue.append(ticket.data_ptr())
+
+    def check(self, ticket, what):
+        if self.queue and self.queue[0] != ticket.data_ptr():
+            raise RuntimeError(f"moegraph {what}: this backward is not the oldest pending training forward's "
+                               f"({len(self.queue)} pending); the library runs backwards in forward order: call "
+                               f"backward on each micro-batch's loss in the order of their forwards")
+
+    def pop(self):
+        if self.queue:
+            self.queue.popleft()
+
+
+def _check_device(t, device, name):
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the module's parameters on {device}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -134,6 +178,7 @@ class _LinearHandles:
                             delay_wgrad=int(delay_wgrad), recipe=_lib.RECIPE["bf16"])
         self.delay_wgrad = delay_wgrad
         self.ops = {}  # rows -> (handle, workspace tensor)
+        self.pending = collections.defaultdict(_Pending)  # rows -> training forwards awaiting backward
 
     def op(self, rows, device):
         if rows not in self.ops:
@@ -154,36 +199,45 @@ class _LinearHandles:
 
 @torch.library.custom_op("moegraph::grouped_linear", mutates_args=())
 def _linear_forward(x: Tensor, splits: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor],
-                    handle: int, train: bool) -> Tensor:
-    op = _handles[handle].op(x.shape[0], x.device)
-    y = torch.zeros((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)  # rows past sum(splits): 0
-    args = _lib.ForwardArgs(x=x.data_ptr(), splits=splits.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias),
-                            y=y.data_ptr())
-    _lib.call("mg_grouped_linear_forward", op, ctypes.byref(args), int(train), _stream(x.device))
-    return y
+                    handle: int, train: bool) -> Tuple[Tensor, Tensor]:
+    h = _handles[handle]
+    with torch.cuda.device(x.device):
+        op = h.op(x.shape[0], x.device)
+        y = torch.zeros((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)  # rows past sum(splits): 0
+        args = _lib.ForwardArgs(x=x.data_ptr(), splits=splits.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias),
+                                y=y.data_ptr())
+        _lib.call("mg_grouped_linear_forward", op, ctypes.byref(args), int(train), _stream(x.device))
+        ticket = _ticket(x.device)
+    if train:
+        h.pending[x.shape[0]].push(ticket)
+    return y, ticket
 
 
 @_linear_forward.register_fake
 def _(x, splits, weight, bias, main_grad, handle, train):
-    return x.new_empty((x.shape[0], weight.shape[1]))
+    return x.new_empty((x.shape[0], weight.shape[1])), x.new_empty((1,), dtype=torch.int32)
 
 
 @torch.library.custom_op("moegraph::grouped_linear_backward", mutates_args=("main_grad",))
-def _linear_backward(dy: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor], handle: int,
-                     need_dx: bool) -> Tuple[Tensor, Tensor, Tensor]:
+def _linear_backward(dy: Tensor, ticket: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor],
+                     handle: int, need_dx: bool) -> Tuple[Tensor, Tensor, Tensor]:
     h = _handles[handle]
-    op = h.op(dy.shape[0], dy.device)
-    dx = torch.zeros((dy.shape[0], weight.shape[2]), dtype=dy.dtype, device=dy.device) if need_dx else _empty(dy)
-    dw = torch.empty_like(weight) if main_grad is None else _empty(dy)
-    db = torch.empty_like(bias) if bias is not None else _empty(dy)
-    args = _lib.BackwardArgs(dy=dy.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias), dx=_ptr(dx),
-                             dbias=_ptr(db), dweight=_ptr(dw), main_grad=_ptr(main_grad))
-    _lib.call("mg_grouped_linear_backward", op, ctypes.byref(args), int(h.delay_wgrad), _stream(dy.device))
+    pending = h.pending[dy.shape[0]]
+    pending.check(ticket, "GroupedLinear")
+    with torch.cuda.device(dy.device):
+        op = h.op(dy.shape[0], dy.device)
+        dx = torch.zeros((dy.shape[0], weight.shape[2]), dtype=dy.dtype, device=dy.device) if need_dx else _empty(dy)
+        dw = torch.empty_like(weight) if main_grad is None else _empty(dy)
+        db = torch.empty_like(bias) if bias is not None else _empty(dy)
+        args = _lib.BackwardArgs(dy=dy.data_ptr(), weight=weight.data_ptr(), bias=_ptr(bias), dx=_ptr(dx),
+                                 dbias=_ptr(db), dweight=_ptr(dw), main_grad=_ptr(main_grad))
+        _lib.call("mg_grouped_linear_backward", op, ctypes.byref(args), int(h.delay_wgrad), _stream(dy.device))
+    pending.pop()
     return dx, dw, db
 
 
 @_linear_backward.register_fake
-def _(dy, weight, bias, main_grad, handle, need_dx):
+def _(dy, ticket, weight, bias, main_grad, handle, need_dx):
     dx = dy.new_empty((dy.shape[0], weight.shape[2])) if need_dx else dy.new_empty((0,))
     dw = torch.empty_like(weight) if main_grad is None else dy.new_empty((0,))
     db = torch.empty_like(bias) if bias is not None else dy.new_empty((0,))
@@ -192,15 +246,16 @@ def _(dy, weight, bias, main_grad, handle, need_dx):
 
 def _linear_setup(ctx, inputs, output):
     x, splits, weight, bias, main_grad, handle, train = inputs
-    ctx.save_for_backward(weight, bias, main_grad)
+    ctx.save_for_backward(output[1], weight, bias, main_grad)  # the ticket: which forward this is
     ctx.handle = handle
+    ctx.mark_non_differentiable(output[1])
 
 
-def _linear_grad(ctx, dy):
-    weight, bias, main_grad = ctx.saved_tensors
+def _linear_grad(ctx, dy, _ticket_grad):
+    ticket, weight, bias, main_grad = ctx.saved_tensors
     need_dx = ctx.needs_input_grad[0]
-    dx, dw, db = torch.ops.moegraph.grouped_linear_backward(dy.contiguous(), weight, bias, main_grad, ctx.handle,
-                                                            need_dx)
+    dx, dw, db = torch.ops.moegraph.grouped_linear_backward(dy.contiguous(), ticket, weight, bias, main_grad,
+                                                            ctx.handle, need_dx)
     return (dx if need_dx else None, None, dw if main_grad is None else None, db if bias is not None else None,
             None, None, None)
 
@@ -232,12 +287,22 @@ class GroupedLinear(torch.nn.Module):
                                             delay_wgrad)
 
     def forward(self, x, splits):
-        train = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        groups, out_features, in_features = self.weight.shape
+        if x.dim() != 2 or x.shape[1] != in_features or x.dtype != self.weight.dtype:
+            raise ValueError(f"x must be [rows, {in_features}] {self.weight.dtype}, got {tuple(x.shape)} {x.dtype}")
+        if splits.dim() != 1 or splits.shape[0] != groups or splits.dtype != torch.int32:
+            raise ValueError(f"splits must be [{groups}] torch.int32, got {tuple(splits.shape)} {splits.dtype}")
+        _check_device(x, self.weight.device, "x")
+        _check_device(splits, self.weight.device, "splits")
+        x, splits = x.contiguous(), splits.contiguous()
+        params = [self.weight] + ([self.bias] if self.bias is not None else [])
+        train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         main_grad = self.weight.main_grad if self.main_grad else None
         weight, bias = _full(self.weight), _full(self.bias)
         if main_grad is not None and (weight is not self.weight or bias is not self.bias):
             raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
-        return torch.ops.moegraph.grouped_linear(x, splits, weight, bias, main_grad, self._id, train)
+        y, _ = torch.ops.moegraph.grouped_linear(x, splits, weight, bias, main_grad, self._id, train)
+        return y
 
     def backward_dw(self):
         """Runs the oldest queued weight gradient (delay_wgrad) into weight.main_grad, on the current stream."""
@@ -245,7 +310,8 @@ class GroupedLinear(torch.nn.Module):
         if len(h.ops) != 1:
             raise RuntimeError("backward_dw needs the module to have run one row count")
         handle = next(iter(h.ops.values()))[0]
-        _lib.call("mg_grouped_linear_backward_dw", handle, _stream(self.weight.device))
+        with torch.cuda.device(self.weight.device):
+            _lib.call("mg_grouped_linear_backward_dw", handle, _stream(self.weight.device))
 
     def __del__(self):
         _handles.pop(getattr(self, "_id", None), None)
@@ -264,6 +330,7 @@ class _LayerHandle:
     def __init__(self, options):
         self.options = options
         self.handle, self.bound = None, None
+        self.pending = _Pending()  # training forwards awaiting backward
 
     def layer(self, params, main_grads, grads=None):
         router, w1, b1, w2, b2 = params
@@ -301,25 +368,31 @@ def _main_grads(mg_router, mg1, mg2):
 @torch.library.custom_op("moegraph::moe_layer", mutates_args=())
 def _moe_forward(x: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
                  mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor], handle: int,
-                 train: bool) -> Tuple[Tensor, Tensor]:
+                 train: bool) -> Tuple[Tensor, Tensor, Tensor]:
     h = _handles[handle]
-    layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
-    y = torch.empty_like(x)
-    aux = torch.zeros((1,), dtype=torch.float32, device=x.device)
-    tokens = _num_tokens(x.shape[0], x.device)  # named: it must outlive the call that reads it
-    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=tokens.data_ptr(), y=y.data_ptr(),
-                         aux_loss=aux.data_ptr() if h.options.aux_loss_coef > 0 else None)
-    _lib.call("mg_moe_layer_forward", layer, ctypes.byref(io), int(train), _stream(x.device))
-    return y, aux
+    with torch.cuda.device(x.device):
+        layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
+        y = torch.empty_like(x)
+        aux = torch.zeros((1,), dtype=torch.float32, device=x.device)
+        # Named, as are the row buffers for no tokens: each must outlive the call that reads it.
+        tokens = _num_tokens(x.shape[0], x.device)
+        x_rows, y_rows = _some_rows(x), _some_rows(y)
+        io = _lib.MoeLayerIO(x=x_rows.data_ptr(), num_tokens=tokens.data_ptr(), y=y_rows.data_ptr(),
+                             aux_loss=aux.data_ptr() if h.options.aux_loss_coef > 0 else None)
+        _lib.call("mg_moe_layer_forward", layer, ctypes.byref(io), int(train), _stream(x.device))
+        ticket = _ticket(x.device)
+    if train:
+        h.pending.push(ticket)
+    return y, aux, ticket
 
 
 @_moe_forward.register_fake
 def _(x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle, train):
-    return torch.empty_like(x), x.new_empty((1,), dtype=torch.float32)
+    return torch.empty_like(x), x.new_empty((1,), dtype=torch.float32), x.new_empty((1,), dtype=torch.int32)
 
 
 @torch.library.custom_op("moegraph::moe_layer_backward", mutates_args=("mg_router", "mg1", "mg2"))
-def _moe_backward(dy: Tensor, x: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
+def _moe_backward(dy: Tensor, x: Tensor, ticket: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
                   b2: Optional[Tensor], mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor],
                   handle: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     h = _handles[handle]
@@ -330,18 +403,23 @@ def _moe_backward(dy: Tensor, x: Tensor, router: Tensor, w1: Tensor, b1: Optiona
         grads.update(d_router=torch.empty_like(router), dw1=torch.empty_like(w1), dw2=torch.empty_like(w2))
     if b1 is not None:
         grads.update(db1=torch.empty_like(b1), db2=torch.empty_like(b2))
-    layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2), grads)
-    n, max_tokens = x.shape[0], h.options.max_tokens
-    dx = torch.empty((max_tokens, x.shape[1]), dtype=x.dtype, device=x.device)  # rows [n, max) written as 0
-    tokens = _num_tokens(n, x.device)
-    io = _lib.MoeLayerIO(x=x.data_ptr(), num_tokens=tokens.data_ptr(), dy=dy.data_ptr(), dx=dx.data_ptr())
-    _lib.call("mg_moe_layer_backward", layer, ctypes.byref(io), _stream(x.device))
+    h.pending.check(ticket, "MoELayer")
+    with torch.cuda.device(x.device):
+        layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2), grads)
+        n, max_tokens = x.shape[0], h.options.max_tokens
+        dx = torch.empty((max_tokens, x.shape[1]), dtype=x.dtype, device=x.device)  # rows [n, max) written as 0
+        tokens = _num_tokens(n, x.device)
+        x_rows, dy_rows = _some_rows(x), _some_rows(dy)
+        io = _lib.MoeLayerIO(x=x_rows.data_ptr(), num_tokens=tokens.data_ptr(), dy=dy_rows.data_ptr(),
+                             dx=dx.data_ptr())
+        _lib.call("mg_moe_layer_backward", layer, ctypes.byref(io), _stream(x.device))
+    h.pending.pop()
     grad = lambda name: grads[name] if name in grads else _empty(x)  # noqa: E731
     return dx[:n].clone(), grad("d_router"), grad("dw1"), grad("db1"), grad("dw2"), grad("db2")
 
 
 @_moe_backward.register_fake
-def _(dy, x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle):
+def _(dy, x, ticket, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle):
     grad = lambda t, keep: torch.empty_like(t) if keep else x.new_empty((0,))  # noqa: E731
     fp32 = mg1 is not None
     return (torch.empty_like(x), grad(router, not fp32), grad(w1, not fp32), grad(b1, b1 is not None),
@@ -350,15 +428,16 @@ def _(dy, x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle):
 
 def _moe_setup(ctx, inputs, output):
     x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle, train = inputs
-    ctx.save_for_backward(x, router, w1, b1, w2, b2, mg_router, mg1, mg2)
+    ctx.save_for_backward(x, output[2], router, w1, b1, w2, b2, mg_router, mg1, mg2)  # output[2]: the ticket
     ctx.handle = handle
-    ctx.mark_non_differentiable(output[1])  # aux loss: its gradient is applied inside the layer's backward
+    # aux loss: its gradient is applied inside the layer's backward; the ticket names the forward.
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _moe_grad(ctx, dy, _aux_grad):
-    x, router, w1, b1, w2, b2, mg_router, mg1, mg2 = ctx.saved_tensors
-    dx, dr, dw1, db1, dw2, db2 = torch.ops.moegraph.moe_layer_backward(dy.contiguous(), x, router, w1, b1, w2, b2,
-                                                                       mg_router, mg1, mg2, ctx.handle)
+def _moe_grad(ctx, dy, _aux_grad, _ticket_grad):
+    x, ticket, router, w1, b1, w2, b2, mg_router, mg1, mg2 = ctx.saved_tensors
+    dx, dr, dw1, db1, dw2, db2 = torch.ops.moegraph.moe_layer_backward(dy.contiguous(), x, ticket, router, w1, b1,
+                                                                       w2, b2, mg_router, mg1, mg2, ctx.handle)
     fp32 = mg1 is not None
     return (dx, None if fp32 else dr, None if fp32 else dw1, db1 if b1 is not None else None,
             None if fp32 else dw2, db2 if b2 is not None else None, None, None, None, None, None)
@@ -402,10 +481,14 @@ class MoELayer(torch.nn.Module):
             for w in (self.router, self.w1, self.w2):
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
         self.main_grad, self.max_tokens, self.trainable = main_grad, max_tokens, bool(training)
+        self.hidden = hidden
         self._id = next(_ids)
         _handles[self._id] = _LayerHandle(o)
 
     def forward(self, x):
+        if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != self.w1.dtype:
+            raise ValueError(f"x must be [tokens, {self.hidden}] {self.w1.dtype}, got {tuple(x.shape)} {x.dtype}")
+        _check_device(x, self.w1.device, "x")
         if x.shape[0] > self.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens, more than max_tokens {self.max_tokens}")
         params = (self.router, self.w1, self.w2) + ((self.b1, self.b2) if self.b1 is not None else ())
@@ -415,20 +498,23 @@ class MoELayer(torch.nn.Module):
         router, w1, b1, w2, b2 = full = [_full(p) for p in own]
         if self.main_grad and any(f is not p for f, p in zip(full, own)):
             raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
-        return torch.ops.moegraph.moe_layer(x.contiguous(), router, w1, b1, w2, b2, *mg, self._id, train)
+        y, aux, _ = torch.ops.moegraph.moe_layer(x.contiguous(), router, w1, b1, w2, b2, *mg, self._id, train)
+        return y, aux
 
     def backward_dw(self):
         """Runs the oldest queued weight gradients (delay_wgrad) into the .main_grad buffers."""
         h = _handles[self._id]
         if h.handle is None:
             raise RuntimeError("backward_dw before any forward")
-        _lib.call("mg_moe_layer_backward_dw", h.handle, _stream(self.w1.device))
+        with torch.cuda.device(self.w1.device):
+            _lib.call("mg_moe_layer_backward_dw", h.handle, _stream(self.w1.device))
 
     def check_device_errors(self):
         """Synchronizes and raises MoegraphError if the device saw invalid inputs since the last check."""
         h = _handles[self._id]
         if h.handle is not None:
-            _lib.call("mg_moe_layer_check_device_errors", h.handle, _stream(self.w1.device))
+            with torch.cuda.device(self.w1.device):
+                _lib.call("mg_moe_layer_check_device_errors", h.handle, _stream(self.w1.device))
 
     def __del__(self):
         _handles.pop(getattr(self, "_id", None), None)

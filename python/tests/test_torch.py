@@ -136,6 +136,28 @@ class GroupedLinearTest(unittest.TestCase):
         y.backward(dy)
         self.check(layer, x, dy, y, layer.weight.grad)
 
+    def test_inputs_the_layer_cannot_read_are_refused(self):
+        layer = GroupedLinear(5, 128, 64)
+        x, _ = self.inputs(layer)
+        for bad_x, bad_splits in ((x[:, :64], self.splits), (x.float(), self.splits), (x.unsqueeze(0), self.splits),
+                                  (x, self.splits.long()), (x, self.splits[:4]), (x, self.splits.cpu())):
+            with self.assertRaises(ValueError):
+                layer(bad_x, bad_splits)
+        y = layer(x.t().contiguous().t(), self.splits)  # a column-major view: made contiguous, not misread
+        self.assertLess(rel_err(y, linear_reference(x.detach(), self.splits, layer.weight.detach(), None, y)[0]), TOL)
+
+    def test_backward_out_of_forward_order_is_refused(self):
+        layer = GroupedLinear(5, 128, 64, wgrad_slots=2)
+        (x1, dy1), (x2, dy2) = self.inputs(layer), self.inputs(layer)
+        y1, y2 = layer(x1, self.splits), layer(x2, self.splits)
+        with self.assertRaisesRegex(RuntimeError, "not the oldest pending"):
+            y2.backward(dy2, retain_graph=True)
+        y1.backward(dy1)
+        y2.backward(dy2)
+        for x, dy in ((x1, dy1), (x2, dy2)):  # each backward paired with its own forward
+            self.assertLess(rel_err(x.grad, linear_reference(x.detach(), self.splits, layer.weight.detach(), None,
+                                                             dy)[1]), TOL)
+
 
 @unittest.skipUnless(HAVE_GPU, "needs PyTorch and a GPU")
 class MoELayerTest(unittest.TestCase):
@@ -212,6 +234,36 @@ class MoELayerTest(unittest.TestCase):
         layer, _, _ = self.make()
         with self.assertRaises(ValueError):
             layer(torch.zeros(257, self.H, dtype=torch.bfloat16, device="cuda"))
+
+    def test_tokens_the_layer_cannot_read_are_refused(self):
+        layer, x, _ = self.make()
+        for bad in (x[:, :128], x.float(), x.unsqueeze(0), x.detach().cpu()):
+            with self.assertRaises(ValueError):
+                layer(bad)
+
+    def test_no_tokens(self):
+        layer, x, _ = self.make()
+        x0 = x.detach()[:0].clone().requires_grad_()
+        y, aux = layer(x0)
+        self.assertEqual(tuple(y.shape), (0, self.H))
+        y.backward(torch.zeros_like(y))
+        self.assertEqual(tuple(x0.grad.shape), (0, self.H))
+        for name, g in zip(("d_router", "dw1", "db1", "dw2", "db2"), self.grads(layer, x0)[1:]):
+            self.assertTrue(bool(torch.isfinite(g).all()) and float(g.abs().max()) == 0.0, name)
+
+    def test_backward_out_of_forward_order_is_refused(self):
+        layer, x1, dy1 = self.make(wgrad_slots=2)
+        g = torch.Generator(device="cuda").manual_seed(6)
+        x2 = untied_tokens(self.N - 50, self.H, layer.router.detach(), self.K, g).requires_grad_()
+        dy2 = torch.randn(self.N - 50, self.H, generator=g, device="cuda").bfloat16()
+        (y1, _), (y2, _) = layer(x1), layer(x2)
+        with self.assertRaisesRegex(RuntimeError, "not the oldest pending"):
+            y2.backward(dy2, retain_graph=True)
+        y1.backward(dy1)
+        y2.backward(dy2)
+        for x, dy in ((x1, dy1), (x2, dy2)):  # each backward paired with its own forward
+            _, _, ref = moe_reference(x, layer.router, layer.w1, layer.b1, layer.w2, layer.b2, dy, self.K, True, 0.01)
+            self.assertLess(rel_err(x.grad, ref[0]), TOL)
 
 
 @unittest.skipUnless(HAVE_GPU, "needs PyTorch and a GPU")
