@@ -61,8 +61,8 @@ class MOEGRAPH_API EpComm {
   virtual int device() const { return -1; }
   // Collective (see above). Set-up only: allocates and may synchronize.
   virtual std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) = 0;
-  // How long a device barrier waits for a peer before it reports kDeviceErrorPeerTimeout (set-up
-  // reads MOEGRAPH_EP_TIMEOUT_MS, default 20000).
+  // How long a device barrier waits for a peer before it reports kDeviceErrorPeerTimeout and stops
+  // the exchanges that wait on it (set-up reads MOEGRAPH_EP_TIMEOUT_MS, default 20000).
   virtual long long barrier_timeout_ns() const = 0;
   // Collective, set-up only: returns once every rank has called it. A step's first device barrier
   // must not start while a rank sharing its GPU still allocates or sets memory (the driver may order

@@ -206,7 +206,10 @@ MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* 
  *   options in the same order. Steps are too: every rank runs the same sequence of forward,
  *   backward and backward_dw calls (or replays of the same bucket and phase); the token counts may
  *   differ. A rank that falls out of step makes the others' device barriers time out after
- *   MOEGRAPH_EP_TIMEOUT_MS (default 20000) milliseconds, which check_device_errors reports.
+ *   MOEGRAPH_EP_TIMEOUT_MS (default 20000) milliseconds, which check_device_errors reports. A
+ *   timeout stops that layer's exchanges on the rank, once: later barriers wait for nobody, nothing
+ *   is stored into a peer, every later step reports the stop, and a peer still in step reports
+ *   it at its next barrier. Results from then on are lost: rebuild the layers and the group.
  * - Transports: NCCL (one process per GPU of one host's NVLink domain: NCCL 2.28 or newer, and
  *   NCCL_NVLS_ENABLE=0 in the environment every rank starts with, else creation is refused with
  *   MG_ERR_INVALID_ARGUMENT; the send/recv exchange also needs NCCL_GRAPH_REGISTER=0 and

@@ -169,7 +169,8 @@ class MOEGRAPH_API StepGraphs {
   // Every rank constructs the same StepGraphs (the constructor is collective: each bucket allocates
   // its window and warms up with the others) and then replays the same sequence of phases of the
   // same buckets: pick the bucket for the largest token count over the ranks (each rank's count
-  // may be smaller). A rank that falls out of step raises kDeviceErrorPeerTimeout on the others.
+  // may be smaller). A rank that falls out of step raises kDeviceErrorPeerTimeout on the others,
+  // which stops their exchanges (types.hpp, kDeviceErrorExchangeStopped): rebuild after that.
   //
   // Sharded weights (options.sharding.ranks = W > 1): `shard_comm` is this rank's communicator of
   // the data-parallel group (W ranks; an EpComm like the expert-parallel one: windows and device

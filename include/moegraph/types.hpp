@@ -63,10 +63,17 @@ inline constexpr int32_t kDeviceErrorNone = 0;
 inline constexpr int32_t kDeviceErrorNegativeSplit = 1;   // value: the split
 inline constexpr int32_t kDeviceErrorPastCapacity = 2;    // value: aligned rows needed; limit: capacity_rows
 inline constexpr int32_t kDeviceErrorTokenCount = 3;      // value: num_tokens; limit: the bucket's tokens
-// Expert parallelism: another rank's token count was invalid (group: that rank), so every rank of
-// the group reports it; or a peer did not reach a barrier in time (group: the peer; value: the
-// barrier's epoch; limit: the timeout in ms).
+// Expert parallelism (and sharded weights, which share the barrier):
+// - another rank's token count was invalid (group: that rank), so every rank of the group reports
+//   it; the step ran on the clamped counts, in step on every rank;
+// - a peer did not reach a barrier in time (group: the peer; value: the barrier's epoch; limit: the
+//   timeout in ms), or a peer's exchanges had stopped (group: that peer; value: the epoch). Either
+//   stops this rank's exchanges of that layer (or sharded-weight set): they wait for nobody and store
+//   into no peer from then on, and say so in every later step (kDeviceErrorExchangeStopped, group:
+//   this rank). The results of those steps are lost on every rank: rebuild the layers and the group.
 inline constexpr int32_t kDeviceErrorPeerTokenCount = 4;  // value: num_tokens; limit: the bucket's tokens
 inline constexpr int32_t kDeviceErrorPeerTimeout = 5;
+inline constexpr int32_t kDeviceErrorPeerStopped = 6;
+inline constexpr int32_t kDeviceErrorExchangeStopped = 7;
 
 }  // namespace moegraph

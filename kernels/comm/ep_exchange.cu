@@ -25,6 +25,20 @@ __device__ __forceinline__ uint32_t load_acquire_sys(const uint32_t* p) {
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// The epoch in the link word's low 31 bits, and whether `flag` has reached `epoch` there (wrap-safe:
+// flags only grow, and every rank runs the same barrier sequence).
+constexpr uint32_t kEpochMask = ~kEpLinkStopped;
+__device__ __forceinline__ bool epoch_reached(uint32_t flag, uint32_t epoch) {
+  return static_cast<int32_t>((flag - epoch) << 1) >= 0;
+}
+// Whether the link (null: none) has stopped, read by thread 0 for the whole block; a barrier
+// earlier in the stream set it. Every thread of the block must call it.
+__device__ __forceinline__ bool block_link_stopped(const uint32_t* link) {
+  __shared__ int stopped;
+  if (threadIdx.x == 0) stopped = link != nullptr && (*reinterpret_cast<const volatile uint32_t*>(link) & kEpLinkStopped);
+  __syncthreads();
+  return stopped != 0;
+}
 __device__ __forceinline__ uint64_t global_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -33,41 +47,53 @@ __device__ __forceinline__ uint64_t global_ns() {
 
 // ---- counts -------------------------------------------------------------------------------------
 __global__ void ep_share_counts_kernel(const int32_t* counts, const int32_t* num_tokens, int experts, int rank,
-                                       int ranks, PeerBases matrix) {
+                                       int ranks, PeerBases matrix, const uint32_t* link) {
+  const bool stopped = block_link_stopped(link);
   const int64_t row = static_cast<int64_t>(rank) * (experts + 1);
   for (int i = threadIdx.x; i <= experts; i += blockDim.x) {
     const int32_t v = i < experts ? counts[i] : *num_tokens;
-    for (int d = 0; d < ranks; ++d) reinterpret_cast<int32_t*>(matrix.base[d])[row + i] = v;
+    for (int d = 0; d < ranks; ++d)
+      if (!stopped || d == rank) reinterpret_cast<int32_t*>(matrix.base[d])[row + i] = v;
   }
   __threadfence_system();  // the barrier that follows publishes these stores
 }
 
 // ---- barrier ------------------------------------------------------------------------------------
-// Thread d signals rank d (flag[rank] = epoch in d's window) and waits for d's signal in its own.
+// Thread d signals rank d (flag[rank] = epoch, and the stopped bit, in d's window) and waits for d's
+// signal in its own.
 __global__ void ep_barrier_kernel(EpBarrierParams p) {
-  __shared__ uint32_t epoch;
-  __shared__ int broken;
+  __shared__ uint32_t flag;
   if (threadIdx.x == 0) {
-    epoch = *p.epoch + 1;
-    *p.epoch = epoch;
-    broken = p.error != nullptr && atomicAdd(&p.error->code, 0) != kDeviceErrorNone;
+    const uint32_t word = *p.epoch;
+    const uint32_t epoch = (word + 1) & kEpochMask;
+    flag = epoch | (word & kEpLinkStopped);
+    *p.epoch = flag;
+    if (flag & kEpLinkStopped) raise_routing_error(p.error, kDeviceErrorExchangeStopped, p.rank, epoch, 0);
   }
   __syncthreads();
   const int d = threadIdx.x;
   if (d >= p.ranks) return;
   __threadfence_system();  // this rank's earlier stores (previous kernels in the stream) first
-  store_release_sys(reinterpret_cast<uint32_t*>(p.flags.base[d]) + p.rank, epoch);
-  if (broken) return;
+  store_release_sys(reinterpret_cast<uint32_t*>(p.flags.base[d]) + p.rank, flag);
+  if (flag & kEpLinkStopped) return;
+  const uint32_t epoch = flag;
   const uint32_t* mine = reinterpret_cast<const uint32_t*>(p.flags.base[p.rank]) + d;
   const uint64_t start = global_ns();
-  // Wrap-safe: flags only grow, and every rank runs the same barrier sequence.
-  while (static_cast<int32_t>(load_acquire_sys(mine) - epoch) < 0) {
+  for (;;) {
+    const uint32_t seen = load_acquire_sys(mine);
+    // A stopped peer may have skipped its stores to this rank: nothing after this barrier is sound.
+    if (seen & kEpLinkStopped) {
+      raise_routing_error(p.error, kDeviceErrorPeerStopped, d, epoch, 0);
+      break;
+    }
+    if (epoch_reached(seen, epoch)) return;
     if (global_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
       raise_routing_error(p.error, kDeviceErrorPeerTimeout, d, epoch, p.timeout_ns / 1000000);
-      return;
+      break;
     }
     __nanosleep(100);
   }
+  atomicOr(p.epoch, kEpLinkStopped);  // published to the peers by this link's next barrier
 }
 
 // ---- plan ---------------------------------------------------------------------------------------
@@ -187,7 +213,8 @@ __device__ __forceinline__ int segment_of(const int64_t* prefix, int count, int6
 
 __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchangeParams p, int lanes) {
   const int64_t vectors = static_cast<int64_t>(p.row_bytes / 16);
-  const int64_t total = p.prefix[p.count];
+  const bool stopped = block_link_stopped(p.link) && p.mode == EpRowsMode::kPeerStore;
+  const int64_t total = stopped ? 0 : p.prefix[p.count];
   for_each_row(total, lanes, [&](int64_t i, int lane, bool active) {
     if (!active) return;
     const int s = segment_of(p.prefix, p.count, i);
@@ -230,8 +257,8 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
 // ---- the emulated send/recv transport -----------------------------------------------------------
 __global__ void __launch_bounds__(kExchangeThreads) ep_push_chunks_kernel(const uint4* send, PeerBases recv,
                                                                           int64_t chunk_vectors, int rank,
-                                                                          int ranks) {
-  const int64_t total = chunk_vectors * ranks;
+                                                                          int ranks, const uint32_t* link) {
+  const int64_t total = block_link_stopped(link) ? 0 : chunk_vectors * ranks;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t d = i / chunk_vectors, v = i - d * chunk_vectors;
@@ -243,9 +270,9 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_push_chunks_kernel(const 
 }  // namespace
 
 void launch_ep_share_counts(const int32_t* counts, const int32_t* num_tokens, int experts, int rank, int ranks,
-                            const PeerBases& matrix, cudaStream_t stream) {
+                            const PeerBases& matrix, const uint32_t* link, cudaStream_t stream) {
   MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel && rank >= 0 && rank < ranks, "ep: rank ", rank, " of ", ranks);
-  ep_share_counts_kernel<<<1, 256, 0, stream>>>(counts, num_tokens, experts, rank, ranks, matrix);
+  ep_share_counts_kernel<<<1, 256, 0, stream>>>(counts, num_tokens, experts, rank, ranks, matrix, link);
   MG_LAUNCH_CHECK();
 }
 
@@ -289,7 +316,7 @@ void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream) {
 }
 
 void launch_ep_push_chunks(const void* send, const PeerBases& recv, std::size_t chunk_bytes, int rank, int ranks,
-                           cudaStream_t stream) {
+                           const uint32_t* link, cudaStream_t stream) {
   MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel && rank >= 0 && rank < ranks, "ep chunks: rank ", rank, " of ",
            ranks);
   MG_CHECK(chunk_bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(send) % 16 == 0, "ep chunks: ", chunk_bytes,
@@ -299,7 +326,7 @@ void launch_ep_push_chunks(const void* send, const PeerBases& recv, std::size_t 
   const int grid = grid_blocks((vectors * ranks + kExchangeThreads - 1) / kExchangeThreads,
                                resident_blocks_per_sm(ep_push_chunks_kernel, kExchangeThreads));
   ep_push_chunks_kernel<<<grid, kExchangeThreads, 0, stream>>>(static_cast<const uint4*>(send), recv, vectors, rank,
-                                                               ranks);
+                                                               ranks, link);
   MG_LAUNCH_CHECK();
 }
 

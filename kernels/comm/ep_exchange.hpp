@@ -42,19 +42,31 @@ struct EpSegment {
   int32_t peer = 0, pad = 0;
 };
 
+// The barrier's epoch word (EpBarrierParams::epoch) is also the link's state: its low 31 bits count
+// the barriers, and kEpLinkStopped is set once a barrier of this rank timed out or found a peer
+// stopped. From then on the link's barriers wait for nobody and publish the bit to every peer (so a
+// peer still in step raises kDeviceErrorPeerStopped at its next barrier instead of passing it on
+// rows that never came), and the kernels given the word as `link` store into no peer (so a slow
+// peer's buffers are never overwritten while it still reads them). Data errors (token counts) do
+// not stop the link: the step runs on the clamped counts, in step on every rank.
+inline constexpr uint32_t kEpLinkStopped = 0x80000000u;
+
 // ---- 1. counts ----------------------------------------------------------------------------------------
 // Row `rank` of every rank's matrix [ranks][experts + 1] = counts[0..E) and then *num_tokens (raw:
 // the receivers check it). `matrix` holds the matrix's address on every rank. For send/recv, pass
 // rank 0 and the local chunks as `matrix` (base[d] = chunk d): the row lands at the start of each.
+// `link` (null: none): a stopped link writes only this rank's own row.
 void launch_ep_share_counts(const int32_t* counts, const int32_t* num_tokens, int experts, int rank, int ranks,
-                            const PeerBases& matrix, cudaStream_t stream);
+                            const PeerBases& matrix, const uint32_t* link, cudaStream_t stream);
 
 // ---- 2. barrier ---------------------------------------------------------------------------------------
 // Every rank's stores issued before the barrier (in stream order) are visible to every rank after
-// it. flags: an array of `ranks` uint32 in each window (zero at set-up); epoch: a local counter
-// (zero at set-up). Every rank must run the same sequence of barriers. A peer that has not arrived
-// after `timeout_ns` raises kDeviceErrorPeerTimeout (group: the peer) instead of hanging; once an
-// error is recorded, later barriers of this rank stop waiting.
+// it. flags: an array of `ranks` uint32 in each window (zero at set-up); epoch: the link's word
+// (zero at set-up; see kEpLinkStopped). Every rank must run the same sequence of barriers. A peer
+// that has not arrived after `timeout_ns` raises kDeviceErrorPeerTimeout (group: the peer) instead
+// of hanging, and a peer that has stopped raises kDeviceErrorPeerStopped: both stop the link. A
+// barrier of a stopped link raises kDeviceErrorExchangeStopped (group: this rank; the first error
+// recorded is kept).
 struct EpBarrierParams {
   PeerBases flags;
   uint32_t* epoch = nullptr;
@@ -127,14 +139,15 @@ struct EpExchangeParams {
   int zero_count = 0;
   void* local_dst = nullptr;
   int64_t max_rows = 0;             // bound on the rows moved (sizes the grid)
+  const uint32_t* link = nullptr;   // kPeerStore: a stopped link stores no row (the zeroing is local)
 };
 void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream);
 
 // ---- the emulated send/recv transport ---------------------------------------------------------------
 // Chunk d of `send` ([ranks][chunk_bytes]) is stored into chunk `rank` of rank d's `recv` (recv.base
 // [d]: that rank's [ranks][chunk_bytes] buffer). chunk_bytes: a multiple of 16, 16-byte aligned.
-// A barrier publishes the stores.
+// A barrier publishes the stores. `link` (null: none): a stopped link stores nothing.
 void launch_ep_push_chunks(const void* send, const PeerBases& recv, std::size_t chunk_bytes, int rank, int ranks,
-                           cudaStream_t stream);
+                           const uint32_t* link, cudaStream_t stream);
 
 }  // namespace moegraph::kernels

@@ -99,10 +99,12 @@ class EmulatedComm final : public EpComm {
       }
     }
     MG_CHECK(to.base[0] != nullptr, "all_to_all: the receive buffer is not in a window of emulated rank ", rank_);
-    kernels::launch_ep_push_chunks(send, to, chunk_bytes, rank_, st.ranks, stream);
+    // The group's link word: once a barrier of this rank timed out, no chunk reaches a peer.
+    uint32_t* link = st.barrier[rank_].as<uint32_t>() + st.ranks;
+    kernels::launch_ep_push_chunks(send, to, chunk_bytes, rank_, st.ranks, link, stream);
     kernels::EpBarrierParams b;
     for (int r = 0; r < st.ranks; ++r) b.flags.base[r] = static_cast<char*>(st.barrier[r].get());
-    b.epoch = st.barrier[rank_].as<uint32_t>() + st.ranks;
+    b.epoch = link;
     b.rank = rank_, b.ranks = st.ranks;
     b.timeout_ns = st.timeout_ns;
     b.error = error;

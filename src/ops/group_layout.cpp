@@ -42,7 +42,16 @@ std::string describe_device_error(const DeviceErrorRecord& e, int row_align, std
                             ", outside [0, ", e.limit, "]; every rank ran on its clamped count");
     case kDeviceErrorPeerTimeout:
       return detail::concat("rank ", e.group, " of the ", group, " group did not reach barrier ", e.value,
-                            " within ", e.limit, " ms (it stopped, or runs a different sequence of steps)");
+                            " within ", e.limit, " ms (it stopped, or runs a different sequence of steps); this "
+                            "rank's exchanges have stopped: rebuild the layers and the group");
+    case kDeviceErrorPeerStopped:
+      return detail::concat("rank ", e.group, " of the ", group, " group had stopped exchanging after an error of "
+                            "its own (seen at barrier ", e.value, "); this rank's exchanges have stopped too: rebuild "
+                            "the layers and the group");
+    case kDeviceErrorExchangeStopped:
+      return detail::concat("rank ", e.group, "'s exchanges of this ", group, " group stopped at an earlier timeout "
+                            "or a peer's stop (barrier ", e.value, " waited for nobody): results since then are lost; "
+                            "rebuild the layers and the group");
     default: return detail::concat("unknown device error code ", e.code);
   }
 }

@@ -1,9 +1,11 @@
 // The expert-parallel exchange kernels on their own (kernels/comm/ep_exchange.hpp), with R windows
 // of one GPU and each rank on its own stream: the device barrier (every rank passes, none times
-// out, across many rounds), and a plan + row exchange against a host model of the layout.
+// out, across many rounds; a missing rank's timeout stops the link, and then its late peer), a
+// stopped link storing into no peer, and a plan + row exchange against a host model of the layout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <random>
 #include <string>
 #include <vector>
@@ -53,6 +55,114 @@ TEST(EpKernels, BarrierRoundsOnConcurrentStreams) {
       EXPECT_EQ(w.errors[r].download()[0].code, kDeviceErrorNone) << "rank " << r << " of " << ranks;
       EXPECT_EQ(w.epoch[r].download()[0], 50u);
     }
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Rank 1 never comes: rank 0 times out once, and its link stops. Its later barriers wait for nobody
+// (their timeout would outlast the test's check) and say so, and rank 1, arriving late, stops at
+// once on rank 0's flag instead of passing a barrier whose rows never came.
+TEST(EpKernels, ATimeoutStopsTheLinkAndThenItsPeer) {
+  using std::chrono::steady_clock;
+  constexpr int64_t kLong = 20'000'000'000LL;  // 20 s: a barrier that waits fails the time checks
+  Windows w(2);
+  testing::Stream s0, s1;
+  kernels::EpBarrierParams p0 = w.params(0);
+  p0.timeout_ns = 100'000'000;
+  kernels::launch_ep_barrier(p0, s0.get());
+  MG_CUDA_CHECK(cudaStreamSynchronize(s0.get()));
+  DeviceErrorRecord e = w.errors[0].download()[0];
+  EXPECT_EQ(e.code, kDeviceErrorPeerTimeout);
+  EXPECT_EQ(e.group, 1);
+  EXPECT_EQ(e.value, 1);
+  EXPECT_EQ(e.limit, 100);
+  EXPECT_EQ(w.epoch[0].download()[0], 1u | kernels::kEpLinkStopped);
+
+  testing::memset_and_wait(w.errors[0].get(), 0, sizeof(DeviceErrorRecord));  // as the host's read does
+  p0.timeout_ns = kLong;
+  auto t0 = steady_clock::now();
+  kernels::launch_ep_barrier(p0, s0.get());
+  MG_CUDA_CHECK(cudaStreamSynchronize(s0.get()));
+  EXPECT_LT(seconds_since(t0), 5.0) << "a stopped link's barrier waited";
+  e = w.errors[0].download()[0];
+  EXPECT_EQ(e.code, kDeviceErrorExchangeStopped);
+  EXPECT_EQ(e.group, 0);
+  EXPECT_EQ(e.value, 2);
+  EXPECT_EQ(w.flags[1].download()[0], 2u | kernels::kEpLinkStopped) << "rank 0's flag in rank 1's window";
+
+  kernels::EpBarrierParams p1 = w.params(1);
+  p1.timeout_ns = kLong;
+  t0 = steady_clock::now();
+  kernels::launch_ep_barrier(p1, s1.get());
+  MG_CUDA_CHECK(cudaStreamSynchronize(s1.get()));
+  EXPECT_LT(seconds_since(t0), 5.0) << "the late rank waited for its stopped peer";
+  e = w.errors[1].download()[0];
+  EXPECT_EQ(e.code, kDeviceErrorPeerStopped);
+  EXPECT_EQ(e.group, 0);
+  EXPECT_EQ(e.value, 1);
+  EXPECT_EQ(w.epoch[1].download()[0], 1u | kernels::kEpLinkStopped);
+}
+
+// A stopped link stores into no peer (counts, rows, emulated chunks), while this rank's own row and
+// its local zeroing still happen; the same calls on a running link do store (the check can fail).
+TEST(EpKernels, AStoppedLinkStoresIntoNoPeer) {
+  constexpr int kE = 4, kWords = 4, kRows = 6;  // 16-byte rows
+  DeviceArray<uint32_t> link(1);
+  DeviceArray<int32_t> counts(kE), tokens(1);
+  counts.upload({3, 1, 4, 1});
+  tokens.upload({5});
+  DeviceArray<int32_t> src(kRows * kWords);
+  std::vector<int32_t> rows(kRows * kWords);
+  for (std::size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<int32_t>(1000 + i);
+  src.upload(rows);
+  DeviceArray<kernels::EpSegment> segment(1);
+  segment.upload({kernels::EpSegment{0, 0, 4, 1, 0}});  // rows 0..3 to rows 0..3 of rank 1
+  DeviceArray<int64_t> prefix(2), zero(2);
+  prefix.upload({0, 4});
+  zero.upload({4, 6});  // rows 4, 5 of rank 0's own destination
+  testing::Stream s;
+  for (const bool stopped : {true, false}) {
+    const std::string where = stopped ? "stopped" : "running";
+    testing::memset_and_wait(link.get(), 0, sizeof(uint32_t));
+    if (stopped) link.upload({kernels::kEpLinkStopped | 7u});
+    std::vector<DeviceArray<int32_t>> matrix, dst, chunks;
+    kernels::PeerBases m, d, c;
+    for (int r = 0; r < 2; ++r) {
+      matrix.emplace_back(2 * (kE + 1)), dst.emplace_back(kRows * kWords), chunks.emplace_back(2 * kWords);
+      matrix.back().poison(), dst.back().poison(), chunks.back().poison();
+      m.base[r] = reinterpret_cast<char*>(matrix.back().get());
+      d.base[r] = reinterpret_cast<char*>(dst.back().get());
+      c.base[r] = reinterpret_cast<char*>(chunks.back().get());
+    }
+    kernels::launch_ep_share_counts(counts.get(), tokens.get(), kE, 0, 2, m, link.get(), s.get());
+    kernels::EpExchangeParams x;
+    x.src = src.get(), x.row_bytes = kWords * sizeof(int32_t), x.dst = d;
+    x.segments = segment.get(), x.prefix = prefix.get(), x.count = 1;
+    x.zero_ranges = zero.get(), x.zero_count = 1, x.local_dst = dst[0].get(), x.max_rows = 4;
+    x.link = link.get();
+    kernels::launch_ep_exchange(x, s.get());
+    kernels::launch_ep_push_chunks(src.get(), c, kWords * sizeof(int32_t), 0, 2, link.get(), s.get());
+    MG_CUDA_CHECK(cudaStreamSynchronize(s.get()));
+
+    const std::vector<int32_t> row0 = {3, 1, 4, 1, 5};
+    const std::vector<int32_t> m0 = matrix[0].download(), m1 = matrix[1].download();
+    EXPECT_EQ(std::vector<int32_t>(m0.begin(), m0.begin() + kE + 1), row0) << where << ": the own row";
+    EXPECT_EQ(std::vector<int32_t>(m1.begin(), m1.begin() + kE + 1),
+              stopped ? std::vector<int32_t>(kE + 1, -1) : row0) << where << ": rank 1's matrix";
+    const std::vector<int32_t> d0 = dst[0].download(), d1 = dst[1].download();
+    EXPECT_EQ(std::vector<int32_t>(d0.begin() + 4 * kWords, d0.end()), std::vector<int32_t>(2 * kWords, 0))
+        << where << ": the local zeroing";
+    EXPECT_EQ(std::vector<int32_t>(d1.begin(), d1.begin() + 4 * kWords),
+              stopped ? std::vector<int32_t>(4 * kWords, -1) : std::vector<int32_t>(rows.begin(), rows.begin() + 4 * kWords))
+        << where << ": rank 1's rows";
+    const std::vector<int32_t> c1 = chunks[1].download();
+    EXPECT_EQ(std::vector<int32_t>(c1.begin(), c1.begin() + kWords),
+              stopped ? std::vector<int32_t>(kWords, -1)
+                      : std::vector<int32_t>(rows.begin() + kWords, rows.begin() + 2 * kWords))
+        << where << ": the chunk rank 0 pushes to rank 1";
   }
 }
 
@@ -136,7 +246,8 @@ TEST(EpKernels, PlanAndRowsMatchAHostModel) {
     }
     testing::Stream stream;
     for (int r = 0; r < R; ++r)
-      kernels::launch_ep_share_counts(ranks[r].counts.get(), ranks[r].tokens.get(), E, r, R, matrix, stream.get());
+      kernels::launch_ep_share_counts(ranks[r].counts.get(), ranks[r].tokens.get(), E, r, R, matrix, nullptr,
+                                      stream.get());
     for (int r = 0; r < R; ++r) {
       Rank& k = ranks[r];
       kernels::EpPlanParams p;

@@ -10,10 +10,16 @@
 // tests/common/ep_harness.hpp's, which the NCCL tests (tests/ep/) run on real ranks.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
 #include "moegraph/error.hpp"
 #include "moegraph/expert_parallel.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "tests/common/ep_harness.hpp"
+#include "tests/common/threads.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -52,6 +58,54 @@ TEST(ExpertParallel, AllTokensToOneExpert) {
 
 TEST(ExpertParallel, InvalidCountIsReportedOnEveryRank) {
   for (EpCase c : {kEpCases[1], kEpCases[5]}) ep_invalid_count(c, emulated(c));
+}
+
+// The last rank never runs its step. The others time out once (not once per exchange) and report
+// it; their next step waits for nobody and reports that their exchanges stopped; the late rank then
+// stops at once on their flags instead of using rows that never came. Both exchanges: peer stores
+// (the layer's link) and emulated send/recv (the group's link).
+TEST(ExpertParallel, AMissingRankStopsTheGroupOnce) {
+  using std::chrono::steady_clock;
+  constexpr double kTimeout = 1.5;  // seconds; read when the group is made
+  ASSERT_EQ(setenv("MOEGRAPH_EP_TIMEOUT_MS", "1500", 1), 0);
+  for (const EpCase& c : {kEpCases[0], kEpCases[5]}) {
+    EpRanks ranks = emulated(c);
+    EpHarness h(c, 53, ranks);
+    h.set_inputs(std::vector<int64_t>(c.ranks, c.max_tokens));
+    auto& all = h.local();
+    const int late = c.ranks - 1;
+    const auto step_all_but_late = [&] {
+      const auto t0 = steady_clock::now();
+      on_threads(late, [&](int r) { all[r]->train_step(); });
+      h.sync();
+      return std::chrono::duration<double>(steady_clock::now() - t0).count();
+    };
+    const auto expect_error = [&](LayerSlot& s, const std::string& said, const std::string& when) {
+      try {
+        s.layer->check_device_errors(s.stream.get());
+        ADD_FAILURE() << c.name << " " << when << ": rank " << s.rank << " reported nothing";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::kDeviceSplits);
+        EXPECT_NE(std::string(e.what()).find(said), std::string::npos) << c.name << " " << when << ": " << e.what();
+      }
+    };
+    double seconds = step_all_but_late();
+    EXPECT_GT(seconds, 0.9 * kTimeout) << c.name << ": the first barrier did not wait";
+    EXPECT_LT(seconds, 1.6 * kTimeout) << c.name << ": the step waited more than once";
+    for (int r = 0; r < late; ++r)
+      expect_error(*all[r], detail::concat("rank ", late, " of the expert-parallel group did not reach barrier"),
+                   "first step");
+    seconds = step_all_but_late();
+    EXPECT_LT(seconds, 0.5 * kTimeout) << c.name << ": a stopped rank waited";
+    for (int r = 0; r < late; ++r) expect_error(*all[r], "exchanges of this expert-parallel group stopped", "next step");
+    const auto t0 = steady_clock::now();
+    all[late]->train_step();
+    h.sync();
+    EXPECT_LT(std::chrono::duration<double>(steady_clock::now() - t0).count(), 0.5 * kTimeout)
+        << c.name << ": the late rank waited";
+    expect_error(*all[late], "had stopped exchanging", "late rank");
+  }
+  unsetenv("MOEGRAPH_EP_TIMEOUT_MS");
 }
 
 TEST(ExpertParallel, ReceiveBoundCountsDrops) {

@@ -48,7 +48,7 @@ constexpr const char* kLocalSplits = "ep.local_splits";      // saved [E] i32: t
 constexpr const char* kLocalOffsets = "ep.local_offsets";    // saved [E + 1] i64 (row_align 1)
 constexpr const char* kMatrix = "ep.matrix";                 // window, saved [R][E + 1] i32
 constexpr const char* kFlags = "ep.flags";                   // window [R] u32: barrier flags
-constexpr const char* kEpoch = "ep.epoch";                   // window (local use) u32: barrier epoch
+constexpr const char* kEpoch = "ep.epoch";                   // window (local use) u32: the link word (epoch, stopped)
 constexpr const char* kToOwner = "ep.to_owner";              // saved [E] EpSegment
 constexpr const char* kToOwnerPrefix = "ep.to_owner_prefix";  // saved [E + 1] i64
 constexpr const char* kToSource = "ep.to_source";            // saved [E] EpSegment
@@ -107,14 +107,15 @@ struct EpLink {
   void share_counts(const TensorTable& t, int slot, const int32_t* counts, const int32_t* tokens,
                     DeviceErrorRecord* error, cudaStream_t stream) const {
     if (!send_recv()) {
-      kernels::launch_ep_share_counts(counts, tokens, experts, rank, ranks, t.peers(ep::kMatrix, slot), stream);
+      kernels::launch_ep_share_counts(counts, tokens, experts, rank, ranks, t.peers(ep::kMatrix, slot),
+                                      t.get<uint32_t>(ep::kEpoch), stream);
       barrier(t, error, stream);
       return;
     }
     kernels::PeerBases chunks;
     int32_t* local = t.get<int32_t>(ep::kCountChunks);
     for (int d = 0; d < ranks; ++d) chunks.base[d] = reinterpret_cast<char*>(local + d * count_stride);
-    kernels::launch_ep_share_counts(counts, tokens, experts, 0, ranks, chunks, stream);
+    kernels::launch_ep_share_counts(counts, tokens, experts, 0, ranks, chunks, nullptr, stream);  // local chunks
     comm->all_to_all(local, t.get(ep::kMatrix, slot), count_stride * sizeof(int32_t), error, stream);
   }
 
@@ -134,6 +135,7 @@ struct EpLink {
       x.zero_ranges = t.get<int64_t>(m.zero, slot);
       x.zero_count = m.zero_count;
       x.local_dst = t.get(m.dst, m.dst_slot);
+      x.link = t.get<uint32_t>(ep::kEpoch);
       kernels::launch_ep_exchange(x, stream);
       barrier(t, error, stream);
       return;
