@@ -36,7 +36,8 @@ Mat mx_colwise_values(const GroupLayout& l, const Mat& x, int64_t cols) {
   mx_quantize_colwise(head, rows, cols, used, q);
   Mat out(l.capacity_rows * cols, 0.0);
   for (int64_t r = 0; r < used; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = mx_value(q, c * rows + r, r / kMxBlockSize * cols + c);
+    for (int64_t c = 0; c < cols; ++c)
+      out[r * cols + c] = mx_value(q, mx_colwise_index(r, c, rows, cols), r / kMxBlockSize * cols + c);
   return out;
 }
 

@@ -47,11 +47,18 @@ void quantize_columns(const double* x, int64_t rows, int64_t cols, int64_t used_
       const int64_t j = r0 / kMxBlockSize;
       scales[block_major ? j * cols + c : c * (rows / kMxBlockSize) + j] =
           mx_quantize_block({column, static_cast<std::size_t>(n)}, {codes, static_cast<std::size_t>(n)});
-      std::copy(codes, codes + n, data + c * rows + r0);
+      for (int64_t i = 0; i < n; ++i)
+        data[block_major ? mx_colwise_index(r0 + i, c, rows, cols) : c * rows + r0 + i] = codes[i];
     }
 }
 
 }  // namespace
+
+int64_t mx_colwise_index(int64_t r, int64_t c, int64_t rows, int64_t cols) {
+  constexpr int64_t kStrip = 128;
+  const int64_t first = c / kStrip * kStrip, width = std::min(kStrip, cols - first);
+  return first * rows + (r / kMxBlockSize * width + (c - first)) * kMxBlockSize + r % kMxBlockSize;
+}
 
 double e4m3_decode(uint8_t code) {
   const int magnitude = code & 0x7f;

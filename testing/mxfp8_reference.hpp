@@ -32,11 +32,15 @@ uint8_t mx_quantize_block(std::span<const double> x, std::span<uint8_t> codes);
 
 // A host copy of either MXFP8 layout of a [rows, cols] tensor (see kernels/quantize/mxfp8.hpp):
 //   row-wise:    data [rows, cols], scales [rows, cols / 32]
-//   column-wise: data [cols, rows], scales [rows / 32, cols] (block-major); the weights' transposed
-//                copy from mx_quantize_weights: scales [k, n / 32] per expert (W_e^T row-wise)
+//   column-wise: data tiled (mx_colwise_index), scales [rows / 32, cols] (block-major); the
+//                weights' transposed copy from mx_quantize_weights: data [k, n] and scales
+//                [k, n / 32] per expert (W_e^T row-wise)
 struct MxBuffer {
   std::vector<uint8_t> data, scales;
 };
+// Where element (r, c) of a [rows, cols] tensor lies in its column-wise data: 128-column strips
+// one after another, each [rows / 32 blocks][its columns][32 rows].
+int64_t mx_colwise_index(int64_t r, int64_t c, int64_t rows, int64_t cols);
 // Both arrays of a copy of a [rows, cols] tensor, every byte `fill` (0xFF: the device poison).
 MxBuffer mx_buffer(int64_t rows, int64_t cols, uint8_t fill = 0xff);
 

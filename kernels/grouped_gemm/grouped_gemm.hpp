@@ -68,12 +68,12 @@ struct Mxfp8RaggedGemmParams {
   std::size_t staging_bytes = 0;
 };
 // MXFP8 wgrad: dW_e = dy_e^T · x_e from the column-wise copies (blocks of 32 rows along each column,
-// stored transposed; groups start on multiples of 32 rows). Scales are block-major:
-// scale of rows [32j, 32j + 32) of column c at j * cols + c.
+// tiled in 128-column strips: kernels::Mxfp8Colwise; groups start on multiples of 32 rows). Scales
+// are block-major: scale of rows [32j, 32j + 32) of column c at j * cols + c.
 struct Mxfp8WgradParams {
-  const uint8_t* dy_t = nullptr;         // [n, capacity_rows] e4m3
+  const uint8_t* dy_t = nullptr;         // [n x capacity_rows] e4m3, tiled
   const uint8_t* dy_t_scales = nullptr;  // [capacity_rows / 32, n] e8m0
-  const uint8_t* x_t = nullptr;          // [k, capacity_rows] e4m3
+  const uint8_t* x_t = nullptr;          // [k x capacity_rows] e4m3, tiled
   const uint8_t* x_t_scales = nullptr;   // [capacity_rows / 32, k] e8m0
   int64_t n = 0, k = 0, capacity_rows = 0;  // n, k multiples of 16; capacity_rows of 32
   const int32_t* splits = nullptr;

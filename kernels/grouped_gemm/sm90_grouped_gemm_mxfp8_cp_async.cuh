@@ -9,7 +9,8 @@
 //   fprop: y = x · W_e^T    A = x rows (scales along K), B = W_e [N][K] (scales along K)
 //   dgrad: dx = dy · W_e    A = dy rows (scales along N), B = W_e^T [K][N] (scales along N)
 //   wgrad: dW_e = dy_e^T x_e  A = dy^T [N][rows], B = x^T [K][rows]: the column-wise copies, whose
-//          blocks run along the group's rows (groups start on multiples of 32 rows)
+//          blocks run along the group's rows (groups start on multiples of 32 rows), tiled in
+//          128-column strips (kernels/quantize/mxfp8.hpp)
 // The tile scheduler, the epilogue (bias, bias scale, gap rows zero) and the 128-byte-swizzled
 // K-major shared-memory layout are the bf16 kernel's: 128 bytes of e4m3 are 128 K elements.
 #pragma once
@@ -20,6 +21,7 @@
 
 #include "kernels/grouped_gemm/sm90_grouped_gemm_16bit_cp_async.cuh"
 #include "kernels/grouped_gemm/sm90_mxfp8_scales.cuh"
+#include "kernels/quantize/mxfp8.hpp"
 
 namespace moegraph::kernels::mxfp8_gemm {
 
@@ -51,9 +53,13 @@ enum class ScaleLayout { kRowWise, kBlockMajor };
 struct Operand {
   const uint8_t* data;    // tile origin: row 0 at reduction index 0
   const uint8_t* scales;  // row-wise: row 0's scales; block-major: block 0's row of scales, at column 0
-  int64_t ld;             // bytes per row
+  int64_t ld;             // bytes per row (block-major: within a 32-deep block, kBlock)
   int64_t scale_ld;       // row-wise: scale bytes per row; block-major: bytes per block-row
   int64_t rows;           // valid rows of the tile (masked beyond: zeros, zero scales)
+  // Block-major only: bytes between 32-deep blocks. The column-wise copies are tiled
+  // (mxfp8_colwise_offset): a tile of 128 rows lies in one 128-column strip, whose block j holds
+  // each row's 32 bytes one after another.
+  int64_t block_ld = 0;
 };
 
 // Stage kt of one operand: 128 rows x 128 bytes into the swizzled tile (reduction bytes at or past
@@ -66,8 +72,10 @@ __device__ __forceinline__ void load_operand(uint8_t* tile, uint8_t* scales, con
   for (int i = 0; i < 128 * 8 / THREADS; ++i) {
     const int c = threadIdx.x + i * THREADS, row = c >> 3, chunk = c & 7;
     const bool valid = row < o.rows && k0 + chunk * 16 < red;
-    cp_async_16(tile + row * 128 + ((chunk ^ (row & 7)) << 4), valid ? o.data + row * o.ld + k0 + chunk * 16 : safe,
-                valid);
+    const int64_t at = kLayout == ScaleLayout::kRowWise
+                           ? row * o.ld + k0 + chunk * 16
+                           : (k0 / kBlock + (chunk >> 1)) * o.block_ld + row * o.ld + (chunk & 1) * 16;
+    cp_async_16(tile + row * 128 + ((chunk ^ (row & 7)) << 4), valid ? o.data + at : safe, valid);
   }
   if constexpr (kLayout == ScaleLayout::kRowWise) {
     if (threadIdx.x < 128) {
@@ -235,10 +243,16 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_kernel(Mxfp8WgradPar
     float acc[64];
     if (rows > 0) {
       const int64_t r0 = p.offsets[e], red = (rows + kBlock - 1) / kBlock * kBlock;
-      const Operand a{p.dy_t + n0 * p.capacity_rows + r0, p.dy_t_scales + (r0 / kBlock) * p.n + n0, p.capacity_rows,
-                      p.n, p.n - n0};
-      const Operand b{p.x_t + k0 * p.capacity_rows + r0, p.x_t_scales + (r0 / kBlock) * p.k + k0, p.capacity_rows,
-                      p.k, p.k - k0};
+      // Each tile's 128 columns of a column-wise copy are one strip of it (n0, k0: multiples of 128).
+      static_assert(BM == kMxColwiseStrip && Tile128::BN == kMxColwiseStrip);
+      const auto strip = [&](const uint8_t* data, int64_t col0, int64_t cols) {
+        return data + mxfp8_colwise_offset(r0, col0, p.capacity_rows, cols);
+      };
+      const auto block_ld = [&](int64_t col0, int64_t cols) { return kBlock * min(cols - col0, kMxColwiseStrip); };
+      const Operand a{strip(p.dy_t, n0, p.n), p.dy_t_scales + (r0 / kBlock) * p.n + n0, kBlock, p.n, p.n - n0,
+                      block_ld(n0, p.n)};
+      const Operand b{strip(p.x_t, k0, p.k), p.x_t_scales + (r0 / kBlock) * p.k + k0, kBlock, p.k, p.k - k0,
+                      block_ld(k0, p.k)};
       mainloop<ScaleLayout::kBlockMajor, kPingPong>(smem, sf, a, b, red, p.dy_t, acc);
     } else {
 #pragma unroll

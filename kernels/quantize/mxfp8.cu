@@ -159,10 +159,12 @@ struct QuantizeArgs {
   const int32_t* splits = nullptr;
   int groups = 0;
   Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
-  Mxfp8Colwise colwise;              // [batches, cols, rows] and scales, see block_major_scales
-  // Column-wise scales: block-major [batches, rows / 32, cols] (activations: what the wgrad GEMM
-  // reads), or [batches, cols, rows / 32] (weights: the transposed copy is W_e^T row-wise for dgrad).
-  bool block_major_scales = false;
+  Mxfp8Colwise colwise;              // see colwise_activations
+  // The column-wise layout: the activations' (one batch; tiled data, mxfp8_colwise_offset, and
+  // block-major scales [rows / 32, cols]: what the wgrad GEMM reads), or the weights' (data
+  // [batches, cols, rows] and scales [batches, cols, rows / 32]: the transposed copy is W_e^T
+  // row-wise for dgrad).
+  bool colwise_activations = false;
 };
 
 struct Tile {
@@ -254,7 +256,9 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
   const uint32_t byte = block_scale_byte<T>(m);
   const uint4 q = encode16<T>(w, byte);
   const int64_t r0 = t.row0 + half * 16;
-  uint8_t* dst = a.colwise.data + (t.batch * a.cols + c) * a.rows + r0;
+  // Activations: the tile's 32 x 128 codes are one contiguous run (its strip's block t.row_tile).
+  uint8_t* dst = a.colwise.data + (a.colwise_activations ? mxfp8_colwise_offset(r0, c, a.rows, a.cols)
+                                                         : (t.batch * a.cols + c) * a.rows + r0);
   if (r0 + 16 <= used) {
     *reinterpret_cast<uint4*>(dst) = q;
   } else {  // the last block of an offsets[G] that is not a multiple of 32: rows below it only
@@ -263,7 +267,7 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
       if (r0 + i < used) dst[i] = static_cast<uint8_t>(word_of(q, i / 4) >> (8 * (i % 4)));
   }
   const int64_t blocks = a.rows / kMxBlock;
-  const int64_t at = a.block_major_scales ? (t.batch * blocks + t.row_tile) * a.cols + c
+  const int64_t at = a.colwise_activations ? (t.batch * blocks + t.row_tile) * a.cols + c
                                           : (t.batch * a.cols + c) * blocks + t.row_tile;
   if (half == 0) a.colwise.scales[at] = static_cast<uint8_t>(byte);
 }
@@ -415,7 +419,7 @@ void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int6
 // ---- Dequantize (column-wise, back to row-major) ----------------------------------------------
 
 // Tiles of 64 rows x 64 columns of y [rows, cols], grid-stride. Loads: thread t takes column t / 4
-// of the tile and 16 consecutive rows (one 16-byte vector of the [cols, rows] codes, half a block);
+// of the tile and 16 consecutive rows (one 16-byte vector of the tiled codes, half a block);
 // the values go through a shared tile to be stored as whole rows of y.
 constexpr int kColwiseTile = 64;
 template <class Out>
@@ -433,7 +437,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_colwise_kernel(cons
     const int64_t r0 = t / col_tiles * kColwiseTile, c0 = t % col_tiles * kColwiseTile;
     // rows (a multiple of 32) bounds the load; rows past `used` are converted but never stored.
     if (c0 + lc < cols && r0 + lr < rows) {
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(data + (c0 + lc) * rows + r0 + lr));
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(data + mxfp8_colwise_offset(r0 + lr, c0 + lc, rows, cols)));
       const float s = mx_scale_value(__ldg(scales + (r0 + lr) / kMxBlock * cols + c0 + lc));
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -483,7 +487,7 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
   a.offsets = offsets;
   a.splits = splits;
   a.groups = groups;
-  a.block_major_scales = true;
+  a.colwise_activations = true;
   check_and_quantize(kWho, "capacity_rows", in, a, rowwise, colwise, stream);
 }
 

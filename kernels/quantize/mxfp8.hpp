@@ -28,9 +28,12 @@ struct Mxfp8Rowwise {
   uint8_t* scales = nullptr;
 };
 
-// Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows,
-// stored transposed (this is what the weight-gradient GEMM reads).
-//   data   [cols, rows]      E4M3, element (r, c) at c * rows + r           (16-byte aligned)
+// Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows
+// (this is what the weight-gradient GEMM reads), the data tiled so that each 32-row block of a
+// 128-column strip is one contiguous run (the quantizer writes whole runs, not 32 bytes per column
+// scattered `rows` bytes apart, which held its write stream to about 0.7 of a copy):
+//   data   [cols / 128 strips][rows / 32 blocks][w columns][32 rows]  E4M3 (16-byte aligned), w = 128
+//          except in a last, narrower strip; element (r, c) at mxfp8_colwise_offset(r, c, rows, cols)
 //   scales [rows / 32, cols] E8M0, block of rows [32j, 32j + 32) of column c at j * cols + c
 //          (block-major: a GEMM stage's scales are contiguous wherever a 32-aligned group starts).
 //          The weights' transposed copy (launch_quantize_mxfp8_weights) differs: see there.
@@ -38,6 +41,15 @@ struct Mxfp8Colwise {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
 };
+
+constexpr int64_t kMxColwiseStrip = 128;  // columns of a strip of the column-wise data
+// Byte offset of element (r, c) in the column-wise data of a [rows, cols] tensor (rows a multiple of
+// 32): the strip's start, the 32-row block's start within it, then 32 bytes per column.
+constexpr int64_t mxfp8_colwise_offset(int64_t r, int64_t c, int64_t rows, int64_t cols) {
+  const int64_t strip0 = c / kMxColwiseStrip * kMxColwiseStrip;
+  const int64_t width = cols - strip0 < kMxColwiseStrip ? cols - strip0 : kMxColwiseStrip;
+  return strip0 * rows + r / kMxBlock * kMxBlock * width + (c - strip0) * kMxBlock + r % kMxBlock;
+}
 
 // Bytes of the two arrays of either copy of a [rows, cols] tensor (rows * cols a multiple of 32).
 constexpr int64_t mxfp8_data_bytes(int64_t rows, int64_t cols) { return rows * cols; }
@@ -87,7 +99,7 @@ void launch_dequantize_mxfp8_rowwise(const uint8_t* data, const uint8_t* scales,
 void launch_dequantize_mxfp8_weights(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
                                      cudaStream_t stream);
 
-// A column-wise copy ([cols, capacity_rows] codes, block-major scales [capacity_rows / 32, cols])
+// A column-wise copy (tiled codes, block-major scales [capacity_rows / 32, cols]; Mxfp8Colwise)
 // back to a row-major y [capacity_rows, cols] in `out`, for the used rows [0, offsets[groups]);
 // the rest of y is untouched. capacity_rows is a multiple of 32, cols of 16; data and y 16-byte
 // aligned. Values as launch_dequantize_mxfp8_rowwise.

@@ -203,7 +203,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::Combine(::testing::ValuesI
                            return std::string(std::get<0>(info.param).name) + "_" + route_name(std::get<1>(info.param));
                          });
 
-// wgrad from column-wise operands: [cols][capacity] codes with block-major scales
+// wgrad from column-wise operands: tiled codes (mx_colwise_index) with block-major scales
 // [capacity / 32][cols]; rows outside the groups' data hold zero codes (the gap rows are zero in a
 // real step), rows past the last group hold garbage the kernel must not read.
 struct ColumnWise {
@@ -225,7 +225,7 @@ ColumnWise random_column_wise(std::mt19937_64& rng, const GroupLayout& l, int64_
       if ((q & 0x7f) == 0x7f) q ^= 1;
       const bool past_last = r >= l.offsets.back();
       if (!data[r] && !past_last) q = 0;
-      m.data[c * cap + r] = q;
+      m.data[mx_colwise_index(r, c, cap, cols)] = q;  // the tiled column-wise layout
       if (data[r]) m.values[r * cols + c] = e4m3_decode(q) * e8m0_decode(m.scales[(r / 32) * cols + c]);
     }
   return m;

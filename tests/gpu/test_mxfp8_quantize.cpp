@@ -273,7 +273,7 @@ TEST(Mxfp8Dequantize, ColumnWiseCopyBackToRowMajorMatchesReference) {
   MxBuffer single = mx_buffer(used * cols, 32, 0);
   for (int64_t r = 0; r < used; ++r)
     for (int64_t c = 0; c < cols; ++c) {
-      single.data[(r * cols + c) * 32] = data[c * rows + r];
+      single.data[(r * cols + c) * 32] = data[mx_colwise_index(r, c, rows, cols)];
       single.scales[r * cols + c] = scales[r / 32 * cols + c];
     }
   DeviceArray<uint8_t> ddata(data.size()), dscales(scales.size());

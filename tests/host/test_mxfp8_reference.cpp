@@ -260,9 +260,10 @@ TEST(Mxfp8Reference, Bf16SubnormalBlockUsesTheClampedScale) {
 }
 
 TEST(Mxfp8Reference, LayoutsAndDequantize) {
-  // A [64, 64] tensor with 40 used rows: row-wise covers rows 0..39, column-wise blocks rows
-  // 0..31 and a short block 32..39; the rest of both buffers keeps its fill.
-  const int64_t rows = 64, cols = 64, used = 40;
+  // A [64, 160] tensor with 40 used rows: row-wise covers rows 0..39, column-wise blocks rows
+  // 0..31 and a short block 32..39; the rest of both buffers keeps its fill. Column-wise data: a
+  // strip of 128 columns, then one of 32, each [2 blocks][its columns][32 rows].
+  const int64_t rows = 64, cols = 160, used = 40;
   std::vector<double> x(rows * cols);
   for (int64_t i = 0; i < rows * cols; ++i) x[i] = round_to(std::sin(0.37 * i) * std::ldexp(1.0, i % 9 - 4), DType::kBF16);
   MxBuffer row = mx_buffer(rows, cols), col = mx_buffer(rows, cols);
@@ -270,20 +271,26 @@ TEST(Mxfp8Reference, LayoutsAndDequantize) {
   mx_quantize_colwise(x, rows, cols, used, col);
   std::array<uint8_t, 32> codes{};
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < 2; ++b) {
+    for (int64_t b = 0; b < cols / 32; ++b) {
       const uint8_t s = r < used ? mx_quantize_block({x.data() + r * cols + 32 * b, 32}, codes) : 0xff;
-      EXPECT_EQ(row.scales[r * 2 + b], s);
+      EXPECT_EQ(row.scales[r * (cols / 32) + b], s);
       for (int i = 0; i < 32; ++i) EXPECT_EQ(row.data[r * cols + 32 * b + i], r < used ? codes[i] : 0xff);
     }
   for (int64_t c = 0; c < cols; ++c) {
+    // Written out: strip 0 is bytes [0, 128 * 64), block 1 of it starts at 32 * 128; strip 1 (32
+    // columns) starts at 128 * 64, its block 1 at 128 * 64 + 32 * 32.
+    const int64_t block0 = c < 128 ? c * 32 : 128 * 64 + (c - 128) * 32;
+    const int64_t block1 = c < 128 ? 32 * 128 + c * 32 : 128 * 64 + 32 * 32 + (c - 128) * 32;
+    EXPECT_EQ(mx_colwise_index(0, c, rows, cols), block0);
+    EXPECT_EQ(mx_colwise_index(33, c, rows, cols), block1 + 1);
     std::array<double, 32> column{};
     for (int i = 0; i < 32; ++i) column[i] = x[i * cols + c];
     EXPECT_EQ(col.scales[c], mx_quantize_block(column, codes));  // block-major: block j at j * cols + c
-    for (int i = 0; i < 32; ++i) EXPECT_EQ(col.data[c * rows + i], codes[i]);
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(col.data[block0 + i], codes[i]);
     for (int i = 0; i < 8; ++i) column[i] = x[(32 + i) * cols + c];
     EXPECT_EQ(col.scales[cols + c], mx_quantize_block({column.data(), 8}, {codes.data(), 8}));
-    for (int i = 0; i < 8; ++i) EXPECT_EQ(col.data[c * rows + 32 + i], codes[i]);
-    for (int i = 8; i < 32; ++i) EXPECT_EQ(col.data[c * rows + 32 + i], 0xff);
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(col.data[block1 + i], codes[i]);
+    for (int i = 8; i < 32; ++i) EXPECT_EQ(col.data[block1 + i], 0xff);
   }
   // Dequantized values are within half an E4M3 step of x, relative to the block's scale.
   const std::vector<double> y = mx_dequantize_rowwise(row, cols, used, DType::kFP32);
