@@ -8,16 +8,23 @@
 // The next tile's vectors are loaded before the current one is converted, and the shared tile is
 // double-buffered, so one barrier per tile suffices.
 //
-// Tiles are walked in bands of kBandRowTiles = 32 row tiles (locate_tile_banded): down the band
-// within one 128-column strip, then the next strip. Why: the column-wise copy [cols, rows] gets 32
-// bytes per column from each tile; a row-major walk at 7168 columns (56 column tiles) covers about
+// The weights' tiles are walked in bands of kBandRowTiles = 32 row tiles (locate_tile_banded): down
+// the band within one 128-column strip, then the next strip. Why: their column-wise copy [cols,
+// rows] gets 32 bytes per column from each tile; a row-major walk at 7168 columns (56 column tiles) covers about
 // 14 row tiles per wave of resident blocks, so 448 B per column per wave, while bands give ~1 KB
 // (eight whole 128-byte lines) per column per wave at any width. Measured on an H100 (row-major ->
 // bands, ms; fraction of a same-size copy): 32768 x 7168 0.574 -> 0.508 (0.56 -> 0.64), the same
 // with 256 groups 0.588 -> 0.538 (0.65 -> 0.71); 16384 x 4096 0.125 -> 0.121 (0.75 -> 0.78) and
 // 0.138 -> 0.135; 32768 x 2048 0.125 both (0.85); 32000 x 2048 0.126 -> 0.124; 768 x 4096 0.011
 // both. A cp.async-staged kernel on the same bands was 3% faster on one 7168-column shape (0.523)
-// and 6-8% slower at 2048 and 4096 columns, so it was dropped.
+// and 6-8% slower at 2048 and 4096 columns, so it was dropped. (Those numbers are for activations
+// in the same [cols, rows] layout, as they were stored then.)
+// The activations' column-wise copy is tiled (mxfp8.hpp): each tile writes one contiguous 4 KB run,
+// so the bands no longer help it, and their walk makes the reads of x jump between rows. Activations
+// are walked row-major (bands of one row tile). Measured on an H100 with the tiled layout, bands of
+// 1 / 4 / 32 / 128 row tiles, two alternating runs (ms): 32768 x 7168 0.398 / 0.408 / 0.422 / 0.426,
+// with 256 groups 0.446 / 0.448 / 0.462 / 0.470; 16384 x 4096 0.112 / 0.114 / 0.115 / 0.117;
+// 32000 x 2048 0.115 / 0.115 / 0.117 / 0.116.
 //
 // This file must be compiled without flush-to-zero (no -ftz=true / --use_fast_math): bf16
 // subnormal inputs and the 2^-127 scale are fp32 subnormals, and the rules keep them exact.
@@ -49,7 +56,8 @@ constexpr int kTileCols = 128;                    // four row-wise blocks per ro
 constexpr int kChunk = 16;                        // elements per thread: two 16-byte vectors
 constexpr int kChunksPerRow = kTileCols / kChunk;  // 8
 constexpr int kUnitsPerRow = kTileCols * 2 / 16;  // 16-byte units in a tile row of 16-bit elements
-// Row tiles per band of the walk (1024 rows); see the top of this file.
+// Row tiles per band of the weights' walk (1024 rows); activations use bands of one. See the top
+// of this file.
 constexpr uint32_t kBandRowTiles = 32;
 static_assert(kTileRows * kChunksPerRow == kThreads, "row role: one 16-element chunk per thread");
 static_assert(kTileCols * 2 == kThreads, "column role: one half column (16 rows) per thread");
@@ -272,8 +280,8 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
   if (half == 0) a.colwise.scales[at] = static_cast<uint8_t>(byte);
 }
 
-// `band` is always kBandRowTiles. It stays an argument: so compiled, the kernel is the one measured
-// (the same PTX), and folding the constant in makes ptxas spill 4 bytes in the bf16 row-wise kernel.
+// `band`: kBandRowTiles for weights, 1 for activations (a row-major walk). It is an argument, not a
+// template constant: folding a constant in makes ptxas spill 4 bytes in the bf16 row-wise kernel.
 template <class T, bool kRow, bool kCol>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
                                                                                    const uint32_t band) {
@@ -325,7 +333,7 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
   quantize_mxfp8_kernel<T, kRow, kCol>
-      <<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
+      <<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, a.colwise_activations ? 1u : kBandRowTiles);
   MG_LAUNCH_CHECK();
 }
 

@@ -66,8 +66,8 @@ constexpr int64_t mxfp8_scale_bytes(int64_t rows, int64_t cols) { return rows * 
 //     offsets[groups] itself is not a multiple of 32, the last block of each column holds the rows
 //     below it only (the absent rows count as zeros; their bytes are not written).
 //   - row-wise alone works for any offsets (row_align 1 included).
-// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles, walked in bands of 32 row
-// tiles (down a band within one 128-column strip, then the next strip; mxfp8.cu says why).
+// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles, walked row-major (mxfp8.cu says
+// why the weights' walk differs).
 // `splits` (optional, device [groups]): rows of a group past its split (alignment gaps) are
 // quantized as zeros whatever x holds there, as the grouped GEMMs treat them.
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols,
@@ -79,9 +79,10 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
 //   colwise: blocks along N, each expert stored transposed (what dgrad reads, W_e^T):
 //            data [groups, k, n], scales [groups, k, n / 32];
 //            element (e, n', k') at (e * k + k') * n + n', block j at (e * k + k') * (n / 32) + j
-// That is, the activation layouts above applied to each expert's [n, k] matrix as one group.
+// That is, W_e^T row-wise: not the activations' tiled column-wise layout (this one is a serving format).
 // k is a multiple of 16 (of 32 for rowwise); n is a multiple of 32 for colwise; pointers as above.
-// Launch as above, expert after expert, each expert's [n, k] tiles walked in the same bands.
+// Launch as above, expert after expert, each expert's [n, k] tiles walked in bands of 32 row tiles
+// (down a band within one 128-column strip, then the next strip: mxfp8.cu says why).
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,
                                    const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
                                    cudaStream_t stream);
