@@ -11,6 +11,11 @@ int main(int argc, char** argv) {
   // device; lazily loading a kernel mid-step would stall the device for the waiting rank
   // (moegraph/expert_parallel.hpp). Set before CUDA initializes.
   setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+  // Every stream needs a hardware queue of its own while emulated ranks wait for each other: two
+  // streams sharing one run in submission order, so a rank's kernel can sit behind another rank's
+  // spinning barrier until the timeout. The grid tests drive six ranks with two streams each (the
+  // test's and StepGraphs' set-up stream), more than the default 8 queues. A caller's value stays.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int devices = 0;
   const cudaError_t st = cudaGetDeviceCount(&devices);
   if (st != cudaSuccess || devices == 0) {
