@@ -87,7 +87,9 @@ class MOEGRAPH_API EpComm {
 // initializes; lazy loading, the default, can stall a waiting rank's peers). The constructor
 // refuses to run without it, and refuses more ranks than the process has hardware queues
 // (CUDA_DEVICE_MAX_CONNECTIONS, 8 unless set before CUDA initializes, at most 32): ranks sharing a
-// queue could wait on each other's kernels queued behind their barriers.
+// queue could wait on each other's kernels queued behind their barriers. Queues go to streams in
+// creation order, so count every stream the process creates: a StepGraphs adds one of its own per
+// rank, and several groups in one process (an expert-parallel by data-parallel grid) add theirs.
 class MOEGRAPH_API EmulatedEpGroup {
  public:
   explicit EmulatedEpGroup(int ranks);
