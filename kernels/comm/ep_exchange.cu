@@ -35,7 +35,8 @@ __device__ __forceinline__ bool epoch_reached(uint32_t flag, uint32_t epoch) {
 // earlier in the stream set it. Every thread of the block must call it.
 __device__ __forceinline__ bool block_link_stopped(const uint32_t* link) {
   __shared__ int stopped;
-  if (threadIdx.x == 0) stopped = link != nullptr && (*reinterpret_cast<const volatile uint32_t*>(link) & kEpLinkStopped);
+  if (threadIdx.x == 0)
+    stopped = link != nullptr && (*reinterpret_cast<const volatile uint32_t*>(link) & kEpLinkStopped) != 0;
   __syncthreads();
   return stopped != 0;
 }

@@ -248,11 +248,10 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_kernel(Mxfp8WgradPar
       const auto strip = [&](const uint8_t* data, int64_t col0, int64_t cols) {
         return data + mxfp8_colwise_offset(r0, col0, p.capacity_rows, cols);
       };
-      const auto block_ld = [&](int64_t col0, int64_t cols) { return kBlock * min(cols - col0, kMxColwiseStrip); };
       const Operand a{strip(p.dy_t, n0, p.n), p.dy_t_scales + (r0 / kBlock) * p.n + n0, kBlock, p.n, p.n - n0,
-                      block_ld(n0, p.n)};
+                      mxfp8_colwise_block_bytes(n0, p.n)};
       const Operand b{strip(p.x_t, k0, p.k), p.x_t_scales + (r0 / kBlock) * p.k + k0, kBlock, p.k, p.k - k0,
-                      block_ld(k0, p.k)};
+                      mxfp8_colwise_block_bytes(k0, p.k)};
       mainloop<ScaleLayout::kBlockMajor, kPingPong>(smem, sf, a, b, red, p.dy_t, acc);
     } else {
 #pragma unroll

@@ -10,10 +10,10 @@
 //
 // The weights' tiles are walked in bands of kBandRowTiles = 32 row tiles (locate_tile_banded): down
 // the band within one 128-column strip, then the next strip. Why: their column-wise copy [cols,
-// rows] gets 32 bytes per column from each tile; a row-major walk at 7168 columns (56 column tiles) covers about
-// 14 row tiles per wave of resident blocks, so 448 B per column per wave, while bands give ~1 KB
-// (eight whole 128-byte lines) per column per wave at any width. Measured on an H100 (row-major ->
-// bands, ms; fraction of a same-size copy): 32768 x 7168 0.574 -> 0.508 (0.56 -> 0.64), the same
+// rows] gets 32 bytes per column from each tile; a row-major walk at 7168 columns (56 column
+// tiles) covers about 14 row tiles per wave of resident blocks, so 448 B per column per wave, while
+// bands give ~1 KB (eight whole 128-byte lines) per column per wave at any width. Measured on an
+// H100 (row-major -> bands, ms; fraction of a same-size copy): 32768 x 7168 0.574 -> 0.508 (0.56 -> 0.64), the same
 // with 256 groups 0.588 -> 0.538 (0.65 -> 0.71); 16384 x 4096 0.125 -> 0.121 (0.75 -> 0.78) and
 // 0.138 -> 0.135; 32768 x 2048 0.125 both (0.85); 32000 x 2048 0.126 -> 0.124; 768 x 4096 0.011
 // both. A cp.async-staged kernel on the same bands was 3% faster on one 7168-column shape (0.523)

@@ -43,12 +43,16 @@ struct Mxfp8Colwise {
 };
 
 constexpr int64_t kMxColwiseStrip = 128;  // columns of a strip of the column-wise data
+// Bytes of one 32-row block of the strip holding column c (32 per column of the strip).
+constexpr int64_t mxfp8_colwise_block_bytes(int64_t c, int64_t cols) {
+  const int64_t strip0 = c / kMxColwiseStrip * kMxColwiseStrip;
+  return kMxBlock * (cols - strip0 < kMxColwiseStrip ? cols - strip0 : kMxColwiseStrip);
+}
 // Byte offset of element (r, c) in the column-wise data of a [rows, cols] tensor (rows a multiple of
 // 32): the strip's start, the 32-row block's start within it, then 32 bytes per column.
 constexpr int64_t mxfp8_colwise_offset(int64_t r, int64_t c, int64_t rows, int64_t cols) {
   const int64_t strip0 = c / kMxColwiseStrip * kMxColwiseStrip;
-  const int64_t width = cols - strip0 < kMxColwiseStrip ? cols - strip0 : kMxColwiseStrip;
-  return strip0 * rows + r / kMxBlock * kMxBlock * width + (c - strip0) * kMxBlock + r % kMxBlock;
+  return strip0 * rows + r / kMxBlock * mxfp8_colwise_block_bytes(c, cols) + (c - strip0) * kMxBlock + r % kMxBlock;
 }
 
 // Bytes of the two arrays of either copy of a [rows, cols] tensor (rows * cols a multiple of 32).

@@ -58,6 +58,15 @@ TEST(EpKernels, BarrierRoundsOnConcurrentStreams) {
   }
 }
 
+void expect_record(const DeviceArray<DeviceErrorRecord>& record, int32_t code, int32_t group, int64_t value,
+                   int64_t limit, const std::string& where) {
+  const DeviceErrorRecord e = record.download()[0];
+  EXPECT_EQ(e.code, code) << where;
+  EXPECT_EQ(e.group, group) << where;
+  EXPECT_EQ(e.value, value) << where;
+  EXPECT_EQ(e.limit, limit) << where;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -74,11 +83,7 @@ TEST(EpKernels, ATimeoutStopsTheLinkAndThenItsPeer) {
   p0.timeout_ns = 100'000'000;
   kernels::launch_ep_barrier(p0, s0.get());
   MG_CUDA_CHECK(cudaStreamSynchronize(s0.get()));
-  DeviceErrorRecord e = w.errors[0].download()[0];
-  EXPECT_EQ(e.code, kDeviceErrorPeerTimeout);
-  EXPECT_EQ(e.group, 1);
-  EXPECT_EQ(e.value, 1);
-  EXPECT_EQ(e.limit, 100);
+  expect_record(w.errors[0], kDeviceErrorPeerTimeout, 1, 1, 100, "rank 0's timeout");
   EXPECT_EQ(w.epoch[0].download()[0], 1u | kernels::kEpLinkStopped);
 
   testing::memset_and_wait(w.errors[0].get(), 0, sizeof(DeviceErrorRecord));  // as the host's read does
@@ -87,10 +92,7 @@ TEST(EpKernels, ATimeoutStopsTheLinkAndThenItsPeer) {
   kernels::launch_ep_barrier(p0, s0.get());
   MG_CUDA_CHECK(cudaStreamSynchronize(s0.get()));
   EXPECT_LT(seconds_since(t0), 5.0) << "a stopped link's barrier waited";
-  e = w.errors[0].download()[0];
-  EXPECT_EQ(e.code, kDeviceErrorExchangeStopped);
-  EXPECT_EQ(e.group, 0);
-  EXPECT_EQ(e.value, 2);
+  expect_record(w.errors[0], kDeviceErrorExchangeStopped, 0, 2, 0, "rank 0's next barrier");
   EXPECT_EQ(w.flags[1].download()[0], 2u | kernels::kEpLinkStopped) << "rank 0's flag in rank 1's window";
 
   kernels::EpBarrierParams p1 = w.params(1);
@@ -99,10 +101,7 @@ TEST(EpKernels, ATimeoutStopsTheLinkAndThenItsPeer) {
   kernels::launch_ep_barrier(p1, s1.get());
   MG_CUDA_CHECK(cudaStreamSynchronize(s1.get()));
   EXPECT_LT(seconds_since(t0), 5.0) << "the late rank waited for its stopped peer";
-  e = w.errors[1].download()[0];
-  EXPECT_EQ(e.code, kDeviceErrorPeerStopped);
-  EXPECT_EQ(e.group, 0);
-  EXPECT_EQ(e.value, 1);
+  expect_record(w.errors[1], kDeviceErrorPeerStopped, 0, 1, 0, "the late rank 1");
   EXPECT_EQ(w.epoch[1].download()[0], 1u | kernels::kEpLinkStopped);
 }
 
@@ -155,8 +154,9 @@ TEST(EpKernels, AStoppedLinkStoresIntoNoPeer) {
     const std::vector<int32_t> d0 = dst[0].download(), d1 = dst[1].download();
     EXPECT_EQ(std::vector<int32_t>(d0.begin() + 4 * kWords, d0.end()), std::vector<int32_t>(2 * kWords, 0))
         << where << ": the local zeroing";
+    const std::vector<int32_t> sent(rows.begin(), rows.begin() + 4 * kWords);
     EXPECT_EQ(std::vector<int32_t>(d1.begin(), d1.begin() + 4 * kWords),
-              stopped ? std::vector<int32_t>(4 * kWords, -1) : std::vector<int32_t>(rows.begin(), rows.begin() + 4 * kWords))
+              stopped ? std::vector<int32_t>(4 * kWords, -1) : sent)
         << where << ": rank 1's rows";
     const std::vector<int32_t> c1 = chunks[1].download();
     EXPECT_EQ(std::vector<int32_t>(c1.begin(), c1.begin() + kWords),

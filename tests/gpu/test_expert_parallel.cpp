@@ -97,7 +97,8 @@ TEST(ExpertParallel, AMissingRankStopsTheGroupOnce) {
                    "first step");
     seconds = step_all_but_late();
     EXPECT_LT(seconds, 0.5 * kTimeout) << c.name << ": a stopped rank waited";
-    for (int r = 0; r < late; ++r) expect_error(*all[r], "exchanges of this expert-parallel group stopped", "next step");
+    for (int r = 0; r < late; ++r)
+      expect_error(*all[r], "exchanges of this expert-parallel group stopped", "next step");
     const auto t0 = steady_clock::now();
     all[late]->train_step();
     h.sync();
