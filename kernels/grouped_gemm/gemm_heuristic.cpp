@@ -90,9 +90,26 @@ namespace {
 // a one-token decode bucket (6 rows, so at most 6 experts) has 66 of them for 132 SMs and ran 3%
 // slower, so at least kWideMinTiles (about two per SM) are asked of the rows the bucket can hold.
 constexpr int64_t kWideMinCols = 1536, kWideMinTiles = 256;
+
+// wgrad into bf16 dW of groups of a few hundred rows: the shared 128 x 256 tile. Its epilogue only
+// stores (the tensor stores drain under the next tile), so nothing there waits on memory, and it
+// reads 1.5 operand bytes from L2 per output element against the 128 x 128 tile's 2; the ping-pong
+// kernel's consumers wait mostly on their stages' loads (Nsight Compute, fine64). Measured against
+// ping-pong in three sessions (docs/PERF.md, "Shared 128 x 256 tiles for wgrad into dW"): -1% to
+// +19% from 160 rows a group with K of 1024 or more; mixed at 40-128 rows (-8% to +13%) and with
+// K = 768 (-11% under skew). Into fp32 main_grad every tile's epilogue waits for its main_grad
+// boxes to load, which only ping-pong hides under the other warpgroup's MMAs: there the shared
+// tile measured -10% to +17%, so main_grad keeps ping-pong.
+constexpr int64_t kSharedDwMinRows = 160, kSharedDwMinK = 1024;
+bool shared_wide_dweight(const GemmProblem& p) {
+  return p.phase == GemmPhase::kWgrad && !p.into_main_grad && p.expected_rows_per_group >= kSharedDwMinRows &&
+         p.expected_rows_per_group < 512 && p.k >= kSharedDwMinK;
+}
+
 int heuristic_tile_n(const GemmProblem& p) {
   const int64_t out_cols = p.phase == GemmPhase::kFprop ? p.n : p.k;
-  if (p.phase == GemmPhase::kWgrad) return p.expected_rows_per_group >= 512 && out_cols >= 2048 ? 256 : 128;
+  if (p.phase == GemmPhase::kWgrad)
+    return (p.expected_rows_per_group >= 512 && out_cols >= 2048) || shared_wide_dweight(p) ? 256 : 128;
   const int64_t busy_groups = std::min<int64_t>(p.groups, p.capacity_rows);  // a group with rows has one or more
   const int64_t row_tiles = std::max<int64_t>(1, (p.expected_rows_per_group + 127) / 128);
   const int64_t wide_tiles = busy_groups * ((out_cols + 255) / 256) * row_tiles;
@@ -111,8 +128,11 @@ GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
 // wgrad whose reductions are short (groups of a few hundred rows) is bound by writing dW or
 // updating main_grad: the ping-pong consumers keep one tile's epilogue and stores under the other's
 // MMAs. Measured on fine-grained shapes (docs/PERF.md, v7): into dW 0.55-0.84 of the roofline
-// against 0.34-0.52 on cp.async; into fp32 main_grad 0.73-0.90 against 0.62-0.86.
-bool heuristic_wgrad_ping_pong(const GemmProblem& p) { return p.expected_rows_per_group < 512; }
+// against 0.34-0.52 on cp.async; into fp32 main_grad 0.73-0.90 against 0.62-0.86. Into dW from 160
+// rows a group the shared wide tile is faster still (shared_wide_dweight).
+bool heuristic_wgrad_ping_pong(const GemmProblem& p) {
+  return p.expected_rows_per_group < 512 && !shared_wide_dweight(p);
+}
 
 // MXFP8 fprop and dgrad of groups of few rows stream the weights for a handful of rows: the swap-AB
 // kernel puts those rows on wgmma's N (32 at a time) and streams the weights by TMA. A group of more

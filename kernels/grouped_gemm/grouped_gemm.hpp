@@ -112,6 +112,7 @@ struct GemmProblem {
   int64_t capacity_rows = 0;
   int64_t expected_rows_per_group = 0;  // the routing the layer expects (today: capacity_rows / groups)
   int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
+  bool into_main_grad = false;          // wgrad: accumulated into fp32 main_grad (else written to dW)
 };
 
 // The kernel of an MXFP8 GEMM: E4M3 wgmma on 128-row tiles, E4M3 wgmma with the operands swapped

@@ -57,30 +57,52 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   // Too few wide tiles to fill the GPU (one decode token: 6 rows, at most 6 experts of 11 wide tiles).
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 6, 2816, 4096), {}).block_n, 128);
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 48, 2816, 4096), {}).block_n, 256);
-  // Short wgrad reductions (into dW or fp32 main_grad alike): ping-pong TMA consumers.
+  // Short wgrad reductions (under 160 rows a group into dW, under 512 into fp32 main_grad):
+  // ping-pong TMA consumers.
   auto small_problem = problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096);
-  const auto small = kernels::choose_gemm_config(small_problem, {});
-  EXPECT_EQ(small.family, GemmFamily::kTma16);
-  EXPECT_TRUE(small.ping_pong);
-  EXPECT_EQ(small.block_n, 128);
-  EXPECT_NE(small.to_string().find("ping-pong consumers"), std::string::npos) << small.to_string();
+  for (bool into_main_grad : {false, true}) {
+    small_problem.into_main_grad = into_main_grad;
+    const auto small = kernels::choose_gemm_config(small_problem, {});
+    EXPECT_EQ(small.family, GemmFamily::kTma16);
+    EXPECT_TRUE(small.ping_pong);
+    EXPECT_EQ(small.block_n, 128);
+    EXPECT_NE(small.to_string().find("ping-pong consumers"), std::string::npos) << small.to_string();
+  }
+  // From 160 to 511 rows a group with K >= 1024, wgrad into dW takes the shared wide TMA tile; into
+  // main_grad it keeps ping-pong; K below 1024 keeps ping-pong either way.
+  for (int64_t rows_per_group : {159, 160, 511, 512}) {
+    auto into_dw = problem(GemmPhase::kWgrad, Recipe::kBF16, 128, 128 * rows_per_group, 1536, 1024);
+    const auto dw = kernels::choose_gemm_config(into_dw, {});
+    into_dw.into_main_grad = true;
+    const auto mg = kernels::choose_gemm_config(into_dw, {});
+    const bool shared = rows_per_group >= 160 && rows_per_group < 512;
+    EXPECT_EQ(dw.ping_pong, rows_per_group < 160) << rows_per_group << ": " << dw.to_string();
+    EXPECT_EQ(dw.block_n, shared ? 256 : 128) << rows_per_group << ": " << dw.to_string();
+    EXPECT_EQ(dw.family, rows_per_group < 512 ? GemmFamily::kTma16 : GemmFamily::kCpAsync16) << dw.to_string();
+    EXPECT_EQ(mg.ping_pong, rows_per_group < 512) << rows_per_group << ": " << mg.to_string();
+  }
+  EXPECT_TRUE(
+      kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 128, 128 * 256, 2048, 768), {}).ping_pong);
   // Long reductions (large experts) keep the wide shared tiles, whatever the output.
   const auto big_wgrad = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 16384, 28672, 4096), {});
   EXPECT_EQ(big_wgrad.family, GemmFamily::kTma16);
   EXPECT_FALSE(big_wgrad.ping_pong);
   EXPECT_EQ(big_wgrad.block_n, 256);
   // MXFP8 wgrad of bf16 activations: staged through bf16, on the bf16 recipe's tile for the shape
-  // (ping-pong under 512 rows a group, the wide tile for long reductions onto wide outputs).
-  for (int64_t rows_per_group : {40, 511, 512, 2048}) {
-    const auto mx = kernels::choose_gemm_config(
-        problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 8 * rows_per_group, 28672, 4096), {});
-    const auto bf = kernels::choose_gemm_config(
-        problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 8 * rows_per_group, 28672, 4096), {});
-    EXPECT_EQ(mx.family, GemmFamily::kMxfp8Staged) << mx.to_string();
-    EXPECT_EQ(mx.block_n, bf.block_n) << rows_per_group;
-    EXPECT_EQ(mx.ping_pong, rows_per_group < 512) << mx.to_string();
-    EXPECT_NE(mx.to_string().find("dequantized to bf16 in scratch"), std::string::npos) << mx.to_string();
-  }
+  // and destination (ping-pong under 160 rows a group into dW and under 512 into main_grad, the
+  // wide tile for the others).
+  for (bool into_main_grad : {false, true})
+    for (int64_t rows_per_group : {40, 511, 512, 2048}) {
+      auto mx_problem = problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 8 * rows_per_group, 28672, 4096);
+      auto bf_problem = problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 8 * rows_per_group, 28672, 4096);
+      mx_problem.into_main_grad = bf_problem.into_main_grad = into_main_grad;
+      const auto mx = kernels::choose_gemm_config(mx_problem, {});
+      const auto bf = kernels::choose_gemm_config(bf_problem, {});
+      EXPECT_EQ(mx.family, GemmFamily::kMxfp8Staged) << mx.to_string();
+      EXPECT_EQ(mx.block_n, bf.block_n) << rows_per_group;
+      EXPECT_EQ(mx.ping_pong, rows_per_group < (into_main_grad ? 512 : 160)) << mx.to_string();
+      EXPECT_NE(mx.to_string().find("dequantized to bf16 in scratch"), std::string::npos) << mx.to_string();
+    }
   // fp16 activations keep the E4M3 kernels (the staged values need bf16's range).
   auto fp16 = problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 4096, 1024, 512);
   fp16.dtype = DType::kFP16;

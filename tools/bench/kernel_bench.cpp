@@ -78,6 +78,7 @@ kernels::GemmPlan plan_for(const KernelShape& s, Phase phase, Recipe recipe, int
   problem.expected_rows_per_group = capacity_rows / s.groups;
   problem.n = s.n;
   problem.k = s.k;
+  problem.into_main_grad = phase == Phase::kWgradMainGrad;
   kernels::GemmOverrides overrides;
   overrides.pipeline = forced;
   kernels::GemmConfig config = kernels::choose_gemm_config(problem, kernels::with_environment(overrides));

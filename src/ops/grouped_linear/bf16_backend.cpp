@@ -22,11 +22,12 @@ class Bf16Backend final : public LinearBackend {
   void prepare(int sm_count) override {
     fprop_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kFprop), sm_count);
     dgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kDgrad), sm_count);
-    wgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kWgrad), sm_count);
+    wgrad_ = prepare_wgrad_plans(o_, sm_count);
     copy_grid_ = sm_count * 4;
   }
   std::string describe() const override {
-    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.config);
+    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.into_dweight.config,
+                                 wgrad_.into_main_grad.config);
   }
 
   void weights_changed(const void*, cudaStream_t) override {}
@@ -68,7 +69,7 @@ class Bf16Backend final : public LinearBackend {
     p.dy = dy, p.x = x, p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.dweight = dweight, p.main_grad = main_grad, p.capacity_rows = o_.capacity_rows;
-    kernels::launch_grouped_wgrad(wgrad_, p, stream);
+    kernels::launch_grouped_wgrad(wgrad_.for_call(main_grad), p, stream);
   }
 
   struct Slot {
@@ -78,7 +79,8 @@ class Bf16Backend final : public LinearBackend {
   GroupedLinearOptions o_;
   std::size_t es_;
   std::vector<Slot> slots_;
-  kernels::GemmPlan fprop_, dgrad_, wgrad_;
+  kernels::GemmPlan fprop_, dgrad_;
+  WgradPlans wgrad_;
   int copy_grid_ = 0;
 };
 

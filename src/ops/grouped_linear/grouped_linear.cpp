@@ -41,9 +41,10 @@ struct GroupedLinear::Scratch {
 
 namespace linear {
 
-kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhase phase) {
+kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhase phase, bool into_main_grad) {
   kernels::GemmProblem p;
   p.phase = phase;
+  p.into_main_grad = into_main_grad;
   p.recipe = o.recipe;
   p.dtype = o.dtype;
   p.groups = o.num_groups;
@@ -60,8 +61,19 @@ kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhas
 }
 
 std::string describe_gemm_configs(const kernels::GemmConfig& fprop, const kernels::GemmConfig& dgrad,
-                                  const kernels::GemmConfig& wgrad) {
-  return "fprop: " + fprop.to_string() + " | dgrad: " + dgrad.to_string() + " | wgrad: " + wgrad.to_string();
+                                  const kernels::GemmConfig& wgrad, const kernels::GemmConfig& wgrad_main_grad) {
+  const std::string into_dw = wgrad.to_string(), into_mg = wgrad_main_grad.to_string();
+  return "fprop: " + fprop.to_string() + " | dgrad: " + dgrad.to_string() + " | wgrad: " + into_dw +
+         (into_mg != into_dw ? " | wgrad into main_grad: " + into_mg : "");
+}
+
+const kernels::GemmPlan& WgradPlans::for_call(const float* main_grad) const {
+  return main_grad != nullptr ? into_main_grad : into_dweight;
+}
+
+WgradPlans prepare_wgrad_plans(const GroupedLinearOptions& o, int sm_count) {
+  return {kernels::prepare_gemm(gemm_config(o, kernels::GemmPhase::kWgrad), sm_count),
+          kernels::prepare_gemm(gemm_config(o, kernels::GemmPhase::kWgrad, true), sm_count)};
 }
 
 std::unique_ptr<LinearBackend> make_linear_backend(const GroupedLinearOptions& o) {
@@ -174,7 +186,7 @@ std::string GroupedLinear::describe_kernels(const GroupedLinearOptions& options)
   using kernels::GemmPhase;
   return linear::describe_gemm_configs(
       linear::gemm_config(options, GemmPhase::kFprop), linear::gemm_config(options, GemmPhase::kDgrad),
-      linear::gemm_config(options, GemmPhase::kWgrad));
+      linear::gemm_config(options, GemmPhase::kWgrad), linear::gemm_config(options, GemmPhase::kWgrad, true));
 }
 
 GroupedLinear::GroupedLinear(const GroupedLinearOptions& options) : GroupedLinear(options, nullptr) {}

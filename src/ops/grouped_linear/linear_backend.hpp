@@ -50,11 +50,22 @@ class LinearBackend {
 // The backend of options.recipe (sizing only until prepare()).
 std::unique_ptr<LinearBackend> make_linear_backend(const GroupedLinearOptions& options);
 
-// Each recipe's GEMM configs for these options, from the one heuristic (kernels/grouped_gemm).
-kernels::GemmConfig gemm_config(const GroupedLinearOptions& options, kernels::GemmPhase phase);
-// "fprop: ... | dgrad: ... | wgrad: ...".
+// Each recipe's GEMM configs for these options, from the one heuristic (kernels/grouped_gemm);
+// wgrad's into dW, or into fp32 main_grad.
+kernels::GemmConfig gemm_config(const GroupedLinearOptions& options, kernels::GemmPhase phase,
+                                bool into_main_grad = false);
+// "fprop: ... | dgrad: ... | wgrad: ...", and "| wgrad into main_grad: ..." where that differs.
 std::string describe_gemm_configs(const kernels::GemmConfig& fprop, const kernels::GemmConfig& dgrad,
-                                  const kernels::GemmConfig& wgrad);
+                                  const kernels::GemmConfig& wgrad, const kernels::GemmConfig& wgrad_main_grad);
+
+// wgrad's two plans, one per destination: the heuristic may pick different kernels (a tile's
+// main_grad load waits on memory in its epilogue, a dW tile's stores do not), and a call's
+// destination is known only when it is made.
+struct WgradPlans {
+  kernels::GemmPlan into_dweight, into_main_grad;
+  const kernels::GemmPlan& for_call(const float* main_grad) const;
+};
+WgradPlans prepare_wgrad_plans(const GroupedLinearOptions& options, int sm_count);
 
 // Per recipe, in its own file: "" when its kernels can run these options, else the reason.
 std::string bf16_can_implement(const GroupedLinearOptions& options);

@@ -23,7 +23,8 @@ class Mxfp8Backend final : public LinearBackend {
         trains_(mxfp8_can_train(o).empty()),
         fprop_config_(gemm_config(o, kernels::GemmPhase::kFprop)),
         dgrad_config_(gemm_config(o, kernels::GemmPhase::kDgrad)),
-        wgrad_config_(gemm_config(o, kernels::GemmPhase::kWgrad)) {}
+        wgrad_config_(gemm_config(o, kernels::GemmPhase::kWgrad)),
+        wgrad_main_grad_config_(gemm_config(o, kernels::GemmPhase::kWgrad, true)) {}
 
   void lay_out_scratch(LayoutWalker& walk) override {
     const int64_t widest = std::max(o_.in_features, o_.out_features);
@@ -46,7 +47,7 @@ class Mxfp8Backend final : public LinearBackend {
   void prepare(int sm_count) override {
     fprop_ = kernels::prepare_gemm(fprop_config_, sm_count);
     dgrad_ = kernels::prepare_gemm(dgrad_config_, sm_count);
-    wgrad_ = kernels::prepare_gemm(wgrad_config_, sm_count);
+    wgrad_ = {kernels::prepare_gemm(wgrad_config_, sm_count), kernels::prepare_gemm(wgrad_main_grad_config_, sm_count)};
     if (o_.prequantized_weights) return;  // the caller's MXFP8 weights arrive with each call
     const std::size_t data = mxfp8_weight_data_bytes(o_.num_groups, o_.out_features, o_.in_features);
     const std::size_t scales = mxfp8_weight_scale_bytes(o_.num_groups, o_.out_features, o_.in_features);
@@ -55,7 +56,7 @@ class Mxfp8Backend final : public LinearBackend {
     own_ = {w_data_.as<uint8_t>(), w_scales_.as<uint8_t>(), wt_data_.as<uint8_t>(), wt_scales_.as<uint8_t>()};
   }
   std::string describe() const override {
-    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_.config) +
+    return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_config_, wgrad_main_grad_config_) +
            " | quantize: row-wise + column-wise from one read" +
            (o_.prequantized_weights ? " | weights: the caller's MXFP8" : " | weights: own MXFP8 copies");
   }
@@ -134,7 +135,7 @@ class Mxfp8Backend final : public LinearBackend {
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.dweight = dweight, p.main_grad = main_grad;
     p.staging = staging_, p.staging_bytes = staging_bytes_;
-    kernels::launch_mxfp8_wgrad(wgrad_, p, stream);
+    kernels::launch_mxfp8_wgrad(wgrad_.for_call(main_grad), p, stream);
   }
   // The most scratch any phase's route needs (0 unless one is staged); a forward-only operator
   // never runs wgrad.
@@ -144,7 +145,9 @@ class Mxfp8Backend final : public LinearBackend {
     std::size_t bytes = kernels::mxfp8_staging_bytes(fprop_config_, g, rows, n, k);
     if (!trains_) return bytes;
     bytes = std::max(bytes, kernels::mxfp8_staging_bytes(dgrad_config_, g, rows, k, n));
-    return std::max(bytes, kernels::mxfp8_staging_bytes(wgrad_config_, g, rows, n, k));
+    for (const auto* wgrad : {&wgrad_config_, &wgrad_main_grad_config_})
+      bytes = std::max(bytes, kernels::mxfp8_staging_bytes(*wgrad, g, rows, n, k));
+    return bytes;
   }
 
   struct Slot {
@@ -163,8 +166,9 @@ class Mxfp8Backend final : public LinearBackend {
   DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N
   Mxfp8Weights own_;                                      // views of those four buffers
   bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
-  kernels::GemmConfig fprop_config_, dgrad_config_, wgrad_config_;
-  kernels::GemmPlan fprop_, dgrad_, wgrad_;
+  kernels::GemmConfig fprop_config_, dgrad_config_, wgrad_config_, wgrad_main_grad_config_;
+  kernels::GemmPlan fprop_, dgrad_;
+  WgradPlans wgrad_;
 };
 
 }  // namespace
