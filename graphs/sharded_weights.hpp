@@ -66,6 +66,8 @@ class ShardedWeights {
   void check_device_errors(cudaStream_t stream);
   // Every rank's rows of every tensor, e.g. "w1 (expert rows of 2048 x 4096): rank 0 [0, 4) ...".
   std::string describe() const;
+  // The data-parallel group's communicator.
+  const EpComm& comm() const { return *comm_; }
 
  private:
   struct Tensor;

@@ -205,6 +205,9 @@ BucketIO StepGraphs::io(int bucket) const {
 void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t stream) {
   const DeviceScope on_device(memory_->device);
   MG_CHECK(b >= 0 && b < num_buckets(), "bucket index ", b, " out of range [0, ", num_buckets(), ")");
+  // A captured step on an aborted communicator would replay exchanges with peers that are gone.
+  if (comm_ != nullptr) comm_->require_not_aborted(step_phase_name(phase));
+  if (sharded_) sharded_->comm().require_not_aborted(step_phase_name(phase));
   const bool training_phase = phase != StepPhase::kForward;
   MG_CHECK(!training_phase || options_.layer.training, step_phase_name(phase), " needs training.enabled");
   MG_CHECK(phase != StepPhase::kWgrad || options_.layer.delay_wgrad, "wgrad needs training.delay_wgrad");

@@ -19,9 +19,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moegraph/types.hpp"
@@ -78,6 +80,38 @@ class MOEGRAPH_API EpComm {
   // stores into the peers' windows and a device barrier, whose timeout is reported in `error`.
   virtual void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord* error,
                           cudaStream_t stream) = 0;
+
+  // ---- A peer that died or hangs ----
+  // A server learns of it from a step's error (kDeviceErrorPeerTimeout or kDeviceErrorPeerStopped:
+  // the device barriers gave up) or from wait() timing out (a send/recv exchange, whose NCCL
+  // kernels have no timeout of their own, still waiting). Then: abort(), let the stream drain, and
+  // destroy the layers, steps and communicators; make new ones with the ranks that are left.
+  //
+  // Waits on the host until the work enqueued on `stream` so far is done, at most timeout_ms (>= 0).
+  // kTimedOut leaves that work in flight. Throws if the transport reports an error of its own
+  // (NCCL: ncclCommGetAsyncError). It polls, so another thread may abort() meanwhile. Not an
+  // enqueue path: it synchronizes.
+  enum class WaitResult { kDone, kTimedOut };
+  WaitResult wait(cudaStream_t stream, long long timeout_ms);
+  // Stops this rank's communication for good. NCCL: ncclCommAbort on a communicator moegraph
+  // created, which makes NCCL kernels still waiting on a peer return (a wrapped communicator,
+  // nccl_ep_comm_wrap, is the caller's to abort: abort() then only marks this one). Afterwards every
+  // layer call, step and window allocation with this communicator is refused, and destroying the
+  // windows, layers and steps made with it calls nothing collective, so no teardown waits for a
+  // peer. Not collective. Safe from another thread while the stream still runs a step (not while
+  // another thread is enqueuing one). A second call does nothing.
+  void abort();
+  bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+  // Throws, naming `what` (e.g. "forward"), once abort() was called.
+  void require_not_aborted(std::string_view what) const;
+
+ protected:
+  // The transport's part of abort() (called once) and of wait() (throws on its own errors).
+  virtual void abort_transport() {}
+  virtual void check_transport_error() const {}
+
+ private:
+  std::atomic<bool> aborted_{false};
 };
 
 // R ranks in this process, on the current device. rank(r) is rank r's communicator; it shares the

@@ -44,12 +44,17 @@ class MOEGRAPH_API NcclEpComm : public EpComm {
   long long barrier_timeout_ns() const override;
   void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord* error,
                   cudaStream_t stream) override;
-  // The communicator (for the caller's own collectives, e.g. a baseline all-to-all).
+  // The communicator (for the caller's own collectives, e.g. a baseline all-to-all); null after
+  // abort() on one moegraph created (ncclCommAbort freed it).
   ncclComm_t nccl() const;
   int device() const override;
   struct State;  // opaque: shared with the windows, which keep the communicator alive
 
   explicit NcclEpComm(std::shared_ptr<State> state);
+
+ protected:
+  void abort_transport() override;
+  void check_transport_error() const override;
 
  private:
   std::shared_ptr<State> state_;

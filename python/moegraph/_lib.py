@@ -145,6 +145,8 @@ SIGNATURES = {
     "mg_ep_comm_destroy": (None, [_h]),
     "mg_ep_comm_rank": (c_int, [_h, P(c_int)]),
     "mg_ep_comm_ranks": (c_int, [_h, P(c_int)]),
+    "mg_ep_comm_wait": (c_int, [_h, c_void_p, c_int64, P(c_int)]),
+    "mg_ep_comm_abort": (c_int, [_h]),
     "mg_shard_rows": (c_int, [c_int, c_int64, c_int, c_int, P(c_int64), P(c_int64)]),
     "mg_moe_layer_options_init": (None, [P(MoeLayerOptions)]),
     "mg_moe_layer_workspace_bytes": (c_int, [P(MoeLayerOptions), P(c_size_t)]),

@@ -148,6 +148,19 @@ mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out) {
   });
 }
 
+mg_status mg_ep_comm_wait(mg_ep_comm* comm, cudaStream_t stream, int64_t timeout_ms, int* completed) {
+  return guarded([&] {
+    MG_CHECK(completed != nullptr, "mg_ep_comm_wait needs an output");
+    *completed = 0;
+    const auto c = moegraph::c_api::ep_comm_of(comm);
+    *completed = c->wait(stream, timeout_ms) == moegraph::EpComm::WaitResult::kDone ? 1 : 0;
+  });
+}
+
+mg_status mg_ep_comm_abort(mg_ep_comm* comm) {
+  return guarded([&] { moegraph::c_api::ep_comm_of(comm)->abort(); });
+}
+
 mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, int rank, int64_t* first_row,
                         int64_t* rows) {
   return guarded([&] {

@@ -61,6 +61,7 @@ class EmulatedComm final : public EpComm {
   long long barrier_timeout_ns() const override { return state_->timeout_ns; }
 
   std::shared_ptr<EpWindow> allocate_window(std::size_t bytes) override {
+    require_not_aborted("allocate_window");
     MG_CHECK(bytes > 0, "an expert-parallel window needs at least one byte");
     std::lock_guard<std::mutex> lock(state_->mutex);
     const std::size_t k = state_->calls[rank_]++;
@@ -85,6 +86,7 @@ class EmulatedComm final : public EpComm {
   // then the group's own device barrier publishes them.
   void all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord* error,
                   cudaStream_t stream) override {
+    require_not_aborted("all_to_all");
     EmulatedEpGroup::State& st = *state_;
     kernels::PeerBases to;
     {

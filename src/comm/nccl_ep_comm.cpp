@@ -4,6 +4,7 @@
 
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -24,11 +25,14 @@ namespace moegraph {
 struct NcclEpComm::State {
   ncclComm_t comm = nullptr;
   bool owned = false;
+  // Set by abort() before NCCL is told: from then on nothing collective runs on the communicator
+  // (no window deregistration, no ncclCommDestroy), and an owned one no longer exists.
+  std::atomic<bool> aborted{false};
   int rank = 0, ranks = 0, device = 0;
   long long timeout_ns = 0;
   std::vector<int> lsa_rank;
   ~State() {
-    if (owned && comm != nullptr) ncclCommDestroy(comm);
+    if (owned && comm != nullptr && !aborted) ncclCommDestroy(comm);
   }
 };
 
@@ -45,8 +49,10 @@ class NcclWindow final : public EpWindow {
   ~NcclWindow() override {
     // Collective like the registration: every rank frees the same windows in the same order, on
     // the communicator's device whichever device the destroying thread has current.
+    // After an abort the registration went with the communicator, and a deregistration would wait
+    // for peers that may be gone: only the memory is freed.
     const DeviceScope on_device(state_->device, std::nothrow);
-    ncclCommWindowDeregister(state_->comm, window_);
+    if (!state_->aborted) ncclCommWindowDeregister(state_->comm, window_);
     ncclMemFree(memory_);
   }
 
@@ -168,7 +174,28 @@ NcclEpComm::~NcclEpComm() = default;
 int NcclEpComm::rank() const { return state_->rank; }
 int NcclEpComm::ranks() const { return state_->ranks; }
 int NcclEpComm::device() const { return state_->device; }
-ncclComm_t NcclEpComm::nccl() const { return state_->comm; }
+ncclComm_t NcclEpComm::nccl() const { return state_->aborted && state_->owned ? nullptr : state_->comm; }
+
+void NcclEpComm::abort_transport() {
+  state_->aborted = true;
+  if (!state_->owned) return;  // the caller's communicator: the caller aborts it
+  const DeviceScope on_device(state_->device, std::nothrow);
+  // NCCL kernels still waiting on a peer see the abort flag and return; the communicator is freed.
+  const ncclResult_t r = ncclCommAbort(state_->comm);
+  if (r != ncclSuccess)
+    std::fprintf(stderr, "moegraph: ncclCommAbort on rank %d returned %s\n", state_->rank, ncclGetErrorString(r));
+}
+
+void NcclEpComm::check_transport_error() const {
+  if (state_->aborted) return;
+  ncclResult_t async = ncclSuccess;
+  MG_NCCL_CHECK(ncclCommGetAsyncError(state_->comm, &async));
+  if (async != ncclSuccess && async != ncclInProgress)
+    detail::throw_error(__FILE__, __LINE__,
+                        detail::concat("rank ", state_->rank, "'s NCCL communicator reports ", ncclGetErrorString(async),
+                                       ": ", ncclGetLastError(state_->comm), " (abort it: EpComm::abort)"),
+                        ErrorKind::kLibrary);
+}
 long long NcclEpComm::barrier_timeout_ns() const { return state_->timeout_ns; }
 std::string NcclEpComm::transport() const { return "nccl device api (symmetric windows, LSA peer pointers)"; }
 
@@ -176,6 +203,7 @@ std::string NcclEpComm::transport() const { return "nccl device api (symmetric w
 // Chunks to and from this rank itself go through NCCL as well, as in the common all-to-all style.
 void NcclEpComm::all_to_all(const void* send, void* recv, std::size_t chunk_bytes, DeviceErrorRecord*,
                             cudaStream_t stream) {
+  require_not_aborted("all_to_all");
   MG_CHECK(chunk_bytes % 16 == 0, "all_to_all: ", chunk_bytes, " bytes per chunk must be a multiple of 16");
   require_user_buffer_registration_off();
   const auto* from = static_cast<const char*>(send);
@@ -190,6 +218,7 @@ void NcclEpComm::all_to_all(const void* send, void* recv, std::size_t chunk_byte
 }
 
 std::shared_ptr<EpWindow> NcclEpComm::allocate_window(std::size_t bytes) {
+  require_not_aborted("allocate_window");
   MG_CHECK(bytes > 0, "an expert-parallel window needs at least one byte");
   const std::size_t rounded = (bytes + kWindowAlignment - 1) / kWindowAlignment * kWindowAlignment;
   MG_CHECK(rounded >= bytes, "an expert-parallel window of ", bytes, " bytes overflows");
@@ -270,6 +299,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm) {
 std::shared_ptr<NcclEpComm> nccl_ep_comm_split(const NcclEpComm& parent, int color, int key) {
   // Every rank takes part (NCCL_SPLIT_NOCOLOR would leave one out, with no communicator to return).
   MG_CHECK(color >= 0, "nccl_ep_comm_split: color must be >= 0, got ", color);
+  parent.require_not_aborted("nccl_ep_comm_split");
   comm::require_nvls_off();
   const DeviceScope on_device(parent.device());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;

@@ -148,6 +148,37 @@ TEST(NcclTransport, SplitGivesEachRankItsSubgroup) {
   EXPECT_EQ(sub->device(), g_comm->device());
 }
 
+// A rank whose peers never come: rank 0 starts a send/recv exchange that the others never join.
+// wait() gives up on it; abort() makes NCCL's kernel return, so the stream drains; then the window
+// is released without a collective call and later calls are refused. Every rank aborts its own copy
+// of the group (a split with one color), which is not collective. A group of one runs the part
+// after the exchange.
+TEST(NcclTransport, AbortEndsAnExchangeThatPeersNeverJoin) {
+  const int R = g_comm->ranks(), me = g_comm->rank();
+  auto sub = nccl_ep_comm_split(*g_comm, 0, me);
+  constexpr std::size_t kChunk = 1 << 16;
+  auto window = sub->allocate_window(kChunk * R);
+  DeviceArray<uint8_t> send(kChunk * R);
+  testing::Stream s;
+  if (R >= 2) {  // one exchange with everyone first: NCCL connects the peers on first use, on the host
+    sub->all_to_all(send.get(), window->local(), kChunk, nullptr, s.get());
+    EXPECT_EQ(sub->wait(s.get(), 20000), EpComm::WaitResult::kDone);
+  }
+  if (R >= 2 && me == 0) {
+    sub->all_to_all(send.get(), window->local(), kChunk, nullptr, s.get());
+    EXPECT_EQ(sub->wait(s.get(), 500), EpComm::WaitResult::kTimedOut) << "the exchange finished without its peers";
+  }
+  sub->abort();
+  EXPECT_TRUE(sub->aborted());
+  EXPECT_EQ(sub->nccl(), nullptr);
+  EXPECT_EQ(sub->wait(s.get(), 20000), EpComm::WaitResult::kDone) << "NCCL's kernel did not return after the abort";
+  EXPECT_THROW(sub->allocate_window(1024), Error);
+  EXPECT_THROW(sub->all_to_all(send.get(), window->local(), kChunk, nullptr, s.get()), Error);
+  window.reset();  // no deregistration: it would wait for the peers
+  sub.reset();
+  EXPECT_FALSE(g_comm->aborted()) << "the parent is untouched";
+}
+
 // Sharded expert weights under expert parallelism: this group as an R x W grid (rank g at expert-
 // parallel index g mod R and data-parallel index g / R), split into its rows and columns.
 TEST(NcclShardedWeights, UnderExpertParallelismRanksMatchTheWholeLayers) {

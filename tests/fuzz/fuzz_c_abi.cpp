@@ -301,6 +301,8 @@ void null_arguments() {
   expect_refused(mg_ep_emulated_group_create(1, nullptr), "mg_ep_emulated_group_create(null array)");
   int rank = 0;
   expect_refused(mg_ep_comm_rank(nullptr, &rank), "mg_ep_comm_rank(null comm)", MG_ERR_INVALID_HANDLE);
+  expect_refused(mg_ep_comm_wait(nullptr, nullptr, 0, &rank), "mg_ep_comm_wait(null comm)", MG_ERR_INVALID_HANDLE);
+  expect_refused(mg_ep_comm_abort(nullptr), "mg_ep_comm_abort(null comm)", MG_ERR_INVALID_HANDLE);
   mg_ep_comm_destroy(nullptr);
   std::size_t scales = 0;
   expect_refused(mg_mxfp8_weight_bytes(1, 32, 32, nullptr, nullptr), "mg_mxfp8_weight_bytes(null outputs)");

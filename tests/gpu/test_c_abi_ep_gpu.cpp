@@ -347,5 +347,20 @@ TEST(CAbiShardedStepGpu, TwoRanksGetTheirRowsOfTheSummedGradient) {
   for (Buffers& b : ranks) mg_step_graphs_destroy(b.step);
 }
 
+// mg_ep_comm_wait and mg_ep_comm_abort through the C ABI: a finished stream completes at once, a
+// negative timeout is refused, and a second abort does nothing (the refusals after an abort are
+// ExpertParallel.WaitGivesUpOnAMissingRankAndAbortRefusesLaterCalls).
+TEST(CAbiExpertParallelGpu, WaitAndAbort) {
+  mg_ep_comm* comm[1] = {};
+  ASSERT_EQ(mg_ep_emulated_group_create(1, comm), MG_OK) << mg_last_error();
+  int completed = 0;
+  EXPECT_EQ(mg_ep_comm_wait(comm[0], nullptr, 0, &completed), MG_OK) << mg_last_error();
+  EXPECT_EQ(completed, 1);
+  EXPECT_EQ(mg_ep_comm_wait(comm[0], nullptr, -1, &completed), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_ep_comm_abort(comm[0]), MG_OK) << mg_last_error();
+  EXPECT_EQ(mg_ep_comm_abort(comm[0]), MG_OK) << mg_last_error();
+  mg_ep_comm_destroy(comm[0]);
+}
+
 }  // namespace
 }  // namespace moegraph::test

@@ -109,6 +109,49 @@ TEST(ExpertParallel, AMissingRankStopsTheGroupOnce) {
   unsetenv("MOEGRAPH_EP_TIMEOUT_MS");
 }
 
+// A server's way out of a dead peer: wait() gives up on a step that a missing rank holds, abort()
+// then refuses every later call with that communicator, and everything tears down without the
+// missing rank. (On emulated ranks the barrier's own timeout ends the step; NCCL's abort also ends
+// send/recv kernels, which only real ranks can show.)
+TEST(ExpertParallel, WaitGivesUpOnAMissingRankAndAbortRefusesLaterCalls) {
+  using std::chrono::steady_clock;
+  ASSERT_EQ(setenv("MOEGRAPH_EP_TIMEOUT_MS", "1500", 1), 0);
+  const EpCase& c = kEpCases[0];
+  {
+    EpRanks ranks = emulated(c);
+    EpHarness h(c, 59, ranks);
+    h.set_inputs(std::vector<int64_t>(c.ranks, c.max_tokens));
+    auto& all = h.local();
+    const int late = c.ranks - 1;
+    for (auto& s : all)
+      EXPECT_EQ(s->comm->wait(s->stream.get(), 0), EpComm::WaitResult::kDone) << "an idle stream, rank " << s->rank;
+    on_threads(late, [&](int r) { all[r]->train_step(); });
+    LayerSlot& first = *all[0];
+    auto t0 = steady_clock::now();
+    EXPECT_EQ(first.comm->wait(first.stream.get(), 200), EpComm::WaitResult::kTimedOut);
+    const double waited = std::chrono::duration<double>(steady_clock::now() - t0).count();
+    EXPECT_GT(waited, 0.19);
+    EXPECT_LT(waited, 1.0) << "wait overran its deadline";
+    for (int r = 0; r < late; ++r) all[r]->comm->abort();
+    for (int r = 0; r < late; ++r) all[r]->comm->abort();  // a second call does nothing
+    // The barrier's own timeout ends the step on emulated ranks.
+    EXPECT_EQ(first.comm->wait(first.stream.get(), 10000), EpComm::WaitResult::kDone);
+    h.sync();
+    for (int r = 0; r < late; ++r) {
+      EXPECT_TRUE(all[r]->comm->aborted());
+      try {
+        all[r]->train_step();
+        ADD_FAILURE() << "rank " << r << ": a step on an aborted communicator ran";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("was aborted"), std::string::npos) << e.what();
+      }
+      EXPECT_THROW(all[r]->comm->allocate_window(1024), Error);
+    }
+    EXPECT_FALSE(all[late]->comm->aborted());
+  }  // every layer and the group torn down with ranks aborted
+  unsetenv("MOEGRAPH_EP_TIMEOUT_MS");
+}
+
 TEST(ExpertParallel, ReceiveBoundCountsDrops) {
   for (EpCase c : {kEpCases[0], kEpCases[4]}) ep_receive_bound(c, emulated(c));
 }

@@ -147,6 +147,12 @@ TEST(CAbiEp, CommHandlesAreChecked) {
   EXPECT_TRUE(last_error_has("null mg_ep_comm handle")) << mg_last_error();
   EXPECT_EQ(out, nullptr);
   EXPECT_EQ(mg_ep_comm_split(nullptr, 0, 0, nullptr), MG_ERR_INVALID_ARGUMENT);
+  int completed = 7;
+  EXPECT_EQ(mg_ep_comm_wait(nullptr, nullptr, 0, &completed), MG_ERR_INVALID_HANDLE);
+  EXPECT_EQ(completed, 0) << "a refused wait reports nothing completed";
+  EXPECT_EQ(mg_ep_comm_wait(nullptr, nullptr, 0, nullptr), MG_ERR_INVALID_ARGUMENT) << "the output is checked first";
+  EXPECT_EQ(mg_ep_comm_abort(nullptr), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("null mg_ep_comm handle")) << mg_last_error();
 }
 
 // A group of one needs no CUDA_MODULE_LOADING and runs wherever a Hopper GPU is; without one it is

@@ -90,6 +90,7 @@ void LayerProgram::run_forward(const MoeLayerIO& io, int slot, bool train, cudaS
 
 void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
   const DeviceScope on_device(device_);
+  if (comm_ != nullptr) comm_->require_not_aborted("MoeLayer forward");
   // Inference borrows slot 0's saved tensors; a micro-batch holding them must finish first.
   MG_CHECK(std::find(free_slots_.begin(), free_slots_.end(), 0) != free_slots_.end(),
            "inference forward shares slot 0 with a training micro-batch in flight (", backward_queue_.size(),
@@ -99,6 +100,7 @@ void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
 
 void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
   const DeviceScope on_device(device_);
+  if (comm_ != nullptr) comm_->require_not_aborted("MoeLayer forward_train");
   MG_CHECK(options_.training, "forward_train needs MoeLayerOptions::training");
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold micro-batches in flight: run backward / backward_dw first");
@@ -110,6 +112,7 @@ void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
 
 void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
   const DeviceScope on_device(device_);
+  if (comm_ != nullptr) comm_->require_not_aborted("MoeLayer backward");
   MG_CHECK(!backward_queue_.empty(), "backward without a forward_train");
   const int slot = backward_queue_.front();
   const WgradMode mode = options_.delay_wgrad ? WgradMode::kDelayed : WgradMode::kImmediate;
@@ -122,6 +125,7 @@ void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
 
 void LayerProgram::backward_dw(cudaStream_t stream) {
   const DeviceScope on_device(device_);
+  if (comm_ != nullptr) comm_->require_not_aborted("MoeLayer backward_dw");
   MG_CHECK(!wgrad_queue_.empty(), "backward_dw without a queued weight gradient (delay_wgrad backward first)");
   for (auto it = ops_.rbegin(); it != ops_.rend(); ++it) (*it)->wgrad(stream), after(**it, "wgrad", stream);
   free_slots_.push_back(wgrad_queue_.front());
