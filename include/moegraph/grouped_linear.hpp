@@ -53,7 +53,8 @@ struct GroupedLinearOptions {
   int tile_n = 0;                  // wgmma tile width: 0 = chosen from the shapes, or 128 / 256
   GemmPipeline pipeline = GemmPipeline::kAuto;  // 16-bit wgmma kernels: cp.async or TMA loads
   int wgrad_ping_pong = -1;        // 16-bit TMA wgrad with ping-pong consumers: -1 = chosen from the
-                                   // shapes (MOEGRAPH_WGRAD_PINGPONG may force it), 0 = no, 1 = yes
+                                   // shapes and per call from the destination, dW or main_grad
+                                   // (MOEGRAPH_WGRAD_PINGPONG may force it), 0 = no, 1 = yes
   // kMXFP8: the GEMMs run on MXFP8 copies (x and dy quantized on the fly; the saved activations
   // are kept as MXFP8 column-wise copies instead of a 16-bit copy; the weights are quantized by
   // weights_changed()). Needs K and N multiples of 128. Training (forward_train) also needs
