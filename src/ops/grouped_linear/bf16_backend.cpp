@@ -22,7 +22,8 @@ class Bf16Backend final : public LinearBackend {
   void prepare(int sm_count) override {
     fprop_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kFprop), sm_count);
     dgrad_ = kernels::prepare_gemm(gemm_config(o_, kernels::GemmPhase::kDgrad), sm_count);
-    wgrad_ = prepare_wgrad_plans(o_, sm_count);
+    wgrad_ = prepare_wgrad_plans(gemm_config(o_, kernels::GemmPhase::kWgrad),
+                                 gemm_config(o_, kernels::GemmPhase::kWgrad, true), sm_count);
     copy_grid_ = sm_count * 4;
   }
   std::string describe() const override {

@@ -71,9 +71,9 @@ const kernels::GemmPlan& WgradPlans::for_call(const float* main_grad) const {
   return main_grad != nullptr ? into_main_grad : into_dweight;
 }
 
-WgradPlans prepare_wgrad_plans(const GroupedLinearOptions& o, int sm_count) {
-  return {kernels::prepare_gemm(gemm_config(o, kernels::GemmPhase::kWgrad), sm_count),
-          kernels::prepare_gemm(gemm_config(o, kernels::GemmPhase::kWgrad, true), sm_count)};
+WgradPlans prepare_wgrad_plans(const kernels::GemmConfig& into_dweight, const kernels::GemmConfig& into_main_grad,
+                                int sm_count) {
+  return {kernels::prepare_gemm(into_dweight, sm_count), kernels::prepare_gemm(into_main_grad, sm_count)};
 }
 
 std::unique_ptr<LinearBackend> make_linear_backend(const GroupedLinearOptions& o) {

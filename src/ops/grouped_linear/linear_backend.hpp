@@ -65,7 +65,8 @@ struct WgradPlans {
   kernels::GemmPlan into_dweight, into_main_grad;
   const kernels::GemmPlan& for_call(const float* main_grad) const;
 };
-WgradPlans prepare_wgrad_plans(const GroupedLinearOptions& options, int sm_count);
+WgradPlans prepare_wgrad_plans(const kernels::GemmConfig& into_dweight, const kernels::GemmConfig& into_main_grad,
+                                int sm_count);
 
 // Per recipe, in its own file: "" when its kernels can run these options, else the reason.
 std::string bf16_can_implement(const GroupedLinearOptions& options);

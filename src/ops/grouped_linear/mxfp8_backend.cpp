@@ -47,7 +47,7 @@ class Mxfp8Backend final : public LinearBackend {
   void prepare(int sm_count) override {
     fprop_ = kernels::prepare_gemm(fprop_config_, sm_count);
     dgrad_ = kernels::prepare_gemm(dgrad_config_, sm_count);
-    wgrad_ = {kernels::prepare_gemm(wgrad_config_, sm_count), kernels::prepare_gemm(wgrad_main_grad_config_, sm_count)};
+    wgrad_ = prepare_wgrad_plans(wgrad_config_, wgrad_main_grad_config_, sm_count);
     if (o_.prequantized_weights) return;  // the caller's MXFP8 weights arrive with each call
     const std::size_t data = mxfp8_weight_data_bytes(o_.num_groups, o_.out_features, o_.in_features);
     const std::size_t scales = mxfp8_weight_scale_bytes(o_.num_groups, o_.out_features, o_.in_features);
