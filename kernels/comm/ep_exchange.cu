@@ -216,8 +216,11 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_exchange_kernel(EpExchang
   const int64_t vectors = static_cast<int64_t>(p.row_bytes / 16);
   const bool stopped = block_link_stopped(p.link) && p.mode == EpRowsMode::kPeerStore;
   const int64_t total = stopped ? 0 : p.prefix[p.count];
-  for_each_row(total, lanes, [&](int64_t i, int lane, bool active) {
+  const int peers = p.count / p.segments_per_peer;
+  const int64_t start = p.mode == EpRowsMode::kPeerStore ? p.prefix[(p.rank + 1) % peers * p.segments_per_peer] : 0;
+  for_each_row(total, lanes, [&](int64_t walked, int lane, bool active) {
     if (!active) return;
+    const int64_t i = walked + start < total ? walked + start : walked + start - total;  // start <= total
     const int s = segment_of(p.prefix, p.count, i);
     const EpSegment seg = p.segments[s];
     const int64_t k = i - p.prefix[s];
@@ -301,11 +304,13 @@ void launch_ep_plan(const EpPlanParams& p, cudaStream_t stream) {
 void launch_ep_exchange(const EpExchangeParams& p, cudaStream_t stream) {
   MG_CHECK(p.row_bytes % 16 == 0 && p.row_bytes > 0, "ep exchange: row bytes ", p.row_bytes,
            " must be a positive multiple of 16");
-  MG_CHECK(p.count >= 1, "ep exchange: no segments");
+  MG_CHECK(p.count >= 1 && p.segments_per_peer >= 1 && p.count % p.segments_per_peer == 0 && p.rank >= 0 &&
+               p.rank < p.count / p.segments_per_peer,
+           "ep exchange: ", p.count, " segments, ", p.segments_per_peer, " per peer, rank ", p.rank);
   MG_CHECK(p.mode == EpRowsMode::kPeerStore ||
                (p.chunk_rows >= 0 && p.segments_per_peer >= 1 && p.count % p.segments_per_peer == 0 &&
                 p.local_dst != nullptr),
-           "ep exchange: a pack or unpack needs chunk rows, the segments per peer and the local staging");
+           "ep exchange: a pack or unpack needs chunk rows and the local staging");
   const int64_t vectors = static_cast<int64_t>(p.row_bytes / 16);
   const int lanes = lanes_per_row(vectors);
   const int64_t rows_per_block = kExchangeThreads / 32 * (32 / lanes);

@@ -121,11 +121,15 @@ void launch_ep_plan(const EpPlanParams& p, cudaStream_t stream);
 // Then `zero_ranges` [zero_count][2] rows of `local_dst` are zeroed (alignment gaps, dropped rows;
 // none for kPack), so every row a reader may touch is written. row_bytes: a multiple of 16; every
 // address 16-byte aligned.
+// kPeerStore walks the rows from peer rank + 1's segments on and wraps around (segment i belongs to
+// peer i / segments_per_peer): in table order every rank would store into peer 0 first, then peer
+// 1, so R - 1 ranks would share one GPU's NVLink ingress while the other links idled.
 enum class EpRowsMode { kPeerStore, kPack, kUnpack };
 struct EpExchangeParams {
   EpRowsMode mode = EpRowsMode::kPeerStore;
   int64_t chunk_rows = 0;           // kPack, kUnpack: rows of each peer's chunk
-  int segments_per_peer = 1;        // kPack, kUnpack: L (segment i belongs to peer i / L)
+  int segments_per_peer = 1;        // L (segment i belongs to peer i / L)
+  int rank = 0;                     // kPeerStore: this rank (the walk starts at peer rank + 1)
   const void* src = nullptr;
   // kPeerStore, kPack: when set, the source's row r (the segments' src_row + k) is row src_rows[r]
   // of `src`: the dispatch reads its tokens' rows of x in place instead of a sorted copy.

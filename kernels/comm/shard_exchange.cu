@@ -28,10 +28,13 @@ __device__ void copy_range(const char* src, char* dst, int64_t begin, int64_t en
     reinterpret_cast<uint16_t*>(dst)[i] = reinterpret_cast<const uint16_t*>(src)[i];
 }
 
-// blockIdx.y: tensor * ranks + peer.
+// blockIdx.y: tensor * ranks + step; step s reads from peer rank + s. The x dimension alone fills
+// the GPU, so the steps run about one after another; taken in rank order instead, every rank would
+// read from rank 0 first and R - 1 readers would share its NVLink egress.
 __global__ void shard_gather_kernel(ShardExchangeParams p) {
-  const int t = blockIdx.y / p.ranks, peer = blockIdx.y % p.ranks;
-  if (peer == p.rank) return;
+  const int t = blockIdx.y / p.ranks, step = blockIdx.y % p.ranks;
+  if (step == 0) return;  // the own rows are in place
+  const int peer = (p.rank + step) % p.ranks;
   const ShardTensor& x = p.tensors[t];
   const int64_t es = x.type == DType::kFP32 ? 4 : 2;
   const int64_t first = x.ranges[2 * peer], count = x.ranges[2 * peer + 1];

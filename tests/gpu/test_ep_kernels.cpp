@@ -269,7 +269,7 @@ TEST(EpKernels, PlanAndRowsMatchAHostModel) {
       x.dst = to_owner ? recv : back;
       x.segments = to_owner ? k.to_owner.get() : k.to_source.get();
       x.prefix = to_owner ? k.owner_prefix.get() : k.source_prefix.get();
-      x.count = E;
+      x.count = E, x.segments_per_peer = L, x.rank = r;  // each rank's walk starts at peer r + 1
       x.zero_ranges = to_owner ? k.gaps.get() : k.drops.get();
       x.zero_count = to_owner ? L : E;
       x.local_dst = to_owner ? k.recv.get() : k.back.get();

@@ -124,6 +124,8 @@ struct EpLink {
     kernels::EpExchangeParams x;
     x.row_bytes = row_bytes;
     x.count = experts;
+    x.segments_per_peer = experts / ranks;
+    x.rank = rank;
     // The sending side, the same for both exchanges: this rank's rows along the `out` table.
     x.src = m.src;
     x.src_rows = m.src_rows;
@@ -141,7 +143,6 @@ struct EpLink {
       return;
     }
     x.chunk_rows = chunk_rows;
-    x.segments_per_peer = experts / ranks;
     x.mode = kernels::EpRowsMode::kPack;
     x.local_dst = t.get(ep::kChunksOut);
     kernels::launch_ep_exchange(x, stream);
