@@ -98,9 +98,27 @@ __global__ void ep_barrier_kernel(EpBarrierParams p) {
 }
 
 // ---- plan ---------------------------------------------------------------------------------------
+// Exclusive sum over the 32 lanes of a warp.
+__device__ __forceinline__ int64_t warp_exclusive_sum(int64_t v) {
+  const int lane = threadIdx.x & 31;
+  int64_t inclusive = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += up;
+  }
+  return inclusive - v;
+}
+
+// The plan runs once per dispatch on one block, ahead of every row: it is latency, not work. Each
+// step therefore spreads its entries over the block (a warp per source row, a thread per expert)
+// instead of walking them on one thread per rank, which at 128 experts cost tens of microseconds
+// of dependent global loads. The greedy walk stays for an owner whose bound binds (it is the
+// definition of which rows are kept); unbounded, the same layout is a prefix sum.
 __global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
   using Scan = cub::BlockScan<int64_t, kPlanThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ int64_t group_start[kMaxExperts + 1];  // aligned starts, all owners in one sequence
+  __shared__ int greedy[kMaxExpertParallel];         // owners whose bound binds
   const int R = p.ranks, E = p.experts, L = E / R;
   const int64_t stride = p.matrix_stride > 0 ? p.matrix_stride : E + 1;
   // scratch [R][E] each: the rows (source, expert) asks for, their local row base on the source,
@@ -109,30 +127,79 @@ __global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
   int32_t* local_base = want + static_cast<int64_t>(R) * E;
   int32_t* recv_row = local_base + static_cast<int64_t>(R) * E;
   int32_t* kept = recv_row + static_cast<int64_t>(R) * E;
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int64_t chunk = p.chunk_rows > 0 ? p.chunk_rows : p.local_rows;
 
   // Each source's token count (its counts were computed on the clamped count) and its local rows.
   // Counts are clamped so that no source's rows pass local_rows whatever the matrix holds (after a
-  // barrier timeout it may hold anything): every rank clamps identically.
+  // barrier timeout it may hold anything): every rank clamps identically. Walking e in order,
+  // want = min(count, local_rows - base) with base the rows before; that is, with P(e) the sum of
+  // the non-negative counts below e, base(e) = min(P(e), local_rows): a prefix sum per source.
   if (t < R) {
     const int32_t n = p.matrix[t * stride + E];
     if ((n < 0 || n > p.max_tokens) && t != p.rank)
       raise_routing_error(p.error, kDeviceErrorPeerTokenCount, t, n, p.max_tokens);
-    int64_t base = 0;
-    for (int e = 0; e < E; ++e) {
-      const int64_t w = std::min<int64_t>(std::max(p.matrix[t * stride + e], 0), p.local_rows - base);
-      want[t * E + e] = static_cast<int32_t>(w);
-      local_base[t * E + e] = static_cast<int32_t>(base);
-      base += w;
+    greedy[t] = 0;
+  }
+  const int per_lane = (E + 31) / 32;
+  for (int s = warp; s < R; s += kPlanThreads / 32) {
+    const int32_t* row = p.matrix + s * stride;
+    const int first = lane * per_lane, last = std::min(first + per_lane, E);
+    int64_t sum = 0;
+    for (int e = first; e < last; ++e) sum += std::max(row[e], 0);
+    int64_t before = warp_exclusive_sum(sum);
+    for (int e = first; e < last; ++e) {
+      const int64_t after = before + std::max(row[e], 0);
+      const int64_t base = std::min(before, p.local_rows);
+      want[s * E + e] = static_cast<int32_t>(std::min(after, p.local_rows) - base);
+      local_base[s * E + e] = static_cast<int32_t>(base);
+      before = after;
     }
   }
   __syncthreads();
-  // Each owner's receive layout, greedily within the bounds (recv_rows is a multiple of row_align,
-  // and so is every start, so an aligned end never passes the bound; chunk_rows caps what each
-  // source sends this owner over all its experts).
-  if (t < R) {
+
+  // Each owner's receive layout: local expert by local expert (aligned starts), source by source in
+  // rank order. Unbounded, expert e's group holds every row asked for it, so its start is the sum
+  // of the aligned groups below it on its owner: one scan over all experts, read relative to the
+  // owner's first expert.
+  int64_t group = 0;
+  if (t < E)
+    for (int s = 0; s < R; ++s) group += want[s * E + t];
+  const int64_t aligned = (group + p.row_align - 1) / p.row_align * p.row_align;
+  int64_t start_all, end_all;
+  Scan(scan_storage).ExclusiveSum(aligned, start_all, end_all);
+  if (t < E) group_start[t] = start_all;
+  if (t == 0) group_start[E] = end_all;
+  __syncthreads();
+  // A bound binds when the owner's aligned end passes recv_rows (recv_rows is a multiple of
+  // row_align, so this is when its last row would), or a source sends the owner more than a chunk.
+  if (t < R && group_start[(t + 1) * L] - group_start[t * L] > p.recv_rows) greedy[t] = 1;
+  for (int i = t; i < R * R; i += kPlanThreads) {
+    const int s = i / R, d = i % R, last = (d + 1) * L - 1;
+    const int64_t sent = local_base[s * E + last] + want[s * E + last] - local_base[s * E + d * L];
+    if (sent > chunk) greedy[d] = 1;  // benign race: every writer stores 1
+  }
+  __syncthreads();
+  if (t < E && !greedy[t / L]) {
+    const int d = t / L, l = t % L;
+    const int64_t start = group_start[t] - group_start[d * L];
+    int64_t off = start;
+    for (int s = 0; s < R; ++s) {
+      const int32_t w = want[s * E + t];
+      recv_row[s * E + t] = static_cast<int32_t>(off);
+      kept[s * E + t] = w;
+      off += w;
+    }
+    if (d == p.rank) {
+      p.splits[l] = static_cast<int32_t>(group);
+      p.offsets[l] = start;
+      if (l == L - 1) p.offsets[L] = group_start[(d + 1) * L] - group_start[d * L];
+    }
+  }
+  // The greedy walk within the bounds (every start is a multiple of row_align, so an aligned end
+  // never passes recv_rows; chunk_rows caps what each source sends this owner over its experts).
+  if (t < R && greedy[t]) {
     const int d = t;
-    const int64_t chunk = p.chunk_rows > 0 ? p.chunk_rows : p.local_rows;
     int64_t sent[kMaxExpertParallel] = {};  // rows of each source kept so far
     int64_t off = 0;
     for (int l = 0; l < L; ++l) {
