@@ -1,10 +1,13 @@
 // moegraph-bench CONFIG for an expert-parallel config (parallel.expert_parallel = R > 1): one process
 // per GPU under scripts/launch, each running its rank of the captured step; rank 0 prints. Per bucket
 // (tokens per rank): the step's graph replay and eager times (rank 0's median and the slowest rank's
-// median), the dispatch and combine alone (eager, events around each operator, forward and
-// backward) with the bytes each rank stores into windows and their rate, and, in the same run,
-// NCCL's own all-to-all of the same bytes per rank (ncclAlltoAll), the ceiling the exchanges are
-// judged against. Each rank draws its own tokens (so the routing differs per rank and per replay);
+// median), the dispatch and combine alone (events around each operator, forward and backward) with
+// the bytes each rank stores into windows and their rate, and, in the same run, NCCL's own
+// all-to-all of the same bytes per rank (ncclAlltoAll), the ceiling the exchanges are judged
+// against. The operators are timed twice: eagerly (each kernel launched from the host as it comes),
+// and inside a graph replay, as the captured step runs them (the eager step captured once with an
+// external event after every operator; the all-to-all captured alone between two such events).
+// Each rank draws its own tokens (so the routing differs per rank and per replay);
 // the ranks meet on a small all-reduce before every timed run, outside the timing, and L2 is
 // flushed before it.
 #include "tools/bench/ep_bench.hpp"
@@ -18,6 +21,7 @@
 #include "moegraph/nccl_ep.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/core/checks.hpp"
+#include "graphs/graph_exec.hpp"
 #include "src/core/device_buffer.hpp"
 #include "testing/step_weights.hpp"
 #include "tools/bench/bench_util.hpp"
@@ -28,12 +32,44 @@
 namespace moegraph::bench {
 namespace {
 
+// Two timing events recorded as external event nodes of the graph being captured; ms() waits for
+// the replay's end event.
+class GraphEvents {
+ public:
+  GraphEvents() {
+    MG_CUDA_CHECK(cudaEventCreate(&begin_));
+    MG_CUDA_CHECK(cudaEventCreate(&end_));
+  }
+  ~GraphEvents() {
+    cudaEventDestroy(begin_);
+    cudaEventDestroy(end_);
+  }
+  GraphEvents(const GraphEvents&) = delete;
+  GraphEvents& operator=(const GraphEvents&) = delete;
+  void begin(cudaStream_t s) { MG_CUDA_CHECK(cudaEventRecordWithFlags(begin_, s, cudaEventRecordExternal)); }
+  void end(cudaStream_t s) { MG_CUDA_CHECK(cudaEventRecordWithFlags(end_, s, cudaEventRecordExternal)); }
+  float ms() const {
+    MG_CUDA_CHECK(cudaEventSynchronize(end_));
+    float ms = 0;
+    MG_CUDA_CHECK(cudaEventElapsedTime(&ms, begin_, end_));
+    return ms;
+  }
+
+ private:
+  cudaEvent_t begin_ = nullptr, end_ = nullptr;
+};
+
+// The dispatch's and combine's medians per phase.
+struct ExchangeTimes {
+  double dispatch_fwd_ms = 0, combine_fwd_ms = 0, dispatch_bwd_ms = 0, combine_bwd_ms = 0;
+};
+
 struct EpRow {
   int64_t tokens = 0, rows = 0;  // per rank: capacity, and the (token, expert) rows it sends
   double replay_ms = 0, replay_max_ms = 0, eager_ms = 0;
-  double dispatch_fwd_ms = 0, combine_fwd_ms = 0, dispatch_bwd_ms = 0, combine_bwd_ms = 0;
-  double exchange_bytes = 0;  // per rank and exchange: every row it sends, once
-  double alltoall_ms = 0;
+  ExchangeTimes eager, in_graph;  // launched from the host as they come; inside graph replays
+  double exchange_bytes = 0;      // per rank and exchange: every row it sends, once
+  double alltoall_ms = 0, alltoall_graph_ms = 0;
   double gbps(double ms) const { return ms > 0 ? exchange_bytes / ms / 1e6 : 0.0; }
 };
 
@@ -75,35 +111,68 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, int rank,
   row.eager_ms = timed(std::min(replays, 10), false);
   row.replay_ms = timed(replays, true);
   row.replay_max_ms = group.max(rank, row.replay_ms, s);
-  {
-    OpTimer ops;
-    for (int i = 0; i < c.bench.warmup + std::min(replays, 10); ++i) {
+  // The exchanges among the step's operators: `run` once per timed run, `ops` recording an event
+  // after every operator.
+  auto time_exchanges = [&](OpTimer& ops, int runs, auto run) {
+    for (int i = 0; i < c.bench.warmup + runs; ++i) {
       prepare(i);
-      ops.start(s);
-      step_once(false);
+      run();
       if (i >= c.bench.warmup) ops.finish();
       MG_CUDA_CHECK(cudaStreamSynchronize(s));
     }
+    ExchangeTimes e;
     for (const OpTime& t : ops.medians()) {
-      if (t.op == "dispatch") row.dispatch_fwd_ms = t.forward_ms, row.dispatch_bwd_ms = t.backward_ms;
-      if (t.op == "combine") row.combine_fwd_ms = t.forward_ms, row.combine_bwd_ms = t.backward_ms;
+      if (t.op == "dispatch") e.dispatch_fwd_ms = t.forward_ms, e.dispatch_bwd_ms = t.backward_ms;
+      if (t.op == "combine") e.combine_fwd_ms = t.forward_ms, e.combine_bwd_ms = t.backward_ms;
     }
+    return e;
+  };
+  {
+    OpTimer ops;
+    row.eager = time_exchanges(ops, std::min(replays, 10), [&] {
+      ops.start(s);
+      step_once(false);
+    });
+  }
+  {
+    // The eager step captured once (its host bookkeeping ends where it began: a whole step), an
+    // event node after every operator; each replay draws new tokens, so a new routing.
+    OpTimer ops(true);
+    const GraphExec graph(s, [&] {
+      ops.start(s);
+      step_once(false);
+    }, cudaStreamCaptureModeThreadLocal);
+    row.in_graph = time_exchanges(ops, replays, [&] { graph.launch(s); });
   }
   step.check_device_errors(s);
   // NCCL's all-to-all of the same bytes per rank: an equal share to every rank.
   const int ranks = std::max(1, c.parallel.expert_parallel);
   const std::size_t per_peer = static_cast<std::size_t>(row.exchange_bytes) / ranks;
   DeviceBuffer send(per_peer * ranks + 1), recv(per_peer * ranks + 1);
+  auto alltoall = [&] { MG_NCCL_CHECK(ncclAlltoAll(send.get(), recv.get(), per_peer, ncclChar, group.nccl(), s)); };
   std::vector<float> t;
   for (int i = 0; i < c.bench.warmup + replays; ++i) {
     MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
     group.meet(rank, s);
-    const float ms = timer.time(s, [&] {
-      MG_NCCL_CHECK(ncclAlltoAll(send.get(), recv.get(), per_peer, ncclChar, group.nccl(), s));
-    });
+    const float ms = timer.time(s, alltoall);
     if (i >= c.bench.warmup) t.push_back(ms);
   }
   row.alltoall_ms = median(t);
+  // Captured between two event nodes, as the operators above.
+  GraphEvents span;
+  const GraphExec graph(s, [&] {
+    span.begin(s);
+    alltoall();
+    span.end(s);
+  }, cudaStreamCaptureModeThreadLocal);
+  t.clear();
+  for (int i = 0; i < c.bench.warmup + replays; ++i) {
+    MG_CUDA_CHECK(cudaMemsetAsync(l2_flush.get(), i & 0xff, l2_flush.bytes(), s));
+    group.meet(rank, s);
+    graph.launch(s);
+    if (i >= c.bench.warmup) t.push_back(span.ms());
+  }
+  row.alltoall_graph_ms = median(t);
 }
 
 }  // namespace
@@ -141,7 +210,8 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
   MG_CUDA_CHECK(cudaStreamDestroy(s));
   if (!lead) return 0;
 
-  std::printf("median of %d replays (eager and exchanges: %d), fill %.2f; every rank draws its own tokens anew "
+  std::printf("median of %d replays (eager runs and eager exchanges: %d), fill %.2f; every rank draws its own "
+              "tokens anew "
               "before each run\nexchange bytes: each rank's routed rows x hidden x %zu bytes, stored once into the "
               "owners' windows (its own rows included); all-to-all: ncclAlltoAll of the same bytes per rank\n\n",
               replays, std::min(replays, 10), c.bench.fill, dtype_size(c.precision.dtype));
@@ -160,9 +230,10 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
     const double a2a = r.gbps(r.alltoall_ms);
     auto vs = [&](double ms) { return a2a > 0 && ms > 0 ? fmt(r.gbps(ms) / a2a, 2) : std::string("-"); };
     table.add({std::to_string(r.tokens), fmt(r.replay_ms, 3), fmt(r.replay_max_ms, 3), fmt(r.eager_ms, 3),
-               fmt(r.exchange_bytes / 1e6, 2), fmt(r.dispatch_fwd_ms, 3), fmt(r.gbps(r.dispatch_fwd_ms), 0),
-               fmt(r.combine_fwd_ms, 3), fmt(r.gbps(r.combine_fwd_ms), 0), fmt(r.alltoall_ms, 3), fmt(a2a, 0),
-               vs(r.dispatch_fwd_ms), vs(r.combine_fwd_ms)});
+               fmt(r.exchange_bytes / 1e6, 2), fmt(r.eager.dispatch_fwd_ms, 3),
+               fmt(r.gbps(r.eager.dispatch_fwd_ms), 0), fmt(r.eager.combine_fwd_ms, 3),
+               fmt(r.gbps(r.eager.combine_fwd_ms), 0), fmt(r.alltoall_ms, 3), fmt(a2a, 0),
+               vs(r.eager.dispatch_fwd_ms), vs(r.eager.combine_fwd_ms)});
   }
   table.print({"tokens/rank", "replay ms", "slowest rank", "eager ms", "MB/rank", "dispatch ms", "GB/s",
                "combine ms", "GB/s", "all-to-all ms", "GB/s", "dispatch/a2a", "combine/a2a"});
@@ -170,10 +241,36 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
     std::printf("\nbackward exchanges (the combine's backward is a dispatch of dy rows, the dispatch's a combine):\n");
     Table back;
     for (const EpRow& r : rows)
-      back.add({std::to_string(r.tokens), fmt(r.combine_bwd_ms, 3), fmt(r.gbps(r.combine_bwd_ms), 0),
-                fmt(r.dispatch_bwd_ms, 3), fmt(r.gbps(r.dispatch_bwd_ms), 0)});
+      back.add({std::to_string(r.tokens), fmt(r.eager.combine_bwd_ms, 3), fmt(r.gbps(r.eager.combine_bwd_ms), 0),
+                fmt(r.eager.dispatch_bwd_ms, 3), fmt(r.gbps(r.eager.dispatch_bwd_ms), 0)});
     back.print({"tokens/rank", "combine bwd ms", "GB/s", "dispatch bwd ms", "GB/s"});
   }
+  // Inside graph replays: the forward exchanges, and for training the backward ones.
+  using Column = std::pair<const char*, double ExchangeTimes::*>;
+  std::vector<Column> exchanges = {{"dispatch", &ExchangeTimes::dispatch_fwd_ms},
+                                   {"combine", &ExchangeTimes::combine_fwd_ms}};
+  if (c.training.enabled)
+    exchanges.insert(exchanges.end(), {{"combine bwd", &ExchangeTimes::combine_bwd_ms},
+                                       {"dispatch bwd", &ExchangeTimes::dispatch_bwd_ms}});
+  std::printf("\ninside graph replays (the step captured with an event after every operator; ncclAlltoAll captured "
+              "alone between two events; median of %d):\n", replays);
+  Table in_graph;
+  for (const EpRow& r : rows) {
+    const double a2a = r.gbps(r.alltoall_graph_ms);
+    std::vector<std::string> cells = {std::to_string(r.tokens)};
+    for (const Column& e : exchanges) cells.push_back(fmt(r.in_graph.*e.second, 3));
+    cells.insert(cells.end(), {fmt(r.alltoall_graph_ms, 3), fmt(a2a, 0)});
+    for (const Column& e : exchanges) {
+      const double ms = r.in_graph.*e.second;
+      cells.push_back(a2a > 0 && ms > 0 ? fmt(r.gbps(ms) / a2a, 2) : std::string("-"));
+    }
+    in_graph.add(cells);
+  }
+  std::vector<std::string> head = {"tokens/rank"};
+  for (const Column& e : exchanges) head.push_back(std::string(e.first) + " ms");
+  head.insert(head.end(), {"all-to-all ms", "GB/s"});
+  for (const Column& e : exchanges) head.push_back(std::string(e.first) + "/a2a");
+  in_graph.print(head);
   if (!options.json_path.empty()) {
     nlohmann::json out;
     out["config"] = nlohmann::json::parse(to_json(c));
@@ -186,9 +283,17 @@ int run_ep_bench(const Config& c, const StepBenchOptions& options) {
       out["buckets"].push_back({{"tokens_per_rank", r.tokens}, {"rows_per_rank", r.rows},
                                 {"replay_ms", r.replay_ms}, {"replay_ms_slowest_rank", r.replay_max_ms},
                                 {"eager_ms", r.eager_ms}, {"exchange_bytes_per_rank", r.exchange_bytes},
-                                {"dispatch_forward_ms", r.dispatch_fwd_ms}, {"combine_forward_ms", r.combine_fwd_ms},
-                                {"dispatch_backward_ms", r.dispatch_bwd_ms}, {"combine_backward_ms", r.combine_bwd_ms},
-                                {"alltoall_ms", r.alltoall_ms}});
+                                {"dispatch_forward_ms", r.eager.dispatch_fwd_ms},
+                                {"combine_forward_ms", r.eager.combine_fwd_ms},
+                                {"dispatch_backward_ms", r.eager.dispatch_bwd_ms},
+                                {"combine_backward_ms", r.eager.combine_bwd_ms},
+                                {"alltoall_ms", r.alltoall_ms},
+                                {"in_graph",
+                                 {{"dispatch_forward_ms", r.in_graph.dispatch_fwd_ms},
+                                  {"combine_forward_ms", r.in_graph.combine_fwd_ms},
+                                  {"dispatch_backward_ms", r.in_graph.dispatch_bwd_ms},
+                                  {"combine_backward_ms", r.in_graph.combine_bwd_ms},
+                                  {"alltoall_ms", r.alltoall_graph_ms}}}});
     write_json_results(out, options.json_path);
   }
   return 0;

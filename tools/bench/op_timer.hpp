@@ -1,5 +1,7 @@
 // --ops: each operator's eager time per phase, from events the layer program records after every
 // operator (src/ops/moe/op_events.hpp). Shared by the step bench and the expert-parallel bench.
+// In graph mode the events are recorded while a graph is captured, as external event nodes: each
+// replay records them again, and finish() after a replay reads that replay's times.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -27,7 +29,7 @@ struct OpTime {
 // collects each (operator, phase)'s time since the event before it, over several eager runs.
 class OpTimer : public layer::OpEventSink {
  public:
-  OpTimer() { layer::set_op_event_sink(this); }
+  explicit OpTimer(bool in_graph = false) : in_graph_(in_graph) { layer::set_op_event_sink(this); }
   ~OpTimer() override {
     layer::set_op_event_sink(nullptr);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
@@ -71,9 +73,11 @@ class OpTimer : public layer::OpEventSink {
       events_.emplace_back();
       MG_CUDA_CHECK(cudaEventCreate(&events_.back()));
     }
-    MG_CUDA_CHECK(cudaEventRecord(events_[used_++], s));
+    MG_CUDA_CHECK(in_graph_ ? cudaEventRecordWithFlags(events_[used_++], s, cudaEventRecordExternal)
+                            : cudaEventRecord(events_[used_++], s));
     labels_.push_back(std::move(label));
   }
+  bool in_graph_;
   std::vector<cudaEvent_t> events_;
   std::size_t used_ = 0;
   std::vector<Label> labels_;

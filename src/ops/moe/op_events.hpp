@@ -1,7 +1,8 @@
-// Per-operator timing of eager runs (moegraph-bench --ops): while a sink is installed, the layer
-// program calls it after each operator's forward, backward and delayed wgrad with the stream, so
-// the sink can record an event there. For eager runs only: the benchmark installs it around them,
-// never while a graph is captured, and from one thread.
+// Per-operator timing (moegraph-bench --ops, and the expert-parallel bench): while a sink is
+// installed, the layer program calls it after each operator's forward, backward and delayed wgrad
+// with the stream, so the sink can record an event there. The benchmark installs it around eager
+// runs, or around its own capture of an eager run (events recorded as external nodes, timed on
+// every replay), never while StepGraphs captures its graphs, and from one thread.
 #pragma once
 
 #include <cuda_runtime_api.h>
