@@ -145,11 +145,17 @@ __global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
   for (int s = warp; s < R; s += kPlanThreads / 32) {
     const int32_t* row = p.matrix + s * stride;
     const int first = lane * per_lane, last = std::min(first + per_lane, E);
+    // Each count is read once (parked in `want`): after a barrier timeout a late peer's store could
+    // land between two reads, and the lanes' ranges would no longer tile the source's rows.
     int64_t sum = 0;
-    for (int e = first; e < last; ++e) sum += std::max(row[e], 0);
+    for (int e = first; e < last; ++e) {
+      const int32_t count = std::max(row[e], 0);
+      want[s * E + e] = count;
+      sum += count;
+    }
     int64_t before = warp_exclusive_sum(sum);
     for (int e = first; e < last; ++e) {
-      const int64_t after = before + std::max(row[e], 0);
+      const int64_t after = before + want[s * E + e];
       const int64_t base = std::min(before, p.local_rows);
       want[s * E + e] = static_cast<int32_t>(std::min(after, p.local_rows) - base);
       local_base[s * E + e] = static_cast<int32_t>(base);

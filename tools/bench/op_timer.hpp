@@ -1,4 +1,4 @@
-// --ops: each operator's eager time per phase, from events the layer program records after every
+// --ops: each operator's time per phase, from events the layer program records after every
 // operator (src/ops/moe/op_events.hpp). Shared by the step bench and the expert-parallel bench.
 // In graph mode the events are recorded while a graph is captured, as external event nodes: each
 // replay records them again, and finish() after a replay reads that replay's times.
@@ -18,7 +18,7 @@
 
 namespace moegraph::bench {
 
-// One operator's eager time per phase (--ops), medians over the runs.
+// One operator's time per phase, medians over the runs.
 struct OpTime {
   std::string op;
   double forward_ms = 0, backward_ms = 0, wgrad_ms = 0;
@@ -26,7 +26,8 @@ struct OpTime {
 };
 
 // Records an event after every operator of the layer program (src/ops/moe/op_events.hpp), and
-// collects each (operator, phase)'s time since the event before it, over several eager runs.
+// collects each (operator, phase)'s time since the event before it, over several runs (eager, or
+// replays of a captured run).
 class OpTimer : public layer::OpEventSink {
  public:
   explicit OpTimer(bool in_graph = false) : in_graph_(in_graph) { layer::set_op_event_sink(this); }
