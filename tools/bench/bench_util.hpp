@@ -26,12 +26,25 @@ class EventTimer {
     cudaEventDestroy(start_);
     cudaEventDestroy(stop_);
   }
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
   // Milliseconds between events recorded around f's work on `stream`.
   template <class F>
   float time(cudaStream_t stream, F f) {
-    MG_CUDA_CHECK(cudaEventRecord(start_, stream));
+    begin(stream);
     f();
-    MG_CUDA_CHECK(cudaEventRecord(stop_, stream));
+    end(stream);
+    return ms();
+  }
+  // The same in pieces. While `stream` is captured, pass cudaEventRecordExternal: the events become
+  // event nodes of the graph, recorded again by every replay, and ms() after a replay reads it.
+  void begin(cudaStream_t stream, unsigned flags = cudaEventRecordDefault) {
+    MG_CUDA_CHECK(cudaEventRecordWithFlags(start_, stream, flags));
+  }
+  void end(cudaStream_t stream, unsigned flags = cudaEventRecordDefault) {
+    MG_CUDA_CHECK(cudaEventRecordWithFlags(stop_, stream, flags));
+  }
+  float ms() const {
     MG_CUDA_CHECK(cudaEventSynchronize(stop_));
     float ms = 0;
     MG_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));

@@ -32,33 +32,6 @@
 namespace moegraph::bench {
 namespace {
 
-// Two timing events recorded as external event nodes of the graph being captured; ms() waits for
-// the replay's end event.
-class GraphEvents {
- public:
-  GraphEvents() {
-    MG_CUDA_CHECK(cudaEventCreate(&begin_));
-    MG_CUDA_CHECK(cudaEventCreate(&end_));
-  }
-  ~GraphEvents() {
-    cudaEventDestroy(begin_);
-    cudaEventDestroy(end_);
-  }
-  GraphEvents(const GraphEvents&) = delete;
-  GraphEvents& operator=(const GraphEvents&) = delete;
-  void begin(cudaStream_t s) { MG_CUDA_CHECK(cudaEventRecordWithFlags(begin_, s, cudaEventRecordExternal)); }
-  void end(cudaStream_t s) { MG_CUDA_CHECK(cudaEventRecordWithFlags(end_, s, cudaEventRecordExternal)); }
-  float ms() const {
-    MG_CUDA_CHECK(cudaEventSynchronize(end_));
-    float ms = 0;
-    MG_CUDA_CHECK(cudaEventElapsedTime(&ms, begin_, end_));
-    return ms;
-  }
-
- private:
-  cudaEvent_t begin_ = nullptr, end_ = nullptr;
-};
-
 // The dispatch's and combine's medians per phase.
 struct ExchangeTimes {
   double dispatch_fwd_ms = 0, combine_fwd_ms = 0, dispatch_bwd_ms = 0, combine_bwd_ms = 0;
@@ -159,11 +132,11 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, int rank,
   }
   row.alltoall_ms = median(t);
   // Captured between two event nodes, as the operators above.
-  GraphEvents span;
+  EventTimer span;
   const GraphExec graph(s, [&] {
-    span.begin(s);
+    span.begin(s, cudaEventRecordExternal);
     alltoall();
-    span.end(s);
+    span.end(s, cudaEventRecordExternal);
   }, cudaStreamCaptureModeThreadLocal);
   t.clear();
   for (int i = 0; i < c.bench.warmup + replays; ++i) {
