@@ -17,11 +17,11 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "graphs/graph_exec.hpp"
 #include "kernels/elementwise/elementwise.hpp"
 #include "moegraph/nccl_ep.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/core/checks.hpp"
-#include "graphs/graph_exec.hpp"
 #include "src/core/device_buffer.hpp"
 #include "testing/step_weights.hpp"
 #include "tools/bench/bench_util.hpp"

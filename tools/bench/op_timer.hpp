@@ -74,8 +74,8 @@ class OpTimer : public layer::OpEventSink {
       events_.emplace_back();
       MG_CUDA_CHECK(cudaEventCreate(&events_.back()));
     }
-    MG_CUDA_CHECK(in_graph_ ? cudaEventRecordWithFlags(events_[used_++], s, cudaEventRecordExternal)
-                            : cudaEventRecord(events_[used_++], s));
+    MG_CUDA_CHECK(cudaEventRecordWithFlags(events_[used_++], s,
+                                           in_graph_ ? cudaEventRecordExternal : cudaEventRecordDefault));
     labels_.push_back(std::move(label));
   }
   bool in_graph_;
