@@ -3,9 +3,10 @@
 //
 // The assignments a = t * k + j, t < n, are cut into chunks of `chunk` consecutive assignments
 // (a host-side function of max_tokens and k, so grids never depend on device data):
-//   1. count:  per chunk, per expert assignment counts -> workspace [chunks, E];
-//   2. scan:   one block: each expert's exclusive scan over the chunks (in place), its total,
-//              the capacity cut, the aligned offsets (exactly as launch_group_offsets), drops;
+//   1. count:  per chunk, per expert assignment counts -> workspace [E, chunks];
+//   2. scan:   one block: each expert's exclusive scan over the chunks (in place, a warp per
+//              expert), its total, the capacity cut, the aligned offsets (exactly as
+//              launch_group_offsets), drops;
 //   3. place:  per chunk, each warp recounts its slice, the block turns the counts into per-warp
 //              rank bases, and each warp walks its slice again in order, 32 assignments at a time,
 //              ranking equal experts with __match_any_sync. Rank < kept rows -> row offsets[e] + rank.
@@ -29,20 +30,30 @@ namespace {
 constexpr int kThreads = 256;  // count and place kernels
 constexpr int kWarps = kThreads / 32;
 constexpr int kScanThreads = 1024;  // one thread per expert
-constexpr int64_t kMinChunk = 2048;
-constexpr int64_t kMaxChunks = 256;  // bounds the workspace and the single-block scan
+constexpr int kScanWarps = kScanThreads / 32;
+constexpr int64_t kMaxChunks = 256;
+constexpr int64_t kMaxScanCells = 65536;  // chunks x experts the single-block scan reads
 constexpr unsigned kFullMask = 0xffffffffu;
 static_assert(kScanThreads >= kMaxExperts);
 
-// Assignments per chunk: a multiple of kThreads (each warp's slice is whole 32-wide steps).
-int64_t chunk_assignments(int64_t max_tokens, int top_k) {
-  const int64_t per_chunk = (max_tokens * top_k + kMaxChunks - 1) / kMaxChunks;
-  return std::max(kMinChunk, (per_chunk + kThreads - 1) / kThreads * kThreads);
-}
+// How the assignments are cut, from the capacity alone (grids never depend on device data).
+struct Chunks {
+  int64_t size = kThreads;  // assignments per chunk: a multiple of kThreads (whole 32-wide warp steps)
+  int64_t count = 0;        // chunks of max_tokens * k: the workspace's row length
+};
 
-int64_t chunk_count(int64_t max_tokens, int top_k) {
-  const int64_t chunk = chunk_assignments(max_tokens, top_k);
-  return (max_tokens * top_k + chunk - 1) / chunk;
+// As small as the bounds allow: each kernel is a few dependent memory round trips per 32-wide
+// step, so a small batch should spread over many blocks, one step per warp. With 2048-wide chunks
+// (the old minimum) 8192 assignments made every warp walk 8 steps in turn, and the three kernels
+// took about 30 us on an H200. The bounds keep the workspace and the one-block scan small.
+Chunks chunks_of(int64_t max_tokens, int top_k, int experts) {
+  const int64_t assignments = max_tokens * top_k;
+  const int64_t most = std::max<int64_t>(1, std::min(kMaxChunks, kMaxScanCells / std::max(experts, 1)));
+  const int64_t per_chunk = (assignments + most - 1) / most;
+  Chunks c;
+  c.size = std::max<int64_t>(kThreads, (per_chunk + kThreads - 1) / kThreads * kThreads);
+  c.count = (assignments + c.size - 1) / c.size;
+  return c;
 }
 
 // The expert of assignment a, or -1 past the slice end or for an id outside [0, E).
@@ -53,7 +64,8 @@ __device__ __forceinline__ int expert_key(const int32_t* ids, int64_t a, int64_t
 }
 
 // ---- 1. counts per chunk ---------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) dispatch_count_kernel(DispatchParams p, int64_t chunk) {
+__global__ void __launch_bounds__(kThreads) dispatch_count_kernel(DispatchParams p, Chunks chunks) {
+  const int64_t chunk = chunks.size;
   __shared__ int hist[kMaxExperts];
   const int64_t used = load_token_count(p.num_tokens, p.max_tokens) * p.top_k;
   const int64_t chunks_used = (used + chunk - 1) / chunk;
@@ -68,62 +80,44 @@ __global__ void __launch_bounds__(kThreads) dispatch_count_kernel(DispatchParams
       if (key >= 0 && __ffs(peers) - 1 == lane) atomicAdd(&hist[key], __popc(peers));  // sums: order-free
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < p.experts; e += kThreads) p.workspace[c * p.experts + e] = hist[e];
+    for (int e = threadIdx.x; e < p.experts; e += kThreads) p.workspace[e * chunks.count + c] = hist[e];
     __syncthreads();
   }
 }
 
 // ---- 2. the plan (one block) -----------------------------------------------------------------------
-__global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(DispatchParams p, int64_t chunk) {
+__global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(DispatchParams p, Chunks chunks) {
   using Scan = cub::BlockScan<int64_t, kScanThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // raking spills at 1024 threads
   using Reduce = cub::BlockReduce<int64_t, kScanThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ typename Reduce::TempStorage reduce_storage;
-  __shared__ int part[32][33];  // [chunk part][expert of the tile]
   __shared__ int expert_total[kMaxExperts];
   __shared__ int first_past_capacity;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int experts = p.experts;
   const int64_t n = load_token_count(p.num_tokens, p.max_tokens, tid == 0 ? p.error : nullptr);
   const int64_t used = n * p.top_k;
-  const int chunks_used = static_cast<int>((used + chunk - 1) / chunk);
+  const int64_t chunks_used = (used + chunks.size - 1) / chunks.size;
 
-  // Per expert (a lane of a 32-expert tile), the chunks are split into 32 parts (one per warp):
-  // part sums, their exclusive scan, then each part's chunks rewritten as exclusive bases.
-  const int per_part = (chunks_used + 31) / 32;
-  const int c_begin = std::min(warp * per_part, chunks_used), c_end = std::min(c_begin + per_part, chunks_used);
-  for (int e0 = 0; e0 < experts; e0 += 32) {
-    const int e = e0 + lane;
-    int sum = 0;
-    if (e < experts) {
-#pragma unroll 4
-      for (int c = c_begin; c < c_end; ++c) sum += p.workspace[static_cast<int64_t>(c) * experts + e];
-    }
-    part[warp][lane] = sum;
-    __syncthreads();
-    if (warp == 0) {
-      int run = 0;
-#pragma unroll 8
-      for (int w = 0; w < 32; ++w) {
-        const int v = part[w][lane];
-        part[w][lane] = run;
-        run += v;
+  // A warp per expert walks its row of chunk counts 32 at a time (coalesced), rewriting them as
+  // exclusive bases in the same pass; no block-wide step until every total is in.
+  for (int e = warp; e < experts; e += kScanWarps) {
+    int* row = p.workspace + e * chunks.count;
+    int carry = 0;
+    for (int64_t c0 = 0; c0 < chunks_used; c0 += 32) {
+      const int64_t c = c0 + lane;
+      const int v = c < chunks_used ? row[c] : 0;
+      int inclusive = v;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int up = __shfl_up_sync(kFullMask, inclusive, o);
+        if (lane >= o) inclusive += up;
       }
-      if (e < experts) expert_total[e] = run;
+      if (c < chunks_used) row[c] = carry + inclusive - v;
+      carry += __shfl_sync(kFullMask, inclusive, 31);
     }
-    __syncthreads();
-    if (e < experts) {
-      int run = part[warp][lane];
-#pragma unroll 4
-      for (int c = c_begin; c < c_end; ++c) {
-        int* cell = p.workspace + static_cast<int64_t>(c) * experts + e;
-        const int v = *cell;
-        *cell = run;
-        run += v;
-      }
-    }
-    __syncthreads();  // `part` is reused by the next tile
+    if (lane == 0) expert_total[e] = carry;
   }
+  __syncthreads();
 
   // C = ceil(capacity_factor * n * k / E) in double; 0 means dropless.
   int64_t keep = INT64_MAX;
@@ -161,7 +155,8 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(DispatchPar
 }
 
 // ---- 3. rows --------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(kThreads) dispatch_place_kernel(DispatchParams p, int64_t chunk) {
+__global__ void __launch_bounds__(kThreads) dispatch_place_kernel(DispatchParams p, Chunks chunks) {
+  const int64_t chunk = chunks.size;
   __shared__ int rank_base[kWarps][kMaxExperts];  // per warp: the next rank of each expert
   __shared__ int row_start[kMaxExperts + 1];      // offsets (capacity_rows < 2^31)
   __shared__ int row_limit[kMaxExperts];          // rows kept: the split, clamped into the span
@@ -192,7 +187,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_place_kernel(DispatchParams
     }
     __syncthreads();
     for (int e = tid; e < experts; e += kThreads) {
-      int run = p.workspace[c * experts + e];  // assignments to e in earlier chunks
+      int run = p.workspace[e * chunks.count + c];  // assignments to e in earlier chunks
       for (int w = 0; w < kWarps; ++w) {
         const int v = rank_base[w][e];
         rank_base[w][e] = run;
@@ -266,7 +261,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyMinBlocksPerSm)
 }  // namespace
 
 std::size_t dispatch_workspace_bytes(int64_t max_tokens, int experts, int top_k) {
-  return static_cast<std::size_t>(chunk_count(max_tokens, top_k)) * experts * sizeof(int32_t);
+  return static_cast<std::size_t>(chunks_of(max_tokens, top_k, experts).count) * experts * sizeof(int32_t);
 }
 
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
@@ -286,13 +281,13 @@ void launch_dispatch(const DispatchParams& p, cudaStream_t stream) {
            "dispatch: topk_ids, num_tokens, counts, splits, offsets, row_of and token_of_row are required");
   MG_CHECK(p.workspace != nullptr || dispatch_workspace_bytes(p.max_tokens, p.experts, p.top_k) == 0,
            "dispatch: workspace is required");
-  const int64_t chunk = chunk_assignments(p.max_tokens, p.top_k);
-  const int grid = static_cast<int>(std::max<int64_t>(1, chunk_count(p.max_tokens, p.top_k)));
-  dispatch_count_kernel<<<grid, kThreads, 0, stream>>>(p, chunk);
+  const Chunks chunks = chunks_of(p.max_tokens, p.top_k, p.experts);
+  const int grid = static_cast<int>(std::max<int64_t>(1, chunks.count));
+  dispatch_count_kernel<<<grid, kThreads, 0, stream>>>(p, chunks);
   MG_LAUNCH_CHECK();
-  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(p, chunk);
+  dispatch_scan_kernel<<<1, kScanThreads, 0, stream>>>(p, chunks);
   MG_LAUNCH_CHECK();
-  dispatch_place_kernel<<<grid, kThreads, 0, stream>>>(p, chunk);
+  dispatch_place_kernel<<<grid, kThreads, 0, stream>>>(p, chunks);
   MG_LAUNCH_CHECK();
 }
 

@@ -313,17 +313,20 @@ TEST(CheckedSizes, StepPlanPastTheLayoutMaximumNamesTheBuffer) {
 // ---- realistic shapes: accepted, with the sizes they had before the checks ----
 
 TEST(CheckedSizes, RealisticShapesKeepTheirSizes) {
-  // Mixtral 8x7B: 8 experts, hidden 4096, ffn 14336, top 2; 8192 tokens.
+  // Mixtral 8x7B: 8 experts, hidden 4096, ffn 14336, top 2; 8192 tokens. The dispatch's chunk
+  // counts grew when its chunks shrank to 256 assignments: 64 chunks instead of 8, x 8 experts x 4
+  // bytes (1792 bytes more than before).
+  const uint64_t mixtral_counts = (64 - 8) * 8 * 4;
   MoeLayerOptions mixtral = moe(8, 4096, 14336, 2, 8192);
-  EXPECT_EQ(MoeLayer::workspace_bytes(mixtral), 4027648768u);
+  EXPECT_EQ(MoeLayer::workspace_bytes(mixtral), 4027648768u + mixtral_counts);
   const mg_moe_layer_options c = c_moe(mixtral);
   std::size_t bytes = 0;
   ASSERT_EQ(mg_moe_layer_workspace_bytes(&c, &bytes), MG_OK) << mg_last_error();
-  EXPECT_EQ(bytes, 4027648768u);
+  EXPECT_EQ(bytes, 4027648768u + mixtral_counts);
   mixtral.training = false;
   // Plus the router's copy of x (8192 x 4096 x 2 bytes), which inference keeps too since the logits
   // GEMM stopped reading the caller's x past row n.
-  EXPECT_EQ(MoeLayer::workspace_bytes(mixtral), 2282556160u + uint64_t{8192} * 4096 * 2);
+  EXPECT_EQ(MoeLayer::workspace_bytes(mixtral), 2282556160u + uint64_t{8192} * 4096 * 2 + mixtral_counts);
 
   // DeepSeek-V3-like: 256 experts of 2048 over hidden 7168, top 8, MXFP8, biases, two delayed slots.
   MoeLayerOptions deepseek = moe(256, 7168, 2048, 8, 16384);
@@ -331,8 +334,10 @@ TEST(CheckedSizes, RealisticShapesKeepTheirSizes) {
   deepseek.wgrad_slots = 2, deepseek.delay_wgrad = true;
   // 27001083392 before the staged MXFP8 route, plus each expert linear's bf16 staging of its wgrad
   // operands: 163584 capacity rows (16384 x 8 + 256 x 127) x (4096 + 7168), and x (7168 + 2048),
-  // 2 bytes each.
-  EXPECT_EQ(MoeLayer::workspace_bytes(deepseek), 27001083392u + uint64_t{163584} * (11264 + 9216) * 2);
+  // 2 bytes each; plus the dispatch's chunk counts at 512-wide chunks: 256 chunks instead of 64,
+  // x 256 experts x 4 bytes.
+  EXPECT_EQ(MoeLayer::workspace_bytes(deepseek),
+            27001083392u + uint64_t{163584} * (11264 + 9216) * 2 + (256 - 64) * 256 * 4);
 
   // Mixtral's FC1 as a GroupedLinear (N = 2 * ffn), plain and with bias and two delayed slots.
   GroupedLinearOptions fc1 = linear(4096, 28672, 16384);
@@ -344,8 +349,8 @@ TEST(CheckedSizes, RealisticShapesKeepTheirSizes) {
     return plan_step(step_graphs_options(step_config(step, 8, 4096, 14336, 2, {1024, 8192})));
   };
   const StepPlan layer = mixtral_step(StepKind::kMoeLayer);
-  EXPECT_EQ(layer.arena_bytes, 4296084736u);
-  EXPECT_EQ(layer.sum_of_buckets, 4833098240u);
+  EXPECT_EQ(layer.arena_bytes, 4296084736u + mixtral_counts);  // the 1024-token bucket's growth fits its padding
+  EXPECT_EQ(layer.sum_of_buckets, 4833098240u + mixtral_counts);
   EXPECT_EQ(layer.weight_bytes, 8455913472u);
   const StepPlan experts = mixtral_step(StepKind::kExperts);
   EXPECT_EQ(experts.arena_bytes, 3959425536u);
