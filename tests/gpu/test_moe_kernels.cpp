@@ -646,6 +646,13 @@ std::vector<DispatchCase> dispatch_cases() {
       {"e128_k8_align128_large_cf1", 128, 8, 70000, 70000, 128, 1.0, 1.2},
       {"e64_k8_align32_n0", 64, 8, 0, 512, 32, 0.0, 1.2},
       {"e64_k8_align32_cf05_n1", 64, 8, 1, 512, 32, 0.5, 1.2},
+      // Capacities of at most 1024 assignments take the one-block path (e8_k1 above too); the
+      // other cases take the three kernels.
+      {"e1024_k8_align32_small", 1024, 8, 100, 128, 32, 0.0, 1.2},
+      {"e128_k6_align16_cf05_small", 128, 6, 150, 170, 16, 0.5, 1.2},
+      {"e64_k8_align32_n1_small", 64, 8, 1, 64, 32, 0.0, 1.2},
+      {"e8_k2_n0_small", 8, 2, 0, 16, 1, 0.0, 0.0},
+      {"e64_k8_just_past_small", 64, 8, 129, 129, 1, 0.0, 1.2},
   };
 }
 
@@ -653,73 +660,80 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeDispatch, ::testing::ValuesIn(dispatch_cases(
                          [](const auto& info) { return info.param.name; });
 
 TEST(MoeDispatchErrors, RowsPastCapacityAreRecordedAndClamped) {
-  std::mt19937_64 rng(test_seed("moe_dispatch_overflow"));
-  constexpr int E = 16, K = 2, kAlign = 32;
-  constexpr int64_t kTokens = 500, kCapacity = 256;  // the assignments need ~1000 + padding rows
-  const std::vector<int32_t> ids = random_topk_ids(rng, kTokens, E, K, 1.2);
-  const Mat weights = random_f32(rng, kTokens * K, 0.05, 1.0);
-  DispatchBuffers b(kTokens, E, K, kCapacity);
-  b.upload(kTokens, ids, weights);
-  b.poison();
-  kernels::launch_dispatch(b.params(kAlign, 0.0), nullptr);
-  MG_CUDA_CHECK(cudaDeviceSynchronize());
-  const DispatchResult got(b);
-
-  const std::vector<int32_t> counts = count_assignments(ids, kTokens, K, E);
-  const HostOffsets host = host_group_offsets(counts, kAlign, kCapacity);
-  ASSERT_EQ(host.error.code, 2);
-  expect_error(got.error, host.error);
-  EXPECT_TRUE(same("counts", got.counts, counts));
-  EXPECT_TRUE(same("splits", got.splits, counts));
-  EXPECT_TRUE(same("offsets (clamped)", got.offsets, host.offsets));
-  // Every placed assignment lies inside its expert's clamped span, at most once per row.
-  std::vector<int> placed(E, 0), row_users(kCapacity, 0);
-  for (int64_t a = 0; a < kTokens * K; ++a) {
-    const int32_t row = got.row_of[a];
-    if (row == -1) continue;
-    const int e = ids[a];
-    ASSERT_TRUE(row >= host.offsets[e] && row < host.offsets[e + 1]) << "row " << row << " of expert " << e;
-    ++placed[e];
-    ++row_users[row];
-    EXPECT_EQ(got.token_of_row[row], a / K);
-  }
-  for (int e = 0; e < E; ++e)
-    EXPECT_EQ(placed[e], std::min<int64_t>(counts[e], host.offsets[e + 1] - host.offsets[e])) << "expert " << e;
-  EXPECT_EQ(*std::max_element(row_users.begin(), row_users.end()), 1);
-  EXPECT_TRUE(all_bits("token_of_row guard", got.token_of_row, kCapacity, kCapacity + kGuardRows, kIntPoison));
-  EXPECT_TRUE(all_bits("row_weight guard", got.row_weight, kCapacity, kCapacity + kGuardRows, kNaN));
-}
-
-TEST(MoeDispatchErrors, InvalidTokenCountIsRecordedAndClamped) {
-  std::mt19937_64 rng(test_seed("moe_dispatch_token_count"));
-  constexpr int E = 32, K = 4, kAlign = 16;
-  constexpr int64_t kMax = 300;
-  const std::vector<int32_t> ids = random_topk_ids(rng, kMax, E, K, 1.2);
-  const Mat weights = random_f32(rng, kMax * K, 0.05, 1.0);
-  const int64_t capacity = worst_capacity(kMax, E, K, kAlign);
-  DispatchBuffers b(kMax, E, K, capacity);
-  const RouterSpec spec = router_spec(E, K, false, false, 0.0, 0.0, kAlign);
-  for (int32_t bad : {-2, static_cast<int32_t>(kMax + 50)}) {
-    SCOPED_TRACE(detail::concat("num_tokens ", bad));
-    b.upload(bad, ids, weights);
+  // 500 tokens: the one-block path; 1500: the three kernels.
+  for (const int64_t kTokens : {500, 1500}) {
+    SCOPED_TRACE(detail::concat(kTokens, " tokens"));
+    std::mt19937_64 rng(test_seed("moe_dispatch_overflow"));
+    constexpr int E = 16, K = 2, kAlign = 32;
+    constexpr int64_t kCapacity = 256;  // the assignments need ~2 x tokens + padding rows
+    const std::vector<int32_t> ids = random_topk_ids(rng, kTokens, E, K, 1.2);
+    const Mat weights = random_f32(rng, kTokens * K, 0.05, 1.0);
+    DispatchBuffers b(kTokens, E, K, kCapacity);
+    b.upload(kTokens, ids, weights);
     b.poison();
     kernels::launch_dispatch(b.params(kAlign, 0.0), nullptr);
     MG_CUDA_CHECK(cudaDeviceSynchronize());
-    DispatchResult got(b);
-    expect_error(got.error, {kDeviceErrorTokenCount, -1, bad, kMax});
-    got.error.code = 0;
-    const int64_t n = bad < 0 ? 0 : kMax;  // clamped
-    const RouterRef r = routed(ids, weights, n, E, K);
-    expect_dispatch_matches(got, ref_dispatch(r, spec, capacity), r.counts, n, K, kMax, capacity, 7);
+    const DispatchResult got(b);
+
+    const std::vector<int32_t> counts = count_assignments(ids, kTokens, K, E);
+    const HostOffsets host = host_group_offsets(counts, kAlign, kCapacity);
+    ASSERT_EQ(host.error.code, 2);
+    expect_error(got.error, host.error);
+    EXPECT_TRUE(same("counts", got.counts, counts));
+    EXPECT_TRUE(same("splits", got.splits, counts));
+    EXPECT_TRUE(same("offsets (clamped)", got.offsets, host.offsets));
+    // Every placed assignment lies inside its expert's clamped span, at most once per row.
+    std::vector<int> placed(E, 0), row_users(kCapacity, 0);
+    for (int64_t a = 0; a < kTokens * K; ++a) {
+      const int32_t row = got.row_of[a];
+      if (row == -1) continue;
+      const int e = ids[a];
+      ASSERT_TRUE(row >= host.offsets[e] && row < host.offsets[e + 1]) << "row " << row << " of expert " << e;
+      ++placed[e];
+      ++row_users[row];
+      EXPECT_EQ(got.token_of_row[row], a / K);
+    }
+    for (int e = 0; e < E; ++e)
+      EXPECT_EQ(placed[e], std::min<int64_t>(counts[e], host.offsets[e + 1] - host.offsets[e])) << "expert " << e;
+    EXPECT_EQ(*std::max_element(row_users.begin(), row_users.end()), 1);
+    EXPECT_TRUE(all_bits("token_of_row guard", got.token_of_row, kCapacity, kCapacity + kGuardRows, kIntPoison));
+    EXPECT_TRUE(all_bits("row_weight guard", got.row_weight, kCapacity, kCapacity + kGuardRows, kNaN));
   }
-  // An earlier error is never overwritten.
-  b.upload(-2, ids, weights);
-  b.poison();
-  const DeviceErrorRecord earlier{2, 3, 999, 10};
-  b.error.upload({earlier});
-  kernels::launch_dispatch(b.params(kAlign, 0.0), nullptr);
-  MG_CUDA_CHECK(cudaDeviceSynchronize());
-  expect_error(b.error.download()[0], earlier);
+}
+
+TEST(MoeDispatchErrors, InvalidTokenCountIsRecordedAndClamped) {
+  // 200 tokens: the one-block path; 900: the three kernels.
+  for (const int64_t kMax : {200, 900}) {
+    SCOPED_TRACE(detail::concat(kMax, " tokens at most"));
+    std::mt19937_64 rng(test_seed("moe_dispatch_token_count"));
+    constexpr int E = 32, K = 4, kAlign = 16;
+    const std::vector<int32_t> ids = random_topk_ids(rng, kMax, E, K, 1.2);
+    const Mat weights = random_f32(rng, kMax * K, 0.05, 1.0);
+    const int64_t capacity = worst_capacity(kMax, E, K, kAlign);
+    DispatchBuffers b(kMax, E, K, capacity);
+    const RouterSpec spec = router_spec(E, K, false, false, 0.0, 0.0, kAlign);
+    for (int32_t bad : {-2, static_cast<int32_t>(kMax + 50)}) {
+      SCOPED_TRACE(detail::concat("num_tokens ", bad));
+      b.upload(bad, ids, weights);
+      b.poison();
+      kernels::launch_dispatch(b.params(kAlign, 0.0), nullptr);
+      MG_CUDA_CHECK(cudaDeviceSynchronize());
+      DispatchResult got(b);
+      expect_error(got.error, {kDeviceErrorTokenCount, -1, bad, kMax});
+      got.error.code = 0;
+      const int64_t n = bad < 0 ? 0 : kMax;  // clamped
+      const RouterRef r = routed(ids, weights, n, E, K);
+      expect_dispatch_matches(got, ref_dispatch(r, spec, capacity), r.counts, n, K, kMax, capacity, 7);
+    }
+    // An earlier error is never overwritten.
+    b.upload(-2, ids, weights);
+    b.poison();
+    const DeviceErrorRecord earlier{2, 3, 999, 10};
+    b.error.upload({earlier});
+    kernels::launch_dispatch(b.params(kAlign, 0.0), nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    expect_error(b.error.download()[0], earlier);
+  }
 }
 
 // ---- Row kernels: permute, combine, their backward ----------------------------------------------
