@@ -97,6 +97,8 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     StepWeights unused;
     lay_out_mxfp8_pair(options, copies, unused);
     plan.mxfp8_copy_bytes = copies.bytes();
+    for (const auto& entry : copies.entries())
+      if (entry.name.ends_with(".bf16")) plan.mxfp8_dequantized_bytes += entry.bytes;
   }
   const MoeLayerOptions first = bucket_layer_options(options, options.buckets.front());
   if (options.step == StepKind::kMoeLayer) {
@@ -118,10 +120,12 @@ StepPlan plan_step(const StepGraphsOptions& options) {
                                             GroupedLinear::describe_kernels(layer::expert_linear_options(o, fc, b.rows))));
   }
   if (first.recipe == Recipe::kMXFP8)
-    plan.kernels.push_back(options.layer.prequantized_weights
-                               ? "mxfp8 weights: the caller's (prequantized_weights), read by every bucket"
-                               : "mxfp8 weights: quantized from w1, w2 by weights_changed into one copy that every "
-                                 "bucket reads");
+    plan.kernels.push_back(std::string(options.layer.prequantized_weights
+                                           ? "mxfp8 weights: the caller's (prequantized_weights), read by every bucket"
+                                           : "mxfp8 weights: quantized from w1, w2 by weights_changed into one copy "
+                                             "that every bucket reads") +
+                           (options.layer.dequantized_weights ? "; also kept dequantized to bf16 (dequantized_weights)"
+                                                              : ""));
   plan.kernels.push_back("swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (first.training) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
@@ -174,7 +178,11 @@ std::string StepPlan::to_string() const {
      << human_bytes(sum_of_buckets) << ")\n";
   os << "weights and gradients (outside the arena): " << human_bytes(weight_bytes) << "\n";
   if (mxfp8_copy_bytes > 0)
-    os << "mxfp8 weight copies (outside the arena, shared by all buckets): " << human_bytes(mxfp8_copy_bytes) << "\n";
+    os << "mxfp8 weight copies (outside the arena, shared by all buckets): " << human_bytes(mxfp8_copy_bytes)
+       << (mxfp8_dequantized_bytes > 0 ? " (of which their bf16 values, dequantized_weights: " +
+                                              human_bytes(mxfp8_dequantized_bytes) + ")"
+                                        : "")
+       << "\n";
   if (windows)
     os << "expert-parallel windows (outside the arena, one per bucket): " << human_bytes(window_bytes) << "\n";
   if (shard_window_bytes > 0)

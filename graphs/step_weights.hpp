@@ -13,17 +13,21 @@
 namespace moegraph {
 
 // MXFP8 weights [g, n, k] in the layouts of moegraph/mxfp8_weights.hpp: data and scales, and with
-// `transposed` (training: dgrad reads W_e^T) data_t and scales_t.
+// `transposed` (training: dgrad reads W_e^T) data_t and scales_t; with `dequantized` (options'
+// dequantized_weights) the bf16 values of each pair laid out.
 inline Mxfp8Weights lay_out_mxfp8_weights(LayoutWalker& walk, const std::string& name, int64_t g, int64_t n,
-                                          int64_t k, bool transposed) {
+                                          int64_t k, bool transposed, bool dequantized) {
   const int groups = static_cast<int>(g);  // validated options: at most kMaxGroups
   const std::size_t data = mxfp8_weight_data_bytes(groups, n, k), scales = mxfp8_weight_scale_bytes(groups, n, k);
+  const std::size_t values = dequantized ? mxfp8_dequantized_weight_bytes(groups, n, k) : 0;
   Mxfp8Weights w;
   w.data = walk.take<uint8_t>(name + ".mxfp8", data);
   w.scales = walk.take<uint8_t>(name + ".mxfp8.scales", scales);
+  if (dequantized) w.dequantized = walk.take(name + ".mxfp8.bf16", values);
   if (!transposed) return w;
   w.data_t = walk.take<uint8_t>(name + "_t.mxfp8", data);
   w.scales_t = walk.take<uint8_t>(name + "_t.mxfp8.scales", scales);
+  if (dequantized) w.dequantized_t = walk.take(name + "_t.mxfp8.bf16", values);
   return w;
 }
 
@@ -35,8 +39,8 @@ inline bool step_owns_mxfp8_weights(const MoeLayerOptions& l) {
 inline void lay_out_mxfp8_pair(const StepGraphsOptions& options, LayoutWalker& walk, StepWeights& w) {
   const MoeLayerOptions& l = options.layer;
   const int64_t g = moe_local_experts(l), f2 = checked_mul("2 * ffn", 2, l.ffn);
-  w.w1_mxfp8 = lay_out_mxfp8_weights(walk, "w1", g, f2, l.hidden, l.training);
-  w.w2_mxfp8 = lay_out_mxfp8_weights(walk, "w2", g, l.hidden, l.ffn, l.training);
+  w.w1_mxfp8 = lay_out_mxfp8_weights(walk, "w1", g, f2, l.hidden, l.training, l.dequantized_weights);
+  w.w2_mxfp8 = lay_out_mxfp8_weights(walk, "w2", g, l.hidden, l.ffn, l.training, l.dequantized_weights);
 }
 
 // The caller's parameters: with prequantized_weights the expert weights are MXFP8 (no 16-bit w1, w2).

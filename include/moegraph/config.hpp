@@ -36,6 +36,7 @@ struct PrecisionConfig {
   Recipe recipe = Recipe::kBF16;      // "bf16" or "mxfp8"
   DType dtype = DType::kBF16;         // "bf16" or "fp16"
   bool prequantized_weights = false;  // mxfp8: the caller gives the expert weights as MXFP8 (no 16-bit copy)
+  bool dequantized_weights = false;   // mxfp8, bf16: the MXFP8 weights also kept dequantized to bf16
 };
 
 struct TrainingConfig {

@@ -65,6 +65,13 @@ struct GroupedLinearOptions {
   // mxfp8_weights, moegraph/mxfp8_weights.hpp) and the operator keeps no copy of its own; the
   // 16-bit weight is then neither needed nor read, and weights_changed() is refused.
   bool prequantized_weights = false;
+  // kMXFP8 with bf16 activations only: the weights' MXFP8 values are also kept dequantized to bf16
+  // (4 bytes more per weight element: the fprop and dgrad copies, Mxfp8Weights::dequantized and
+  // dequantized_t), made once per weight update. fprop and dgrad of groups too large for the
+  // swap-AB kernel then run the bf16 kernel on those values and stage only the activations: the
+  // same products as every mxfp8 route, at nearly the bf16 recipe's speed (docs/mxfp8.md). Kept
+  // by the operator, or with prequantized_weights given by the caller (quantize_mxfp8_weights).
+  bool dequantized_weights = false;
 };
 
 // Throws moegraph::Error naming the field, its value and the rule (the recipe's own rules

@@ -52,6 +52,9 @@ struct MoeLayerOptions {
   // and the layer keeps no copy; w1 and w2 are then not needed (serving from an MXFP8 checkpoint,
   // or one quantized copy shared by several layers).
   bool prequantized_weights = false;
+  // kMXFP8, bf16 only: FC1's and FC2's MXFP8 weights also kept dequantized to bf16
+  // (GroupedLinearOptions::dequantized_weights; with prequantized_weights, in w1_mxfp8 / w2_mxfp8).
+  bool dequantized_weights = false;
   bool training = true;             // reserve what forward_train / backward need
   int wgrad_slots = 1;              // forward_train contexts in flight at once
   bool delay_wgrad = false;         // backward queues the weight gradients for backward_dw()

@@ -103,6 +103,17 @@ MOEGRAPH_API mg_status mg_mxfp8_weight_bytes(int groups, int64_t n, int64_t k, s
 MOEGRAPH_API mg_status mg_quantize_mxfp8_weights(mg_dtype dtype, const void* w, int groups, int64_t n, int64_t k,
                                                  uint8_t* data, uint8_t* scales, uint8_t* data_t, uint8_t* scales_t,
                                                  cudaStream_t stream);
+/* The weights' values kept dequantized to bf16, for operators and steps with dequantized_weights
+ * (mxfp8, bf16 activations; docs/mxfp8.md, "Dequantized weights"): `values` [G, N, K] from data and
+ * scales, `values_t` [G, K, N] from data_t and scales_t, each 2 * G * N * K bytes, 16-byte aligned;
+ * either may be NULL, and each needs its pair. Those operators read them as mxfp8_dequantized and
+ * mxfp8_dequantized_t (mg_forward_args, mg_backward_args) or w1_mxfp8_dequantized, ... (the
+ * weight structs) with prequantized_weights; call it after every mg_quantize_mxfp8_weights. Checked
+ * before any GPU use; enqueued on `stream`, graph-capturable. */
+MOEGRAPH_API mg_status mg_dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const uint8_t* data,
+                                                   const uint8_t* scales, const uint8_t* data_t,
+                                                   const uint8_t* scales_t, void* values, void* values_t,
+                                                   cudaStream_t stream);
 
 /* ---- Grouped linear (moegraph::GroupedLinear): G linear layers over one grouped-row buffer ---- */
 
@@ -127,6 +138,12 @@ typedef struct {
   /* Appended (a caller's older struct_size leaves it at its default, 0). */
   int prequantized_weights; /* bool, MG_RECIPE_MXFP8 only: the GEMMs read the caller's MXFP8 weights
                                (mg_forward_args / mg_backward_args mxfp8_*); weight may be NULL */
+  /* Appended after prequantized_weights (an older struct_size leaves it at 0). 64 bits wide so that it
+     begins past the previous release's tail padding, which an older caller may leave unset. */
+  int64_t dequantized_weights; /* bool, MG_RECIPE_MXFP8 with bf16 only: the MXFP8 weights are also kept
+                                  dequantized to bf16 (4 bytes more per weight element), made by
+                                  weights_changed, or the caller's (mxfp8_dequantized*) with
+                                  prequantized_weights; fprop and dgrad then run near the bf16 speed */
 } mg_grouped_linear_options;
 
 /* Device pointers; every row buffer has capacity_rows rows (moegraph/grouped_linear.hpp). */
@@ -145,6 +162,10 @@ typedef struct {
   const uint8_t* mxfp8_scales;   /* [G, N, K / 32] */
   const uint8_t* mxfp8_data_t;   /* [G, K, N]: not read by the forward */
   const uint8_t* mxfp8_scales_t; /* [G, K, N / 32]: not read by the forward */
+  /* Appended (an older struct_size means NULL): with prequantized_weights and dequantized_weights,
+     the values of mxfp8_data (mg_dequantize_mxfp8_weights) */
+  const void* mxfp8_dequantized;   /* [G, N, K] bf16 */
+  const void* mxfp8_dequantized_t; /* [G, K, N] bf16: not read by the forward */
 } mg_forward_args;
 
 typedef struct {
@@ -163,6 +184,10 @@ typedef struct {
   const uint8_t* mxfp8_scales;   /* [G, N, K / 32]: not read by the backward */
   const uint8_t* mxfp8_data_t;   /* [G, K, N] */
   const uint8_t* mxfp8_scales_t; /* [G, K, N / 32] */
+  /* Appended (an older struct_size means NULL): with prequantized_weights and dequantized_weights,
+     the values of mxfp8_data_t, which dx reads */
+  const void* mxfp8_dequantized;   /* [G, N, K] bf16: not read by the backward */
+  const void* mxfp8_dequantized_t; /* [G, K, N] bf16 */
 } mg_backward_args;
 
 /* Fills *options with the defaults (struct_size set; row_align 1, bf16, no bias, one slot, no delay,
@@ -348,6 +373,10 @@ typedef struct {
   mg_ep_exchange ep_exchange; /* how rows move between ranks; MG_EP_SEND_RECV needs expert_parallel > 1 */
   int64_t ep_chunk_rows;    /* MG_EP_SEND_RECV: rows each rank sends each rank per exchange (fixed chunks);
                                0 for the worst case max_tokens * top_k; rows past it are dropped and counted */
+  /* Appended after ep_chunk_rows (an older struct_size leaves it at 0). */
+  int dequantized_weights;  /* bool, MG_RECIPE_MXFP8 with bf16 only: FC1's and FC2's MXFP8 weights also
+                               kept dequantized to bf16 (mg_grouped_linear_options says more); with
+                               prequantized_weights the caller's (w1_mxfp8_dequantized, ...) */
 } mg_moe_layer_options;
 
 /* Parameters and their gradients (device). The gradient set follows main_grad_fp32; biases only
@@ -379,6 +408,12 @@ typedef struct {
   const uint8_t* w2_mxfp8_scales;   /* [E, hidden, ffn / 32] */
   const uint8_t* w2_mxfp8_data_t;   /* [E, ffn, hidden] */
   const uint8_t* w2_mxfp8_scales_t; /* [E, ffn, hidden / 32] */
+  /* Appended (an older struct_size means NULL): with prequantized_weights and dequantized_weights,
+     their bf16 values (mg_dequantize_mxfp8_weights); the _t ones for training */
+  const void* w1_mxfp8_dequantized;   /* [E, 2 * ffn, hidden] */
+  const void* w1_mxfp8_dequantized_t; /* [E, hidden, 2 * ffn] */
+  const void* w2_mxfp8_dequantized;   /* [E, hidden, ffn] */
+  const void* w2_mxfp8_dequantized_t; /* [E, ffn, hidden] */
 } mg_moe_layer_weights;
 
 /* One step's activations (device). Rows at or past *num_tokens are neither read nor written,
@@ -481,6 +516,9 @@ typedef struct {
      w2_mxfp8_*; see MXFP8 weights), not in dtype. Appended after expert_parallel: a struct_size ending
      before it leaves it unwritten (the previous release's sizeof takes it in its tail padding) */
   int prequantized_weights;
+  /* precision.dequantized_weights (bool): with prequantized_weights, mg_step_weights also carries the
+     bf16 values (w1_mxfp8_dequantized, ...). Appended after prequantized_weights */
+  int dequantized_weights;
 } mg_config_shape;
 
 /* Fills *out (the caller sets out->struct_size). */
@@ -532,6 +570,13 @@ typedef struct {
   uint8_t* w2_mxfp8_scales;
   uint8_t* w2_mxfp8_data_t;
   uint8_t* w2_mxfp8_scales_t;
+  /* Appended (an older struct_size means NULL): with precision.prequantized_weights and
+     precision.dequantized_weights, their bf16 values (mg_dequantize_mxfp8_weights); the _t ones for
+     training. Without prequantized_weights the step keeps them itself. */
+  void* w1_mxfp8_dequantized;
+  void* w1_mxfp8_dequantized_t;
+  void* w2_mxfp8_dequantized;
+  void* w2_mxfp8_dequantized_t;
 } mg_step_weights;
 
 typedef struct {

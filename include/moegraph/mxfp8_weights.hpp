@@ -23,24 +23,42 @@ namespace moegraph {
 //   scales_t [G, K, N / 32] E8M0, the block of outputs [32j, 32j + 32) of (e, k) at (e * K + k) * (N / 32) + j
 // fprop reads data and scales (blocks along K); dgrad reads data_t and scales_t (blocks along N),
 // so an inference-only operator needs the first pair alone. wgrad reads neither.
+//
+// Optional, for operators with dequantized_weights (bf16 activations): the same values dequantized
+// to bf16 (docs/mxfp8.md, "Dequantized weights"), 2 bytes per element each:
+//   dequantized   [G, N, K] bf16, the values of data and scales, in data's order
+//   dequantized_t [G, K, N] bf16, the values of data_t and scales_t, in data_t's order
+// fprop and dgrad then read these in place of dequantizing their pair on every call.
 struct Mxfp8Weights {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
   uint8_t* data_t = nullptr;
   uint8_t* scales_t = nullptr;
+  void* dequantized = nullptr;
+  void* dequantized_t = nullptr;
 };
 
 // Bytes of data (and of data_t), G * N * K, and of scales (and of scales_t), G * N * K / 32. Throws
 // moegraph::Error for sizes the quantizer refuses (see quantize_mxfp8_weights). Touches no GPU.
 MOEGRAPH_API std::size_t mxfp8_weight_data_bytes(int groups, int64_t n, int64_t k);
 MOEGRAPH_API std::size_t mxfp8_weight_scale_bytes(int groups, int64_t n, int64_t k);
+// Bytes of dequantized (and of dequantized_t): 2 * G * N * K.
+MOEGRAPH_API std::size_t mxfp8_dequantized_weight_bytes(int groups, int64_t n, int64_t k);
 
 // Quantizes w [G, N, K] (bf16 or fp16, device) into the pairs of `out` that are set: data with
-// scales, data_t with scales_t (a pair is both pointers or neither; at least one pair). The rules
+// scales, data_t with scales_t (a pair is both pointers or neither; at least one pair), and writes
+// the dequantized copies that are set (each needs its pair: dequantized with data). The rules
 // (scale choice, rounding, NaN blocks) are docs/mxfp8.md's, bit-exact. G in [1, 1024]; N and K
 // multiples of 32 in [32, 2^21]. An enqueue path (graph-capturable): it never synchronizes,
 // allocates or reads device memory on the host.
 MOEGRAPH_API void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, int64_t k,
                                          const Mxfp8Weights& out, cudaStream_t stream);
+
+// Writes the dequantized copies of `w` that are set (at least one) from their pairs, as
+// quantize_mxfp8_weights does after quantizing: for weights that arrive already quantized (an
+// MXFP8 checkpoint) and are read with dequantized_weights. Sizes and pointers as above; an enqueue
+// path (graph-capturable).
+MOEGRAPH_API void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w,
+                                           cudaStream_t stream);
 
 }  // namespace moegraph

@@ -98,6 +98,8 @@ struct MOEGRAPH_API StepPlan {
   // The mxfp8 recipe's weight copies, one set shared by all buckets (outside the arena; 0 for bf16
   // and with prequantized_weights, whose MXFP8 weights count in weight_bytes).
   std::size_t mxfp8_copy_bytes = 0;
+  // Of those, the copies' bf16 values (layer.dequantized_weights): 4 bytes per weight element.
+  std::size_t mxfp8_dequantized_bytes = 0;
   std::size_t window_bytes = 0;    // every bucket's expert-parallel window
   // Sharded weights: the window on the data-parallel group holding the full expert weights and
   // their full gradients (weight_bytes then counts the router and the largest shards).

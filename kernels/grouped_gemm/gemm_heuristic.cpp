@@ -40,7 +40,9 @@ std::string GemmConfig::to_string() const {
   if (family == GemmFamily::kMxfp8SwapAb) os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials";
   if (family == GemmFamily::kMxfp8Dequant) os << " e4m3 dequantized to bf16 in shared memory";
   if (family == GemmFamily::kMxfp8Staged)
-    os << " on operands dequantized to bf16 in scratch" << (ping_pong ? ", ping-pong consumers" : "");
+    os << (dequantized_weights ? " on the weights' kept bf16 values and activations dequantized in scratch"
+                               : " on operands dequantized to bf16 in scratch")
+       << (ping_pong ? ", ping-pong consumers" : "");
   if (family == GemmFamily::kTma16 && ping_pong) os << " ping-pong consumers";
   return os.str();
 }
@@ -156,10 +158,15 @@ constexpr int64_t kDequantMinRowsPerGroup = 384, kDequantMinReduction = 2048;
 // bf16 against 0.28-0.35x on every shape from 80 to 2048 rows a group; fprop/dgrad 0.47-0.70x
 // against 0.31-0.38x at 500-2048 rows, 0.39-0.41x against 0.41-0.43x at 256, and behind below.
 constexpr int64_t kStagedMinRowsPerGroup = 384;
+// With the weights' values kept dequantized (dequantized_weights) the staged route's fprop and dgrad
+// pay only the activations' pass, about 3 bytes per element of A against the bf16 kernel's work
+// on the same rows, so it takes every group too large for swap-AB, whose FP8 weight bytes still
+// win on few rows.
 Mxfp8Route heuristic_mxfp8_route(const GemmProblem& p) {
   const bool bf16 = p.dtype == DType::kBF16;
   if (p.phase == GemmPhase::kWgrad) return bf16 ? Mxfp8Route::kStaged : Mxfp8Route::kE4m3;
   if (p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup) return Mxfp8Route::kSwapAb;
+  if (bf16 && p.dequantized_weights) return Mxfp8Route::kStaged;
   if (bf16 && p.expected_rows_per_group >= kStagedMinRowsPerGroup) return Mxfp8Route::kStaged;
   const int64_t reduction = p.phase == GemmPhase::kDgrad ? p.n : p.k;
   return p.expected_rows_per_group >= kDequantMinRowsPerGroup && reduction >= kDequantMinReduction
@@ -184,7 +191,9 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
           const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 &&
                                  (o.wgrad_ping_pong >= 0 ? o.wgrad_ping_pong == 1 : heuristic_wgrad_ping_pong(p));
           const int tile_n = ping_pong ? 128 : o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);
-          return mxfp8_staged_config(p.phase, p.dtype, tile_n, ping_pong);
+          GemmConfig c = mxfp8_staged_config(p.phase, p.dtype, tile_n, ping_pong);
+          c.dequantized_weights = p.dequantized_weights && p.phase != GemmPhase::kWgrad;
+          return c;
         }
         case Mxfp8Route::kSwapAb:
           if (p.phase != GemmPhase::kWgrad) return mxfp8_swap_ab_config(p.phase, p.dtype);

@@ -66,6 +66,9 @@ struct Mxfp8RaggedGemmParams {
   // the operands are dequantized to bf16 before the bf16 kernel reads them.
   void* staging = nullptr;
   std::size_t staging_bytes = 0;
+  // A config with dequantized_weights only: B's values already dequantized to bf16 [G, n, k] (kept
+  // from the last weight update); the launch reads them instead of b and b_scales (which may be null).
+  const void* b_dequantized = nullptr;
 };
 // MXFP8 wgrad: dW_e = dy_e^T · x_e from the column-wise copies (blocks of 32 rows along each column,
 // tiled in 128-column strips: kernels::Mxfp8Colwise; groups start on multiples of 32 rows). Scales
@@ -113,6 +116,9 @@ struct GemmProblem {
   int64_t expected_rows_per_group = 0;  // the routing the layer expects (today: capacity_rows / groups)
   int64_t n = 0, k = 0;                 // the layer's weights are [groups, n, k]
   bool into_main_grad = false;          // wgrad: accumulated into fp32 main_grad (else written to dW)
+  // mxfp8 fprop/dgrad: the weights' values are kept dequantized to bf16 (GroupedLinearOptions::
+  // dequantized_weights), so the staged route costs only the activations' pass.
+  bool dequantized_weights = false;
 };
 
 // The kernel of an MXFP8 GEMM: E4M3 wgmma on 128-row tiles, E4M3 wgmma with the operands swapped
@@ -145,6 +151,8 @@ struct GemmConfig {
   int block_m = 0, block_n = 0, block_k = 0, stages = 0, threads = 0;
   bool ping_pong = false;         // mxfp8: two fp32 partials per 32-deep block; TMA wgrad: each
                                   // consumer warpgroup owns whole tiles, alternating
+  bool dequantized_weights = false;  // kMxfp8Staged fprop/dgrad: B read from Mxfp8RaggedGemmParams::
+                                     // b_dequantized, only A staged
   std::string to_string() const;  // e.g. "wgmma_tma_ws_sw128 128x128x64 stages=5 threads=384"
 };
 // The heuristic: shapes and overrides in, a config out. Touches no GPU.
@@ -162,9 +170,10 @@ GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
 
 // Device scratch the config's launches need (Mxfp8*Params::staging): 0 except for kMxfp8Staged.
 // Its wgrad dequantizes dy and x, [capacity_rows, n + k]. Its fprop/dgrad dequantize A
-// [capacity_rows, k] and then the weights a run of experts at a time: as many experts as the
-// given staging_bytes hold past A (at least one). This size holds runs of `experts_per_run`, or by
-// default as many experts as fit kStagedWeightBytes (at least one). n and k as in the launch's
+// [capacity_rows, k] (all they stage with dequantized_weights) and then the weights a run of
+// experts at a time: as many experts as the given staging_bytes hold past A (at least one). This
+// size holds runs of `experts_per_run`, or by default as many experts as fit kStagedWeightBytes
+// (at least one). n and k as in the launch's
 // params (output columns and reduction; wgrad: the layer's N and K); throws past 2^48 bytes.
 inline constexpr std::size_t kStagedWeightBytes = std::size_t{256} << 20;
 std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,

@@ -19,6 +19,10 @@
 //
 // The values multiplied overflow to Inf where the dequantized value passes bf16's (and fp32's)
 // range, scale bytes of about 248 and up, as in the reference rule.
+//
+// A config with dequantized_weights reads B's values from b_dequantized, dequantized once per
+// weight update by the same rule (launch_dequantize_mxfp8_weights), so the products are the same
+// and each call stages A alone, then runs the bf16 kernel once over every group.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -96,6 +100,7 @@ std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t ca
     MG_CHECK(bytes <= kMaxBytes, "MXFP8 staging: ", bytes, " bytes are more than 2^48");
     return bytes;
   }
+  if (config.dequantized_weights) return aligned(bytes_of(capacity_rows, k, 2));
   const int run = experts_per_run > 0 ? std::min(experts_per_run, groups)
                                       : experts_fitting(kStagedWeightBytes, groups, n, k);
   const std::size_t bytes =
@@ -114,17 +119,27 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
   launch_dequantize_mxfp8_rowwise(p.a, p.a_scales, DType::kBF16, a16, p.capacity_rows, p.k, p.offsets, p.num_groups,
                                   stream);
   const GemmPlan inner = inner_plan(plan);
+  RaggedGemmParams q;
+  q.a = a16, q.n = p.n, q.k = p.k;
+  q.bias_scale = p.bias_scale, q.c = p.c, q.capacity_rows = p.capacity_rows;
+  if (plan.config.dequantized_weights) {
+    MG_CHECK(p.b_dequantized != nullptr && reinterpret_cast<std::uintptr_t>(p.b_dequantized) % 16 == 0, kWho,
+             ": this plan reads the weights' kept bf16 values (dequantized_weights): b_dequantized must be a "
+             "16-byte aligned device pointer");
+    q.w = p.b_dequantized, q.splits = p.splits, q.offsets = p.offsets, q.num_groups = p.num_groups, q.bias = p.bias;
+    launch_tma_gemm(inner, q, stream);
+    return;
+  }
+  MG_CHECK(p.b != nullptr && p.b_scales != nullptr, kWho, ": needs b and b_scales");
   const int run = experts_fitting(p.staging_bytes - a_bytes, p.num_groups, p.n, p.k);
   const int64_t expert = p.n * p.k;  // elements of one expert's weights
   for (int e0 = 0; e0 < p.num_groups; e0 += run) {
     const int experts = std::min(run, p.num_groups - e0);
     launch_dequantize_mxfp8_weights(p.b + e0 * expert, p.b_scales + e0 * expert / kMxBlock, w16, experts * p.n, p.k,
                                     stream);
-    RaggedGemmParams q;
-    q.a = a16, q.w = w16, q.n = p.n, q.k = p.k;
+    q.w = w16;
     q.splits = p.splits + e0, q.offsets = p.offsets + e0, q.num_groups = experts;
     q.bias = p.bias != nullptr ? static_cast<const uint16_t*>(p.bias) + e0 * p.n : nullptr;
-    q.bias_scale = p.bias_scale, q.c = p.c, q.capacity_rows = p.capacity_rows;
     launch_tma_gemm(inner, q, stream);
   }
 }

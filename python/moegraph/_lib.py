@@ -42,7 +42,7 @@ class GroupedLinearOptions(_Sized):
     _fields_ = [("struct_size", c_size_t), ("num_groups", c_int), ("in_features", c_int64),
                 ("out_features", c_int64), ("capacity_rows", c_int64), ("row_align", c_int), ("dtype", c_int),
                 ("bias", c_int), ("wgrad_slots", c_int), ("delay_wgrad", c_int), ("recipe", c_int),
-                ("prequantized_weights", c_int)]
+                ("prequantized_weights", c_int), ("dequantized_weights", c_int64)]
 
 
 # The four arrays of MXFP8 weights (moegraph.h, "MXFP8 weights"), under a prefix.
@@ -50,16 +50,21 @@ def _mxfp8_fields(prefix):
     return [(prefix + name, c_void_p) for name in ("data", "scales", "data_t", "scales_t")]
 
 
+# Their bf16 values (dequantized_weights), appended in a later release.
+def _dequantized_fields(prefix):
+    return [(prefix + name, c_void_p) for name in ("dequantized", "dequantized_t")]
+
+
 class ForwardArgs(_Sized):
     _fields_ = [("struct_size", c_size_t), ("x", c_void_p), ("splits", c_void_p), ("weight", c_void_p),
                 ("bias", c_void_p), ("bias_scale", c_void_p), ("y", c_void_p), ("offsets", c_void_p),
-                *_mxfp8_fields("mxfp8_")]
+                *_mxfp8_fields("mxfp8_"), *_dequantized_fields("mxfp8_")]
 
 
 class BackwardArgs(_Sized):
     _fields_ = [("struct_size", c_size_t), ("dy", c_void_p), ("weight", c_void_p), ("bias", c_void_p),
                 ("dx", c_void_p), ("dbias", c_void_p), ("dbias_scale", c_void_p), ("dweight", c_void_p),
-                ("main_grad", c_void_p), *_mxfp8_fields("mxfp8_")]
+                ("main_grad", c_void_p), *_mxfp8_fields("mxfp8_"), *_dequantized_fields("mxfp8_")]
 
 
 class MoeLayerOptions(_Sized):
@@ -69,7 +74,7 @@ class MoeLayerOptions(_Sized):
                 ("max_tokens", c_int64), ("row_align", c_int), ("dtype", c_int), ("training", c_int),
                 ("wgrad_slots", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("recipe", c_int),
                 ("expert_parallel", c_int), ("ep_recv_rows", c_int64), ("prequantized_weights", c_int),
-                ("ep_exchange", c_int), ("ep_chunk_rows", c_int64)]
+                ("ep_exchange", c_int), ("ep_chunk_rows", c_int64), ("dequantized_weights", c_int)]
 
 
 class MoeLayerWeights(_Sized):
@@ -77,7 +82,8 @@ class MoeLayerWeights(_Sized):
                 ("w2", c_void_p), ("b2", c_void_p), ("main_grad_router", c_void_p), ("main_grad1", c_void_p),
                 ("main_grad2", c_void_p), ("d_router", c_void_p), ("dw1", c_void_p), ("dw2", c_void_p),
                 ("db1", c_void_p), ("db2", c_void_p),
-                *_mxfp8_fields("w1_mxfp8_"), *_mxfp8_fields("w2_mxfp8_")]
+                *_mxfp8_fields("w1_mxfp8_"), *_mxfp8_fields("w2_mxfp8_"),
+                *_dequantized_fields("w1_mxfp8_"), *_dequantized_fields("w2_mxfp8_")]
 
 
 class MoeLayerIO(_Sized):
@@ -89,7 +95,8 @@ class ConfigShape(_Sized):
     _fields_ = [("struct_size", c_size_t), ("whole_layer", c_int), ("experts", c_int), ("hidden", c_int64),
                 ("ffn", c_int64), ("top_k", c_int), ("bias", c_int), ("dtype", c_int), ("recipe", c_int),
                 ("training", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("num_buckets", c_int),
-                ("max_tokens", c_int64), ("expert_parallel", c_int), ("prequantized_weights", c_int)]
+                ("max_tokens", c_int64), ("expert_parallel", c_int), ("prequantized_weights", c_int),
+                ("dequantized_weights", c_int)]
 
 
 class StepWeights(_Sized):
@@ -97,7 +104,8 @@ class StepWeights(_Sized):
                 ("d_router", c_void_p), ("w1", c_void_p), ("w2", c_void_p), ("b1", c_void_p), ("b2", c_void_p),
                 ("main_grad1", c_void_p), ("main_grad2", c_void_p), ("dw1", c_void_p), ("dw2", c_void_p),
                 ("db1", c_void_p), ("db2", c_void_p),
-                *_mxfp8_fields("w1_mxfp8_"), *_mxfp8_fields("w2_mxfp8_")]
+                *_mxfp8_fields("w1_mxfp8_"), *_mxfp8_fields("w2_mxfp8_"),
+                *_dequantized_fields("w1_mxfp8_"), *_dequantized_fields("w2_mxfp8_")]
 
 
 class StepGraphsOptions(_Sized):
@@ -127,6 +135,8 @@ SIGNATURES = {
     "mg_mxfp8_weight_bytes": (c_int, [c_int, c_int64, c_int64, P(c_size_t), P(c_size_t)]),
     "mg_quantize_mxfp8_weights": (c_int, [c_int, c_void_p, c_int, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
                                           c_void_p, c_void_p]),
+    "mg_dequantize_mxfp8_weights": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
+                                            c_void_p, c_void_p, c_void_p]),
     "mg_grouped_linear_options_init": (None, [P(GroupedLinearOptions)]),
     "mg_grouped_linear_workspace_bytes": (c_int, [P(GroupedLinearOptions), P(c_size_t)]),
     "mg_grouped_linear_create": (c_int, [P(GroupedLinearOptions), c_void_p, P(_h)]),

@@ -55,34 +55,41 @@ struct Releases {
 template <>
 struct Releases<mg_grouped_linear_options> {
   static constexpr std::array ends{offsetof(mg_grouped_linear_options, prequantized_weights),
+                                   offsetof(mg_grouped_linear_options, dequantized_weights),
                                    sizeof(mg_grouped_linear_options)};
 };
 template <>
 struct Releases<mg_forward_args> {
-  static constexpr std::array ends{offsetof(mg_forward_args, mxfp8_data), sizeof(mg_forward_args)};
+  static constexpr std::array ends{offsetof(mg_forward_args, mxfp8_data), offsetof(mg_forward_args, mxfp8_dequantized),
+                                   sizeof(mg_forward_args)};
 };
 template <>
 struct Releases<mg_backward_args> {
-  static constexpr std::array ends{offsetof(mg_backward_args, mxfp8_data), sizeof(mg_backward_args)};
+  static constexpr std::array ends{offsetof(mg_backward_args, mxfp8_data),
+                                   offsetof(mg_backward_args, mxfp8_dequantized), sizeof(mg_backward_args)};
 };
 template <>
 struct Releases<mg_moe_layer_options> {
   static constexpr std::array ends{offsetof(mg_moe_layer_options, expert_parallel),
                                    offsetof(mg_moe_layer_options, prequantized_weights),
-                                   offsetof(mg_moe_layer_options, ep_exchange), sizeof(mg_moe_layer_options)};
+                                   offsetof(mg_moe_layer_options, ep_exchange),
+                                   offsetof(mg_moe_layer_options, dequantized_weights), sizeof(mg_moe_layer_options)};
 };
 template <>
 struct Releases<mg_moe_layer_weights> {
-  static constexpr std::array ends{offsetof(mg_moe_layer_weights, w1_mxfp8_data), sizeof(mg_moe_layer_weights)};
+  static constexpr std::array ends{offsetof(mg_moe_layer_weights, w1_mxfp8_data),
+                                   offsetof(mg_moe_layer_weights, w1_mxfp8_dequantized), sizeof(mg_moe_layer_weights)};
 };
 template <>
 struct Releases<mg_config_shape> {
   static constexpr std::array ends{offsetof(mg_config_shape, expert_parallel),
-                                   offsetof(mg_config_shape, prequantized_weights), sizeof(mg_config_shape)};
+                                   offsetof(mg_config_shape, prequantized_weights),
+                                   offsetof(mg_config_shape, dequantized_weights), sizeof(mg_config_shape)};
 };
 template <>
 struct Releases<mg_step_weights> {
-  static constexpr std::array ends{offsetof(mg_step_weights, w1_mxfp8_data), sizeof(mg_step_weights)};
+  static constexpr std::array ends{offsetof(mg_step_weights, w1_mxfp8_data),
+                                   offsetof(mg_step_weights, w1_mxfp8_dequantized), sizeof(mg_step_weights)};
 };
 template <>
 struct Releases<mg_step_graphs_options> {

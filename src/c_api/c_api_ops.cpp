@@ -72,6 +72,7 @@ mg_grouped_linear_options default_linear_options() {
   o.dtype = MG_DTYPE_BF16;
   o.wgrad_slots = 1;
   o.prequantized_weights = 0;
+  o.dequantized_weights = 0;
   return o;
 }
 
@@ -90,6 +91,7 @@ mg_moe_layer_options default_moe_options() {
   o.prequantized_weights = 0;
   o.ep_exchange = MG_EP_PEER_STORES;
   o.ep_chunk_rows = 0;
+  o.dequantized_weights = 0;
   return o;
 }
 
@@ -108,6 +110,7 @@ moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options
   opts.delay_wgrad = o.delay_wgrad != 0;
   opts.recipe = recipe_of(o.recipe);
   opts.prequantized_weights = o.prequantized_weights != 0;
+  opts.dequantized_weights = o.dequantized_weights != 0;
   moegraph::validate(opts);
   return opts;
 }
@@ -145,17 +148,18 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options* in) {
   opts.ep_exchange = o.ep_exchange == MG_EP_SEND_RECV ? moegraph::EpExchange::kSendRecv
                                                       : moegraph::EpExchange::kPeerStores;
   opts.ep_chunk_rows = o.ep_chunk_rows;
+  opts.dequantized_weights = o.dequantized_weights != 0;
   moegraph::validate(opts);
   return opts;
 }
 
-// The C structs hold the four arrays of moegraph::Mxfp8Weights as fields of their own (moegraph.h
-// says why). The operators only read them: the C++ struct's pointers are not const because the
+// The C structs hold the arrays of moegraph::Mxfp8Weights as fields of their own (moegraph.h says
+// why). The operators only read them: the C++ struct's pointers are not const because the
 // quantizer writes through the same struct.
 moegraph::Mxfp8Weights mxfp8_of(const uint8_t* data, const uint8_t* scales, const uint8_t* data_t,
-                                const uint8_t* scales_t) {
-  return {const_cast<uint8_t*>(data), const_cast<uint8_t*>(scales), const_cast<uint8_t*>(data_t),
-          const_cast<uint8_t*>(scales_t)};
+                                const uint8_t* scales_t, const void* dequantized, const void* dequantized_t) {
+  return {const_cast<uint8_t*>(data),      const_cast<uint8_t*>(scales),       const_cast<uint8_t*>(data_t),
+          const_cast<uint8_t*>(scales_t),  const_cast<void*>(dequantized),     const_cast<void*>(dequantized_t)};
 }
 
 moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
@@ -174,8 +178,10 @@ moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
   weights.dw2 = w.dw2;
   weights.db1 = w.db1;
   weights.db2 = w.db2;
-  weights.w1_mxfp8 = mxfp8_of(w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t);
-  weights.w2_mxfp8 = mxfp8_of(w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t);
+  weights.w1_mxfp8 = mxfp8_of(w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t,
+                              w.w1_mxfp8_dequantized, w.w1_mxfp8_dequantized_t);
+  weights.w2_mxfp8 = mxfp8_of(w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t,
+                              w.w2_mxfp8_dequantized, w.w2_mxfp8_dequantized_t);
   return weights;
 }
 
@@ -255,7 +261,8 @@ mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_forward_args a = read_struct(in, "mg_forward_args", mg_forward_args{});
-    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t);
+    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t,
+                                                  a.mxfp8_dequantized, a.mxfp8_dequantized_t);
     moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets, mxfp8};
     if (train) l.forward_train(args, stream);
     else l.forward(args, stream);
@@ -267,7 +274,8 @@ mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_ar
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_backward_args a = read_struct(in, "mg_backward_args", mg_backward_args{});
-    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t);
+    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t,
+                                                  a.mxfp8_dequantized, a.mxfp8_dequantized_t);
     moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad, mxfp8};
     l.backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
   });
@@ -379,6 +387,15 @@ mg_status mg_quantize_mxfp8_weights(mg_dtype dtype, const void* w, int groups, i
   // The C++ quantizer checks every argument before it launches; only the enum is the ABI's own.
   return guarded([&] {
     moegraph::quantize_mxfp8_weights(dtype_of(dtype), w, groups, n, k, {data, scales, data_t, scales_t}, stream);
+  });
+}
+
+mg_status mg_dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const uint8_t* data, const uint8_t* scales,
+                                      const uint8_t* data_t, const uint8_t* scales_t, void* values, void* values_t,
+                                      cudaStream_t stream) {
+  return guarded([&] {
+    moegraph::dequantize_mxfp8_weights(groups, n, k, mxfp8_of(data, scales, data_t, scales_t, values, values_t),
+                                       stream);
   });
 }
 

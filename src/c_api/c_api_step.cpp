@@ -72,8 +72,10 @@ moegraph::StepWeights weights_of(const mg_step_weights* in) {
   s.dw2 = w.dw2;
   s.db1 = w.db1;
   s.db2 = w.db2;
-  s.w1_mxfp8 = {w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t};
-  s.w2_mxfp8 = {w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t};
+  s.w1_mxfp8 = {w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t, w.w1_mxfp8_dequantized,
+                w.w1_mxfp8_dequantized_t};
+  s.w2_mxfp8 = {w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t, w.w2_mxfp8_dequantized,
+                w.w2_mxfp8_dequantized_t};
   return s;
 }
 
@@ -131,6 +133,7 @@ mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out) {
     s.max_tokens = c.buckets.empty() ? 0 : c.buckets.back();
     s.expert_parallel = c.parallel.expert_parallel;
     s.prequantized_weights = c.precision.prequantized_weights;
+    s.dequantized_weights = c.precision.dequantized_weights;
     write_struct(out, "mg_config_shape", s);
   });
 }

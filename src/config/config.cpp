@@ -93,7 +93,7 @@ RouterConfig read_router(const Json& value) {
 }
 
 PrecisionConfig read_precision(const Json& value) {
-  const JsonObject o(value, "precision", {"recipe", "dtype", "prequantized_weights"});
+  const JsonObject o(value, "precision", {"recipe", "dtype", "prequantized_weights", "dequantized_weights"});
   PrecisionConfig precision;
   if (const Json* v = o.find("recipe")) {
     const std::string recipe = config_detail::string(*v, o.path("recipe"));
@@ -112,6 +112,13 @@ PrecisionConfig read_precision(const Json& value) {
   MG_CONFIG_CHECK(!precision.prequantized_weights || precision.recipe == Recipe::kMXFP8,
                   "precision.prequantized_weights needs precision.recipe \"mxfp8\" (the weights it reads are MXFP8), "
                   "got recipe \"", recipe_name(precision.recipe), "\"");
+  if (const Json* v = o.find("dequantized_weights"))
+    precision.dequantized_weights = config_detail::boolean(*v, o.path("dequantized_weights"));
+  MG_CONFIG_CHECK(!precision.dequantized_weights ||
+                      (precision.recipe == Recipe::kMXFP8 && precision.dtype == DType::kBF16),
+                  "precision.dequantized_weights needs precision.recipe \"mxfp8\" and dtype \"bf16\" (the kept "
+                  "values are bf16), got recipe \"", recipe_name(precision.recipe), "\" and dtype \"",
+                  dtype_name(precision.dtype), "\"");
   return precision;
 }
 
@@ -356,7 +363,8 @@ std::string to_json(const Config& c) {
         {"capacity_factor", c.router.capacity_factor},
         {"fuse_weights", c.router.fuse_weights}}},
       {"precision", {{"recipe", std::string(recipe_name(c.precision.recipe))}, {"dtype", std::string(dtype_name(c.precision.dtype))},
-                     {"prequantized_weights", c.precision.prequantized_weights}}},
+                     {"prequantized_weights", c.precision.prequantized_weights},
+                     {"dequantized_weights", c.precision.dequantized_weights}}},
       {"training",
        {{"enabled", c.training.enabled},
         {"delay_wgrad", c.training.delay_wgrad},

@@ -31,6 +31,7 @@ MoeLayerOptions moe_layer_options(const Config& c, int64_t max_tokens) {
   o.dtype = c.precision.dtype;
   o.recipe = c.precision.recipe;
   o.prequantized_weights = c.precision.prequantized_weights;
+  o.dequantized_weights = c.precision.dequantized_weights;
   o.training = c.training.enabled;
   o.wgrad_slots = c.training.wgrad_slots;
   o.delay_wgrad = c.training.enabled && c.training.delay_wgrad;
@@ -64,6 +65,9 @@ void validate(const MoeLayerOptions& o) {
   MG_CHECK(!o.prequantized_weights || o.recipe == Recipe::kMXFP8,
            "prequantized_weights needs the mxfp8 recipe (the weights it reads are MXFP8), got recipe ",
            recipe_name(o.recipe));
+  MG_CHECK(!o.dequantized_weights || (o.recipe == Recipe::kMXFP8 && o.dtype == DType::kBF16),
+           "dequantized_weights needs the mxfp8 recipe with bf16 activations, got recipe ", recipe_name(o.recipe),
+           " and dtype ", dtype_name(o.dtype));
   const int64_t rows = moe_layer_rows(o);
   MG_CHECK(rows <= kMaxCapacityRows, "max_tokens * top_k (plus alignment padding) = ", rows,
            " rows must stay below 2^31");

@@ -262,8 +262,8 @@ class LayerHarness {
 
 // Eager training steps at several token counts, each against the reference, then the inference
 // forward on the same data, whose y must equal forward_train's bit for bit.
-inline void expect_train_steps_match(const LayerCase& c, Recipe recipe, uint64_t seed) {
-  LayerHarness h(options_of(c, recipe), seed);
+inline void expect_train_steps_match(const LayerCase& c, const MoeLayerOptions& options, uint64_t seed) {
+  LayerHarness h(options, seed);
   for (int64_t n : {c.max_tokens, c.max_tokens / 2 + 1, int64_t{1}}) {
     h.set_inputs(n);
     h.poison();
@@ -280,8 +280,8 @@ inline void expect_train_steps_match(const LayerCase& c, Recipe recipe, uint64_t
 
 // One capture of a training step replayed for other token counts (0 included) and data: every
 // replay matches the reference and an eager run on the same data bit for bit.
-inline void expect_graph_replays_match(const LayerCase& c, Recipe recipe, uint64_t seed) {
-  LayerHarness h(options_of(c, recipe), seed);
+inline void expect_graph_replays_match(const LayerCase& c, const MoeLayerOptions& options, uint64_t seed) {
+  LayerHarness h(options, seed);
   h.set_inputs(c.max_tokens);
   h.train_step();  // warm-up outside capture
   testing::Graph graph(h.stream(), [&] { h.train_step(); });
@@ -296,6 +296,14 @@ inline void expect_graph_replays_match(const LayerCase& c, Recipe recipe, uint64
     EXPECT_TRUE(h.read() == replayed) << c.name << " n=" << n << ": graph replay and eager run differ";
   }
   h.layer().check_device_errors(h.stream());
+}
+
+// The same for the case's options on a recipe.
+inline void expect_train_steps_match(const LayerCase& c, Recipe recipe, uint64_t seed) {
+  expect_train_steps_match(c, options_of(c, recipe), seed);
+}
+inline void expect_graph_replays_match(const LayerCase& c, Recipe recipe, uint64_t seed) {
+  expect_graph_replays_match(c, options_of(c, recipe), seed);
 }
 
 }  // namespace moegraph::test

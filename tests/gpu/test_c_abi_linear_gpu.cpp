@@ -307,6 +307,83 @@ TEST(CAbiMxfp8Gpu, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
   EXPECT_TRUE(identical(y.download(), own.y_infer)) << "the refusals left nothing behind";
 }
 
+// dequantized_weights through the C ABI: mg_dequantize_mxfp8_weights writes what the C++ quantizer
+// writes into Mxfp8Weights::dequantized(_t) (every byte), and a grouped linear keeping its own
+// values (weights_changed) gives the bits of one reading the caller's through mxfp8_dequantized(_t).
+TEST(CAbiMxfp8Gpu, DequantizedWeightsThroughTheCAbiGiveTheSameBits) {
+  constexpr int kGroups = 5;
+  constexpr int64_t kIn = 256, kOut = 384;
+  const std::vector<int32_t> splits = {137, 0, 161, 1, 144};  // groups past the swap-AB bound
+  int64_t rows = 0;
+  for (int32_t n : splits) rows += (n + 31) / 32 * 32;
+  rows += 32;
+  std::mt19937_64 rng(test_seed("CAbiMxfp8Gpu.DequantizedWeightsThroughTheCAbiGiveTheSameBits"));
+  DeviceArray<int32_t> d_splits(kGroups);
+  DeviceArray<uint16_t> x(rows * kIn), w(kGroups * kOut * kIn), dy(rows * kOut);
+  d_splits.upload(splits);
+  x.upload(random_bf16(rng, x.size(), 1.0));
+  w.upload(random_bf16(rng, w.size(), 1.0 / std::sqrt(double(kIn))));
+  dy.upload(random_bf16(rng, dy.size(), 1.0));
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  const CMxfp8 q(w.get(), kGroups, kOut, kIn, s);
+  DeviceArray<uint16_t> values(w.size()), values_t(w.size()), cpp(w.size()), cpp_t(w.size());
+  values.poison(), values_t.poison(), cpp.poison(), cpp_t.poison();
+  ok(mg_dequantize_mxfp8_weights(kGroups, kOut, kIn, q.data.get(), q.scales.get(), q.data_t.get(), q.scales_t.get(),
+                                 values.get(), values_t.get(), s));
+  {
+    DeviceArray<uint8_t> data(q.data.size()), scales(q.scales.size()), data_t(q.data.size()), scales_t(q.scales.size());
+    Mxfp8Weights out{data.get(), scales.get(), data_t.get(), scales_t.get(), cpp.get(), cpp_t.get()};
+    quantize_mxfp8_weights(DType::kBF16, w.get(), kGroups, kOut, kIn, out, s);
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+  EXPECT_TRUE(identical(values.download(), cpp.download())) << "dequantized";
+  EXPECT_TRUE(identical(values_t.download(), cpp_t.download())) << "dequantized_t";
+  EXPECT_EQ(nan_count(values.download()) + nan_count(values_t.download()), 0u) << "every value written";
+
+  mg_grouped_linear_options o;
+  mg_grouped_linear_options_init(&o);
+  o.num_groups = kGroups, o.in_features = kIn, o.out_features = kOut, o.capacity_rows = rows, o.row_align = 32;
+  o.recipe = MG_RECIPE_MXFP8, o.dequantized_weights = 1;
+  mg_grouped_linear_options pre = o;
+  pre.prequantized_weights = 1;
+  struct Out {
+    std::vector<uint16_t> y, dx;
+    std::vector<uint32_t> main_grad;
+  };
+  const auto run = [&](const mg_grouped_linear_options& options, bool given) {
+    mg_grouped_linear* op = nullptr;
+    ok(mg_grouped_linear_create(&options, nullptr, &op));
+    const std::unique_ptr<mg_grouped_linear, void (*)(mg_grouped_linear*)> owned(op, mg_grouped_linear_destroy);
+    if (!given) ok(mg_grouped_linear_weights_changed(op, w.get(), s));
+    DeviceArray<uint16_t> y(rows * kOut), dx(rows * kIn);
+    DeviceArray<float> main_grad(kGroups * kOut * kIn);
+    y.poison(), dx.poison();
+    memset_and_wait(main_grad.get(), 0, main_grad.size() * sizeof(float));
+    mg_forward_args f = sized<mg_forward_args>();
+    f.x = x.get(), f.splits = d_splits.get(), f.y = y.get();
+    if (given) f.mxfp8_data = q.data.get(), f.mxfp8_scales = q.scales.get(), f.mxfp8_dequantized = values.get();
+    else f.weight = w.get();
+    ok(mg_grouped_linear_forward(op, &f, /*train=*/1, s));
+    mg_backward_args bw = sized<mg_backward_args>();
+    bw.dy = dy.get(), bw.dx = dx.get(), bw.main_grad = main_grad.get();
+    if (given) {
+      bw.mxfp8_data_t = q.data_t.get(), bw.mxfp8_scales_t = q.scales_t.get();
+      bw.mxfp8_dequantized_t = values_t.get();
+    } else {
+      bw.weight = w.get();
+    }
+    ok(mg_grouped_linear_backward(op, &bw, /*delay_wgrad=*/0, s));
+    ok(mg_grouped_linear_check_device_errors(op, s));
+    return Out{y.download(), dx.download(), bits_of(main_grad.download())};
+  };
+  const Out own = run(o, false), given = run(pre, true);
+  EXPECT_TRUE(identical(given.y, own.y)) << "y";
+  EXPECT_TRUE(identical(given.dx, own.dx)) << "dx";
+  EXPECT_TRUE(identical(given.main_grad, own.main_grad)) << "main_grad";
+  EXPECT_TRUE(any_nonzero(own.main_grad));
+}
+
 // A MoE layer of the mxfp8 recipe made through the C ABI from the 16-bit weights (it quantizes them
 // itself: mg_moe_layer_weights_changed) and the same layer made from copies the caller quantized with
 // mg_quantize_mxfp8_weights (prequantized_weights: no 16-bit w1 or w2 handed over at all). A

@@ -46,6 +46,28 @@ TEST_P(MoeLayerMxfp8Case, GraphReplaysMatchEagerAndReference) {
 INSTANTIATE_TEST_SUITE_P(Cases, MoeLayerMxfp8Case, ::testing::ValuesIn(kMxfp8Cases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The weights' values kept dequantized to bf16 (dequantized_weights), on layers whose groups pass
+// the swap-AB bound, so FC1 and FC2 run the bf16 kernels on those values: every output and
+// gradient matches the mxfp8 reference, eager and replayed.
+TEST(MoeLayerMxfp8, DequantizedWeightsMatchReference) {
+  const LayerCase cases[] = {
+      // name                        E   k  H    F    T    bias  sigm  renorm aux   cf   fuse  align mg    delay
+      {"mxfp8_dequantized_e4_top2", 4, 2, 256, 256, 256, true, false, true, 0.0, 0.0, false, 32, true, false},
+      kMxfp8Cases[1],  // 64 experts, row_align 128, delayed wgrad into dW
+  };
+  for (const LayerCase& c : cases) {
+    MoeLayerOptions o = options_of(c, Recipe::kMXFP8);
+    o.dequantized_weights = true;
+    {
+      LayerHarness h(o, 1);
+      const std::string kernels = h.layer().describe();
+      EXPECT_NE(kernels.find("kept bf16 values"), std::string::npos) << c.name << ": " << kernels;
+    }
+    expect_train_steps_match(c, o, test_seed(c.name) + 3);
+    expect_graph_replays_match(c, o, test_seed(c.name) + 4);
+  }
+}
+
 // A layer built for inference serves at row_align 1 and 16: its groups start anywhere, and it
 // keeps no column-wise copies (a smaller workspace than the same layer at row_align 32). y against
 // the forward-only mxfp8 reference, eagerly and from one capture replayed for other token counts

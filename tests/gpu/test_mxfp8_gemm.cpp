@@ -10,6 +10,7 @@
 
 #include "kernels/common/device_query.hpp"
 #include "kernels/grouped_gemm/grouped_gemm.hpp"
+#include "kernels/quantize/mxfp8.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "testing/device_array.hpp"
 #include "testing/graph.hpp"
@@ -79,17 +80,28 @@ struct Staging {
 };
 
 // Each case runs on every fprop/dgrad kernel: E4M3 wgmma on 128-row tiles, E4M3 swap-AB (weight rows
-// on M, 32 group rows on N), the operands dequantized to bf16 on chip, and the operands staged as
-// bf16 in scratch for the bf16 kernel.
-class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, Mxfp8Route>> {};
+// on M, 32 group rows on N), the operands dequantized to bf16 on chip, the operands staged as bf16
+// in scratch for the bf16 kernel, and that route reading the weights' values kept dequantized
+// (dequantized_weights: B's codes and scales are then not given at all, so it must read the values).
+struct RouteChoice {
+  Mxfp8Route route;
+  bool dequantized_weights = false;
+};
+constexpr RouteChoice kGemmRoutes[] = {{Mxfp8Route::kE4m3},
+                                       {Mxfp8Route::kSwapAb},
+                                       {Mxfp8Route::kDequant},
+                                       {Mxfp8Route::kStaged},
+                                       {Mxfp8Route::kStaged, true}};
+class Mxfp8Gemm : public ::testing::TestWithParam<std::tuple<GemmCase, RouteChoice>> {};
 
 // The MXFP8 kernel for a phase (bf16 outputs), prepared on this device, on the route asked for
 // (wgrad: E4M3 or staged; for staged, the bf16 wgrad kernel may be forced too).
 kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, Mxfp8Route route = Mxfp8Route::kE4m3, int wgrad_ping_pong = -1,
-                             int tile_n = 0) {
+                             int tile_n = 0, bool dequantized_weights = false) {
   kernels::GemmProblem problem;
   problem.phase = phase;
   problem.recipe = Recipe::kMXFP8;
+  problem.dequantized_weights = dequantized_weights;
   kernels::GemmOverrides forced;
   forced.mxfp8_route = route;
   forced.wgrad_ping_pong = wgrad_ping_pong;
@@ -99,16 +111,19 @@ kernels::GemmPlan mxfp8_plan(kernels::GemmPhase phase, Mxfp8Route route = Mxfp8R
   EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8SwapAb, route == Mxfp8Route::kSwapAb && !wgrad);
   EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8Dequant, route == Mxfp8Route::kDequant && !wgrad);
   EXPECT_EQ(config.family == kernels::GemmFamily::kMxfp8Staged, route == Mxfp8Route::kStaged);
+  EXPECT_EQ(config.dequantized_weights, dequantized_weights && route == Mxfp8Route::kStaged && !wgrad);
   return kernels::prepare_gemm(config, kernels::current_sm_count());
 }
 
 TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
-  const auto& [c, route] = GetParam();
+  const auto& [c, choice] = GetParam();
+  const Mxfp8Route route = choice.route;
+  const bool values = choice.dequantized_weights;
   std::mt19937_64 rng(test_seed(c.name));
   const int64_t data_rows = int64_t{c.rows_per_group} * c.groups + 5;
   const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
   testing::Stream stream;
-  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, route);
+  const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, route, -1, 0, values);
 
   const Mx a = random_mx(rng, capacity, c.k, c.spread, 127 - c.shift);
   const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread, 127 + c.shift);
@@ -133,6 +148,15 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
   p.capacity_rows = capacity;
   p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
+  // The kept values, made by the library's dequantizer from B (as weights_changed makes them) into
+  // poisoned memory; B's codes and scales are withheld.
+  DeviceArray<uint16_t> b_values(values ? b.data.size() : 0);
+  if (values) {
+    b_values.poison();
+    kernels::launch_dequantize_mxfp8_weights(db.get(), dbs.get(), b_values.get(), int64_t{c.groups} * c.n, c.k,
+                                             stream.get());
+    p.b = nullptr, p.b_scales = nullptr, p.b_dequantized = b_values.get();
+  }
   auto enqueue = [&] {
     kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
     kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, stream.get());
@@ -173,7 +197,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   // The route's dgrad plan on the same operands: to the GEMM, dgrad is the same form C = A · B_e^T
   // (B is then W^T [G, K, N], blocked along N), without bias. The staged route runs its fprop
   // kernel over the staged W^T there, here with weights in runs of three.
-  const kernels::GemmPlan dgrad_plan = mxfp8_plan(kernels::GemmPhase::kDgrad, route);
+  const kernels::GemmPlan dgrad_plan = mxfp8_plan(kernels::GemmPhase::kDgrad, route, -1, 0, values);
   Staging dgrad_staging(dgrad_plan, c.groups, capacity, c.n, c.k, 3);
   p.bias = nullptr, p.bias_scale = nullptr;
   p.staging = dgrad_staging.buffer.get(), p.staging_bytes = dgrad_staging.bytes;
@@ -198,9 +222,12 @@ const GemmCase kCases[] = {
     // Groups of several 128-row tiles, long reductions: many tiles per CTA, chunks across tiles.
     {"g5_k1536_n384_rows300", 5, 1536, 384, 1, true, 6, 0, 300},
 };
-INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm, ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kRoutes)),
+INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm,
+                         ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kGemmRoutes)),
                          [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" + route_name(std::get<1>(info.param));
+                           const RouteChoice r = std::get<1>(info.param);
+                           return std::string(std::get<0>(info.param).name) + "_" + route_name(r.route) +
+                                  (r.dequantized_weights ? "_dequantized_weights" : "");
                          });
 
 // wgrad from column-wise operands: tiled codes (mx_colwise_index) with block-major scales
@@ -258,7 +285,9 @@ TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   const kernels::GemmPlan wgrad_plan = mxfp8_plan(kernels::GemmPhase::kWgrad, r.route, r.ping_pong, r.tile_n);
   if (r.route == Mxfp8Route::kStaged) {
     EXPECT_EQ(wgrad_plan.config.ping_pong, r.ping_pong == 1) << wgrad_plan.config.to_string();
-    if (r.tile_n != 0) EXPECT_EQ(wgrad_plan.config.block_n, r.tile_n) << wgrad_plan.config.to_string();
+    if (r.tile_n != 0) {
+      EXPECT_EQ(wgrad_plan.config.block_n, r.tile_n) << wgrad_plan.config.to_string();
+    }
   }
   Staging staging(wgrad_plan, groups, capacity, n, k);
   DeviceArray<uint8_t> ddy(dy.data.size()), ddys(dy.scales.size()), dx(x.data.size()), dxs(x.scales.size());

@@ -1,14 +1,19 @@
 // Prequantized MXFP8 weights (moegraph/mxfp8_weights.hpp): an operator or a step that reads the
 // caller's MXFP8 weights computes the same bits as one that quantizes the 16-bit weights itself,
 // keeps no weight copy of its own, and a StepGraphs of the mxfp8 recipe quantizes once for all its
-// buckets. The quantizer itself is checked bit for bit against the host reference.
+// buckets. The quantizer itself is checked bit for bit against the host reference. Weights kept
+// dequantized (dequantized_weights) give the same bits as the staged route that dequantizes them on
+// every call, whether the operator, the step or the caller keeps them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
+#include <string>
 
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/mxfp8_weights.hpp"
 #include "testing/mxfp8_reference.hpp"
+#include "tests/common/env_var.hpp"
 #include "tests/common/expect.hpp"
 #include "tests/gpu/step_driver.hpp"
 
@@ -53,105 +58,194 @@ TEST(Mxfp8WeightsApi, QuantizerMatchesTheReference) {
   for (uint8_t b : q.data_t.download()) ASSERT_EQ(b, 0xff);
 }
 
-// One grouped linear quantizing its own copies and one reading the caller's: the same y, dx and
-// main_grad bits; the second holds no weight copy.
-TEST(Mxfp8WeightsApi, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
-  GroupedLinearOptions o;
-  o.num_groups = 6, o.in_features = 256, o.out_features = 384, o.row_align = 32, o.bias = true;
-  o.recipe = Recipe::kMXFP8;
-  const std::vector<int32_t> splits = {40, 0, 97, 5, 64, 31};
-  o.capacity_rows = 0;
-  for (int32_t s : splits) o.capacity_rows += (s + 31) / 32 * 32;
-  o.capacity_rows += 64;  // rows past the last group
-  GroupedLinearOptions pre = o;
-  pre.prequantized_weights = true;
-  GroupedLinear own(o), given(pre);
-  const std::size_t copies = 2 * (mxfp8_weight_data_bytes(6, 384, 256) + mxfp8_weight_scale_bytes(6, 384, 256));
-  EXPECT_EQ(own.device_bytes(), given.device_bytes() + copies);
+// The dequantized copies hold exactly the host rule's values of the codes written beside them
+// (e4m3 x 2^(s - 127) rounded to bf16), for both pairs, in their pairs' order.
+TEST(Mxfp8WeightsApi, QuantizerWritesTheDequantizedValues) {
+  const int g = 3;
+  const int64_t n = 96, k = 160;
+  std::mt19937_64 rng(test_seed("mxfp8_dequantized_values"));
+  const Mat w = random_values(rng, g * n * k, 1.0, DType::kBF16);
+  DeviceArray<uint16_t> dw(w.size()), values(w.size()), values_t(w.size());
+  dw.upload(to_device_bits(w, DType::kBF16));
+  values.poison(), values_t.poison();
+  Mxfp8Block q(g, n, k);
+  Mxfp8Weights out = q.view();
+  out.dequantized = values.get(), out.dequantized_t = values_t.get();
+  quantize_mxfp8_weights(DType::kBF16, dw.get(), g, n, k, out, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  MxBuffer row = mx_buffer(g * n, k), col = mx_buffer(g * n, k);
+  mx_quantize_weights(w, g, n, k, &row, &col);
+  const Mat expect = mx_dequantize_rowwise(row, k, g * n, DType::kBF16);
+  const Mat expect_t = mx_dequantize_rowwise(col, n, g * k, DType::kBF16);
+  EXPECT_TRUE(values.download() == to_device_bits(expect, DType::kBF16));
+  EXPECT_TRUE(values_t.download() == to_device_bits(expect_t, DType::kBF16));
+  std::size_t nonzero = 0;
+  for (double v : expect) nonzero += v != 0.0;
+  EXPECT_GT(nonzero, expect.size() / 2);
+}
 
-  const int64_t rows = o.capacity_rows, K = o.in_features, N = o.out_features, G = o.num_groups;
-  std::mt19937_64 rng(test_seed("mxfp8_prequantized_linear"));
-  DeviceArray<uint16_t> x(rows * K), dy(rows * N), w(G * N * K), b(G * N);
-  x.upload(to_device_bits(random_values(rng, x.size(), 1.0, DType::kBF16), DType::kBF16));
-  dy.upload(to_device_bits(random_values(rng, dy.size(), 1.0, DType::kBF16), DType::kBF16));
-  w.upload(to_device_bits(random_values(rng, w.size(), 0.1, DType::kBF16), DType::kBF16));
-  b.upload(to_device_bits(random_values(rng, b.size(), 0.1, DType::kBF16), DType::kBF16));
-  DeviceArray<int32_t> d_splits(G);
-  d_splits.upload(splits);
-  Mxfp8Block q(G, N, K);
+// A grouped linear of the mxfp8 recipe (6 experts, K 256, N 384, bias, row_align 32) over
+// `splits`, with random bf16 x, dy, W and bias on the device, and what one pass gives: the
+// inference y, forward_train's y, and backward's dx and main_grad (immediate wgrad).
+struct Mxfp8Linear {
+  static constexpr int G = 6;
+  static constexpr int64_t K = 256, N = 384;
+  GroupedLinearOptions options;
+  int64_t rows = 0;
+  DeviceArray<uint16_t> x, dy, w, b;
+  DeviceArray<int32_t> splits;
   testing::Stream stream;
-  cudaStream_t s = stream.get();
-  quantize_mxfp8_weights(DType::kBF16, w.get(), G, N, K, q.view(), s);
-  own.weights_changed(w.get(), s);
 
   struct Out {
     std::vector<uint16_t> y, y_infer, dx;
     std::vector<float> main_grad;
+    bool operator==(const Out&) const = default;
   };
-  auto run = [&](GroupedLinear& op, const void* weight, Mxfp8Weights m) {
+
+  Mxfp8Linear(const std::vector<int32_t>& host_splits, const char* seed_name) : splits(G) {
+    options.num_groups = G, options.in_features = K, options.out_features = N, options.row_align = 32;
+    options.bias = true, options.recipe = Recipe::kMXFP8;
+    for (int32_t n : host_splits) rows += (n + 31) / 32 * 32;
+    rows += 64;  // rows past the last group
+    options.capacity_rows = rows;
+    std::mt19937_64 rng(test_seed(seed_name));
+    const auto upload = [&](DeviceArray<uint16_t>& a, int64_t n, double scale) {
+      a = DeviceArray<uint16_t>(n);
+      a.upload(to_device_bits(random_values(rng, n, scale, DType::kBF16), DType::kBF16));
+    };
+    upload(x, rows * K, 1.0), upload(dy, rows * N, 1.0), upload(w, G * N * K, 0.1), upload(b, G * N, 0.1);
+    splits.upload(host_splits);
+  }
+
+  Out run(GroupedLinear& op, const void* weight, const Mxfp8Weights& m) {
+    const cudaStream_t s = stream.get();
     DeviceArray<uint16_t> y(rows * N), y_infer(rows * N), dx(rows * K);
     DeviceArray<float> main_grad(G * N * K);
     y.poison(), y_infer.poison(), dx.poison();
     testing::memset_and_wait(main_grad.get(), 0, main_grad.size() * 4);
-    op.forward({x.get(), d_splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m}, s);
-    op.forward_train({x.get(), d_splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m}, s);
+    op.forward({x.get(), splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m}, s);
+    op.forward_train({x.get(), splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m}, s);
     op.backward({dy.get(), weight, b.get(), dx.get(), nullptr, nullptr, nullptr, main_grad.get(), m},
                 WgradMode::kImmediate, s);
     op.check_device_errors(s);
     return Out{y.download(), y_infer.download(), dx.download(), main_grad.download()};
-  };
-  const Out a = run(own, w.get(), {}), c = run(given, nullptr, q.view());
+  }
+};
+
+std::size_t nonzero(const std::vector<float>& v) {
+  return static_cast<std::size_t>(std::count_if(v.begin(), v.end(), [](float f) { return f != 0.0f; }));
+}
+
+// Three operators on the same weights and data: one keeping the dequantized values itself, one
+// reading the caller's (prequantized_weights), and one without them; with the staged route forced
+// on all three the same y, dx and main_grad bits, and each holds the copies it says. The first two
+// take the staged route of their own accord (groups past the swap-AB bound). A prequantized one
+// without the values is refused.
+TEST(Mxfp8WeightsApi, DequantizedWeightsGiveTheStagedRoutesBits) {
+  Mxfp8Linear l({140, 0, 97, 5, 64, 131}, "mxfp8_dequantized_linear");
+  const int G = Mxfp8Linear::G;
+  const int64_t K = Mxfp8Linear::K, N = Mxfp8Linear::N;
+  const GroupedLinearOptions& o = l.options;
+  GroupedLinearOptions kept = o, given_opts = o;
+  kept.dequantized_weights = true;
+  given_opts.dequantized_weights = given_opts.prequantized_weights = true;
+  EXPECT_NE(GroupedLinear::describe_kernels(kept).find("kept bf16 values"), std::string::npos)
+      << GroupedLinear::describe_kernels(kept);
+  Mxfp8Block q(G, N, K);
+  DeviceArray<uint16_t> values(G * N * K), values_t(G * N * K);
+  Mxfp8Weights caller = q.view();
+  caller.dequantized = values.get(), caller.dequantized_t = values_t.get();
+  const cudaStream_t s = l.stream.get();
+  quantize_mxfp8_weights(DType::kBF16, l.w.get(), G, N, K, caller, s);
+
+  const std::size_t value_bytes = 2 * mxfp8_dequantized_weight_bytes(G, N, K);
+  {
+    GroupedLinear own(kept), given(given_opts), plain(o);
+    EXPECT_EQ(own.device_bytes(), plain.device_bytes() + value_bytes) << "plain stages the weights per call";
+    own.weights_changed(l.w.get(), s);
+    EXPECT_TRUE(l.run(own, l.w.get(), {}) == l.run(given, nullptr, caller)) << "own and the caller's kept values";
+    Mxfp8Weights missing = caller;
+    missing.dequantized_t = nullptr;
+    DeviceArray<uint16_t> y(l.rows * N), dx(l.rows * K);
+    given.forward_train({l.x.get(), l.splits.get(), nullptr, l.b.get(), nullptr, y.get(), nullptr, caller}, s);
+    EXPECT_THROW(given.backward({l.dy.get(), nullptr, l.b.get(), dx.get(), nullptr, nullptr, nullptr, nullptr, missing},
+                                WgradMode::kImmediate, s),
+                 Error);
+    missing.dequantized = nullptr;
+    EXPECT_THROW(given.forward({l.x.get(), l.splits.get(), nullptr, l.b.get(), nullptr, y.get(), nullptr, missing}, s),
+                 Error);
+  }
+  EnvVar staged("MOEGRAPH_MXFP8_ROUTE", "staged");
+  GroupedLinear own(kept), plain(o);
+  own.weights_changed(l.w.get(), s);
+  plain.weights_changed(l.w.get(), s);
+  const Mxfp8Linear::Out a = l.run(own, l.w.get(), {}), p = l.run(plain, l.w.get(), {});
+  EXPECT_TRUE(a == p) << "the kept values and the per-call staging";
+  EXPECT_GT(nonzero(a.main_grad), a.main_grad.size() / 2) << "the step computed gradients";
+}
+
+// One grouped linear quantizing its own copies and one reading the caller's: the same y, dx and
+// main_grad bits; the second holds no weight copy.
+TEST(Mxfp8WeightsApi, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
+  Mxfp8Linear l({40, 0, 97, 5, 64, 31}, "mxfp8_prequantized_linear");
+  const int G = Mxfp8Linear::G;
+  const int64_t K = Mxfp8Linear::K, N = Mxfp8Linear::N;
+  const GroupedLinearOptions& o = l.options;
+  GroupedLinearOptions pre = o;
+  pre.prequantized_weights = true;
+  GroupedLinear own(o), given(pre);
+  const std::size_t copies = 2 * (mxfp8_weight_data_bytes(G, N, K) + mxfp8_weight_scale_bytes(G, N, K));
+  EXPECT_EQ(own.device_bytes(), given.device_bytes() + copies);
+
+  Mxfp8Block q(G, N, K);
+  const cudaStream_t s = l.stream.get();
+  quantize_mxfp8_weights(DType::kBF16, l.w.get(), G, N, K, q.view(), s);
+  own.weights_changed(l.w.get(), s);
+  const Mxfp8Linear::Out a = l.run(own, l.w.get(), {}), c = l.run(given, nullptr, q.view());
   EXPECT_TRUE(a.y == c.y);
   EXPECT_TRUE(a.y_infer == c.y_infer);
   EXPECT_TRUE(a.dx == c.dx);
   EXPECT_TRUE(a.main_grad == c.main_grad);
-  std::size_t nonzero = 0;
-  for (float v : a.main_grad) nonzero += v != 0.0f;
-  EXPECT_GT(nonzero, a.main_grad.size() / 2) << "the step computed gradients";
+  EXPECT_GT(nonzero(a.main_grad), a.main_grad.size() / 2) << "the step computed gradients";
 
   // What the prequantized operator refuses: its own quantization, and missing MXFP8 weights.
-  EXPECT_THROW(given.weights_changed(w.get(), s), Error);
-  DeviceArray<uint16_t> y(rows * N);
-  EXPECT_THROW(given.forward({x.get(), d_splits.get(), w.get(), b.get(), nullptr, y.get(), nullptr, {}}, s), Error);
+  EXPECT_THROW(given.weights_changed(l.w.get(), s), Error);
+  DeviceArray<uint16_t> y(l.rows * N);
+  EXPECT_THROW(given.forward({l.x.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get(), nullptr, {}}, s),
+               Error);
 }
 
-// A StepGraphs of the mxfp8 recipe from 16-bit weights (one shared quantized copy) and one from the
-// same weights prequantized by the caller: every output and gradient of a training step, replayed
-// and eager, bit for bit, on two buckets.
-TEST(Mxfp8WeightsApi, StepFromPrequantizedWeightsGivesTheSameBits) {
-  StepGraphsOptions o = small_layer_step(8, 2, 64);
+// A StepGraphs keeping the dequantized values in its one shared set, one given them by the caller,
+// and one staging the weights per call (staged route forced on all three): the same bits of a
+// training step on a bucket whose groups take the staged route, eager and replayed.
+TEST(Mxfp8WeightsApi, StepWithDequantizedWeightsGivesTheStagedRoutesBits) {
+  StepGraphsOptions o = small_layer_step(8, 2, 512);
   o.layer.recipe = Recipe::kMXFP8;
   o.layer.row_align = 32;
-  o.buckets = {64, 256};  // the driver runs the first; both read the one shared copy
-  StepGraphsOptions pre = o;
-  pre.layer.prequantized_weights = true;
-  EXPECT_GT(o.buckets.size(), 1u);
-  EXPECT_GT(plan_step(o).mxfp8_copy_bytes, 0u);
-  EXPECT_EQ(plan_step(pre).mxfp8_copy_bytes, 0u);
-
-  StepDriver self(o), given(pre);
-  std::mt19937_64 rng(test_seed("mxfp8_prequantized_step"));
-  const int64_t n = self.tokens() * self.hidden();
-  for (int32_t tokens : {64, 23}) {
+  StepGraphsOptions kept = o, given = o;
+  kept.layer.dequantized_weights = true;
+  given.layer.dequantized_weights = given.layer.prequantized_weights = true;
+  EXPECT_GT(plan_step(kept).mxfp8_dequantized_bytes, 0u);
+  EnvVar staged("MOEGRAPH_MXFP8_ROUTE", "staged");
+  StepDriver plain(o), own(kept), caller(given);
+  std::mt19937_64 rng(test_seed("mxfp8_dequantized_step"));
+  const int64_t n = plain.tokens() * plain.hidden();
+  for (int32_t tokens : {512, 77}) {
     const auto x = to_device_bits(random_values(rng, n, 1.0, DType::kBF16), DType::kBF16);
     const auto dy = to_device_bits(random_values(rng, n, 1.0, DType::kBF16), DType::kBF16);
     for (bool graph : {false, true}) {
-      for (StepDriver* d : {&self, &given}) {
+      for (StepDriver* d : {&plain, &own, &caller}) {
         d->write_inputs(x, dy, tokens);
         d->reset_outputs();
         d->train_step(graph);
+        d->step().check_device_errors(d->stream());
       }
-      const StepBits a = self.read(), b = given.read();
-      EXPECT_TRUE(a.y == b.y) << tokens << " tokens, graph " << graph;
-      EXPECT_TRUE(a.dx == b.dx) << tokens << " tokens, graph " << graph;
-      EXPECT_TRUE(a.main_grad1 == b.main_grad1 && a.main_grad2 == b.main_grad2 &&
-                  a.main_grad_router == b.main_grad_router)
-          << tokens << " tokens, graph " << graph;
+      const StepBits a = plain.read(), b = own.read(), c = caller.read();
+      EXPECT_TRUE(a == b) << tokens << " tokens, graph " << graph << ": kept values differ from staging";
+      EXPECT_TRUE(b == c) << tokens << " tokens, graph " << graph << ": own and the caller's values differ";
       std::size_t nan = 0;
-      for (int64_t i = 0; i < int64_t{tokens} * self.hidden(); ++i) nan += std::isnan(from_bits(a.y[i], DType::kBF16));
+      for (int64_t i = 0; i < int64_t{tokens} * plain.hidden(); ++i) nan += std::isnan(from_bits(b.y[i], DType::kBF16));
       EXPECT_EQ(nan, 0u);
-      self.step().check_device_errors(self.stream());
-      given.step().check_device_errors(given.stream());
     }
   }
 }

@@ -37,6 +37,10 @@ TEST(CAbiMxfp8, OptionsDefaultToWeightsQuantizedByTheOperator) {
   EXPECT_EQ(m.prequantized_weights, 0);
   EXPECT_FALSE(GroupedLinearOptions{}.prequantized_weights);
   EXPECT_FALSE(MoeLayerOptions{}.prequantized_weights);
+  EXPECT_EQ(g.dequantized_weights, 0);
+  EXPECT_EQ(m.dequantized_weights, 0);
+  EXPECT_FALSE(GroupedLinearOptions{}.dequantized_weights);
+  EXPECT_FALSE(MoeLayerOptions{}.dequantized_weights);
 }
 
 TEST(CAbiMxfp8, WeightBytesFollowTheCppApi) {
@@ -246,11 +250,102 @@ TEST(CAbiMxfp8, OlderArgumentAndWeightStructsCarryNoMxfp8Weights) {
                                                                      offsetof(mg_moe_layer_weights, w1_mxfp8_data));
   expect_older_size_leaves_the_new_fields_null<mg_step_weights>("mg_step_weights",
                                                                 offsetof(mg_step_weights, w1_mxfp8_data));
-  // The MXFP8 pointers close each struct, four per weight, in the order of moegraph::Mxfp8Weights.
-  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_scales_t) + sizeof(void*), sizeof(mg_forward_args));
-  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_scales_t) + sizeof(void*), sizeof(mg_backward_args));
-  EXPECT_EQ(offsetof(mg_moe_layer_weights, w2_mxfp8_scales_t) + sizeof(void*), sizeof(mg_moe_layer_weights));
-  EXPECT_EQ(offsetof(mg_step_weights, w2_mxfp8_scales_t) + sizeof(void*), sizeof(mg_step_weights));
+  // The MXFP8 pointers come next, four per weight in the order of moegraph::Mxfp8Weights, then the
+  // dequantized values' pointers (a later release) close each struct.
+  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_scales_t) + sizeof(void*), offsetof(mg_forward_args, mxfp8_dequantized));
+  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_scales_t) + sizeof(void*),
+            offsetof(mg_backward_args, mxfp8_dequantized));
+  EXPECT_EQ(offsetof(mg_moe_layer_weights, w2_mxfp8_scales_t) + sizeof(void*),
+            offsetof(mg_moe_layer_weights, w1_mxfp8_dequantized));
+  EXPECT_EQ(offsetof(mg_step_weights, w2_mxfp8_scales_t) + sizeof(void*),
+            offsetof(mg_step_weights, w1_mxfp8_dequantized));
+}
+
+TEST(CAbiMxfp8, OlderStructsCarryNoDequantizedWeights) {
+  expect_older_size_leaves_the_new_fields_null<mg_forward_args>("mg_forward_args",
+                                                                offsetof(mg_forward_args, mxfp8_dequantized));
+  expect_older_size_leaves_the_new_fields_null<mg_backward_args>("mg_backward_args",
+                                                                 offsetof(mg_backward_args, mxfp8_dequantized));
+  expect_older_size_leaves_the_new_fields_null<mg_moe_layer_weights>(
+      "mg_moe_layer_weights", offsetof(mg_moe_layer_weights, w1_mxfp8_dequantized));
+  expect_older_size_leaves_the_new_fields_null<mg_step_weights>("mg_step_weights",
+                                                                offsetof(mg_step_weights, w1_mxfp8_dequantized));
+  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_forward_args));
+  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_backward_args));
+  EXPECT_EQ(offsetof(mg_moe_layer_weights, w2_mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_moe_layer_weights));
+  EXPECT_EQ(offsetof(mg_step_weights, w2_mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_step_weights));
+}
+
+// dequantized_weights through the C options (off by default: the test above): refused as the C++
+// API refuses it, and not read from an older caller's struct, whatever its memory holds there
+// (including the previous release's tail padding, which the 64-bit field of
+// mg_grouped_linear_options skips).
+TEST(CAbiMxfp8, DequantizedWeightsOptionFollowsTheCppApi) {
+  EXPECT_GE(offsetof(mg_grouped_linear_options, dequantized_weights),
+            offsetof(mg_grouped_linear_options, prequantized_weights) + sizeof(int64_t))
+      << "past the previous release's sizeof";
+  mg_grouped_linear_options g = small_linear();
+  size_t want = 0, got = 1;
+  ASSERT_EQ(mg_grouped_linear_workspace_bytes(&g, &want), MG_OK) << mg_last_error();
+  g.dequantized_weights = 1;
+  EXPECT_EQ(mg_grouped_linear_workspace_bytes(&g, &got), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("dequantized_weights needs the mxfp8 recipe with bf16 activations")) << mg_last_error();
+  GroupedLinearOptions cg;
+  cg.num_groups = g.num_groups, cg.in_features = g.in_features, cg.out_features = g.out_features;
+  cg.capacity_rows = g.capacity_rows, cg.row_align = g.row_align, cg.bias = g.bias != 0;
+  cg.dequantized_weights = true;
+  EXPECT_EQ(std::string(mg_last_error()), test::thrown_what([&] { validate(cg); }));
+  std::memset(reinterpret_cast<unsigned char*>(&g) + offsetof(mg_grouped_linear_options, prequantized_weights) + 4,
+              0x5a, offsetof(mg_grouped_linear_options, dequantized_weights) -
+                        offsetof(mg_grouped_linear_options, prequantized_weights) - 4);
+  g.struct_size = offsetof(mg_grouped_linear_options, dequantized_weights);
+  ASSERT_EQ(mg_grouped_linear_workspace_bytes(&g, &got), MG_OK) << mg_last_error();
+  EXPECT_EQ(got, want);
+  g.struct_size = sizeof g, g.dequantized_weights = 1, g.recipe = MG_RECIPE_MXFP8;
+  g.in_features = 128, g.out_features = 256, g.row_align = 32, g.capacity_rows = 256;
+  ASSERT_EQ(mg_grouped_linear_workspace_bytes(&g, &got), MG_OK) << mg_last_error();
+
+  mg_moe_layer_options m = small_moe();
+  m.dequantized_weights = 1;
+  size_t bytes = 0;
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&m, &bytes), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("dequantized_weights needs the mxfp8 recipe with bf16 activations")) << mg_last_error();
+  m.struct_size = offsetof(mg_moe_layer_options, dequantized_weights);
+  EXPECT_EQ(mg_moe_layer_workspace_bytes(&m, &bytes), MG_OK) << mg_last_error();
+}
+
+// mg_dequantize_mxfp8_weights refuses what the C++ call refuses, with the same words, before any GPU use.
+TEST(CAbiMxfp8, DequantizerRefusesBadArgumentsBeforeAnyGpuUse) {
+  alignas(16) static uint8_t fake[64];
+  uint8_t* const p = fake;
+  struct Case {
+    const char* name;
+    int groups;
+    uint8_t *data, *scales, *data_t, *scales_t;
+    void *values, *values_t;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"groups", 0, p, p, p, p, p, p, "MXFP8 weights: groups must be in [1, 1024], got 0"},
+      {"nothing to write", 1, p, p, p, p, nullptr, nullptr, "dequantize_mxfp8_weights: nothing to write"},
+      {"values without data", 1, nullptr, nullptr, p, p, p, nullptr,
+       "dequantize_mxfp8_weights: dequantized needs data and scales"},
+      {"values_t without data_t", 1, p, p, nullptr, nullptr, nullptr, p,
+       "dequantize_mxfp8_weights: dequantized_t needs data_t and scales_t"},
+      {"values misaligned", 1, p, p, nullptr, nullptr, p + 4, nullptr,
+       "dequantize_mxfp8_weights: the dequantized copies must be 16-byte aligned"},
+      {"scales alone", 1, nullptr, p, nullptr, nullptr, p, nullptr, "MXFP8 weights: data and its scales come together"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(mg_dequantize_mxfp8_weights(c.groups, 32, 64, c.data, c.scales, c.data_t, c.scales_t, c.values,
+                                          c.values_t, nullptr),
+              MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has(c.expected)) << mg_last_error();
+    const Mxfp8Weights w{c.data, c.scales, c.data_t, c.scales_t, c.values, c.values_t};
+    EXPECT_EQ(std::string(mg_last_error()),
+              test::thrown_what([&] { dequantize_mxfp8_weights(c.groups, 32, 64, w, nullptr); }));
+  }
 }
 
 constexpr const char* kPrequantizedConfig = R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
@@ -320,6 +415,47 @@ TEST(CAbiMxfp8, StepWeightsCarryEachMxfp8Pointer) {
   w.struct_size = offsetof(mg_step_weights, w1_mxfp8_data);
   EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has(needs_w1)) << mg_last_error();
+  mg_config_destroy(c);
+}
+
+// With precision.dequantized_weights as well, the config shape says so and each dequantized pointer
+// of mg_step_weights reaches its StepWeights field (the check names the weight still missing one).
+TEST(CAbiMxfp8, StepWeightsCarryEachDequantizedPointer) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 256, "top_k": 2},
+                                "precision": {"recipe": "mxfp8", "prequantized_weights": true,
+                                              "dequantized_weights": true},
+                                "row_align": 32, "buckets": [64]})",
+                            &c),
+            MG_OK)
+      << mg_last_error();
+  mg_config_shape shape = sized<mg_config_shape>();
+  ASSERT_EQ(mg_config_shape_of(c, &shape), MG_OK) << mg_last_error();
+  EXPECT_EQ(shape.dequantized_weights, 1);
+  EXPECT_EQ(shape.prequantized_weights, 1);
+  alignas(16) static uint8_t fake[16];
+  mg_step_weights w = sized<mg_step_weights>();
+  for (uint8_t* mg_step_weights::*f :
+       {&mg_step_weights::w1_mxfp8_data, &mg_step_weights::w1_mxfp8_scales, &mg_step_weights::w1_mxfp8_data_t,
+        &mg_step_weights::w1_mxfp8_scales_t, &mg_step_weights::w2_mxfp8_data, &mg_step_weights::w2_mxfp8_scales,
+        &mg_step_weights::w2_mxfp8_data_t, &mg_step_weights::w2_mxfp8_scales_t})
+    w.*f = fake;
+  const char* const needs_w1 = "StepWeights needs w1_mxfp8.dequantized and .dequantized_t";
+  const char* const needs_w2 = "StepWeights needs w2_mxfp8.dequantized and .dequantized_t";
+  const std::pair<void* mg_step_weights::*, const char*> fields[] = {
+      {&mg_step_weights::w1_mxfp8_dequantized, needs_w1},
+      {&mg_step_weights::w1_mxfp8_dequantized_t, needs_w2},
+      {&mg_step_weights::w2_mxfp8_dequantized, needs_w2},
+      {&mg_step_weights::w2_mxfp8_dequantized_t, "StepWeights needs the router weight for the whole-layer step"},
+  };
+  mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
+  EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has(needs_w1)) << mg_last_error();
+  for (const auto& [field, then_missing] : fields) {
+    w.*field = fake;
+    EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has(then_missing)) << mg_last_error();
+  }
   mg_config_destroy(c);
 }
 

@@ -10,6 +10,7 @@
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/ops/moe/op_spec.hpp"
+#include "tests/common/env_var.hpp"
 
 namespace moegraph::test {
 namespace {
@@ -23,21 +24,6 @@ kernels::GemmProblem problem(GemmPhase phase, Recipe recipe, int groups, int64_t
   p.expected_rows_per_group = rows / groups, p.n = n, p.k = k;
   return p;
 }
-
-// Restores an environment variable at scope exit.
-struct EnvVar {
-  EnvVar(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    setenv(name, value, 1);
-  }
-  ~EnvVar() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  const char* name_;
-  std::string old_;
-  bool had_ = false;
-};
 
 TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   // Many rows per expert and a wide output: the wide TMA tile; wgrad on narrow tiles: cp.async.
@@ -173,6 +159,53 @@ TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
   EXPECT_THROW(kernels::with_environment({}), Error);
 }
 
+// With the weights kept dequantized (dequantized_weights) fprop and dgrad of every group past the
+// swap-AB bound take the staged route reading those values (it stages only A, so its scratch is A's
+// bf16 copy alone); swap-AB keeps the small groups, wgrad and fp16 activations are unchanged, and a
+// forced route still wins.
+TEST(GemmHeuristic, Mxfp8DequantizedWeightsTakeTheStagedRoute) {
+  const auto with_values = [](kernels::GemmProblem p, DType dtype = DType::kBF16) {
+    p.dequantized_weights = true, p.dtype = dtype;
+    return p;
+  };
+  for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
+    for (int64_t rows_per_group : {65, 80, 256, 383, 2048}) {
+      const auto p = with_values(problem(phase, Recipe::kMXFP8, 64, 64 * rows_per_group, 1536, 2048));
+      const auto c = kernels::choose_gemm_config(p, {});
+      EXPECT_EQ(c.family, GemmFamily::kMxfp8Staged) << rows_per_group << ": " << c.to_string();
+      EXPECT_TRUE(c.dequantized_weights) << c.to_string();
+      EXPECT_NE(c.to_string().find("kept bf16 values"), std::string::npos) << c.to_string();
+      // Its scratch: A [capacity_rows, k] in bf16, 256-byte aligned; none for the weights.
+      const std::size_t a_bytes = (64 * rows_per_group * 2048 * 2 + 255) / 256 * 256;
+      EXPECT_EQ(kernels::mxfp8_staging_bytes(c, 64, 64 * rows_per_group, 1536, 2048), a_bytes);
+      // Without the kept values the same problem stages the weights too (or takes another route).
+      const auto plain =
+          kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 64 * rows_per_group, 1536, 2048), {});
+      EXPECT_FALSE(plain.dequantized_weights);
+      if (plain.family == GemmFamily::kMxfp8Staged) {
+        EXPECT_GT(kernels::mxfp8_staging_bytes(plain, 64, 64 * rows_per_group, 1536, 2048), a_bytes);
+      }
+    }
+    const auto small =
+        kernels::choose_gemm_config(with_values(problem(phase, Recipe::kMXFP8, 64, 64 * 64, 1536, 2048)), {});
+    EXPECT_EQ(small.family, GemmFamily::kMxfp8SwapAb) << small.to_string();
+    EXPECT_FALSE(small.dequantized_weights);
+    const auto fp16 = kernels::choose_gemm_config(
+        with_values(problem(phase, Recipe::kMXFP8, 8, 8 * 256, 1536, 2048), DType::kFP16), {});
+    EXPECT_NE(fp16.family, GemmFamily::kMxfp8Staged) << fp16.to_string();
+    kernels::GemmOverrides e4m3;
+    e4m3.mxfp8_route = kernels::Mxfp8Route::kE4m3;
+    const auto forced =
+        kernels::choose_gemm_config(with_values(problem(phase, Recipe::kMXFP8, 8, 8 * 256, 1536, 2048)), e4m3);
+    EXPECT_EQ(forced.family, GemmFamily::kMxfp8CpAsync);
+    EXPECT_FALSE(forced.dequantized_weights);
+  }
+  const auto wgrad =
+      kernels::choose_gemm_config(with_values(problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 2048, 1536, 2048)), {});
+  EXPECT_EQ(wgrad.family, GemmFamily::kMxfp8Staged);
+  EXPECT_FALSE(wgrad.dequantized_weights) << "wgrad reads activations only";
+}
+
 TEST(GemmHeuristic, OverridesWinAndAreChecked) {
   const auto p = problem(GemmPhase::kFprop, Recipe::kBF16, 64, 768, 5632, 4096);
   kernels::GemmOverrides o;
@@ -247,7 +280,9 @@ TEST(StepPlan, PrintsTheKernelsThatRun) {
       // An mxfp8 line names MXFP8 kernels only (E4M3 ones, or bf16 ones on staged operands).
       const bool mx = line.find("e4m3") != std::string::npos || line.find("mxfp8") != std::string::npos;
       EXPECT_EQ(mx, recipe == Recipe::kMXFP8) << line;
-      if (recipe == Recipe::kBF16) EXPECT_NE(line.find("wgmma_tma"), std::string::npos) << line;
+      if (recipe == Recipe::kBF16) {
+        EXPECT_NE(line.find("wgmma_tma"), std::string::npos) << line;
+      }
       if (recipe == Recipe::kMXFP8)  // every phase's config is an MXFP8 one
         for (const char* phase : {"fprop: ", "dgrad: ", "wgrad: "}) {
           const std::size_t at = line.find(phase);

@@ -1,6 +1,7 @@
 // MXFP8 weights without a GPU: the sizes and argument rules of moegraph/mxfp8_weights.hpp, the
-// prequantized_weights option at every level (grouped linear, layer, config), and what a step plans
-// for them: one shared copy however many buckets, none when the caller gives them.
+// prequantized_weights and dequantized_weights options at every level (grouped linear, layer,
+// config), and what a step plans for them: one shared copy however many buckets, none when the
+// caller gives them, and the kept bf16 values counted in it.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -74,6 +75,55 @@ TEST(PrequantizedWeights, NeedTheMxfp8RecipeAtEveryLevel) {
   EXPECT_TRUE(parse_config(to_json(c), "round trip").precision.prequantized_weights);
 }
 
+// dequantized_weights: mxfp8 with bf16 activations only, at every level; its sizes; the quantizer
+// writes a dequantized copy only beside its pair.
+TEST(DequantizedWeights, NeedMxfp8AndBf16AtEveryLevel) {
+  EXPECT_EQ(mxfp8_dequantized_weight_bytes(3, 96, 160), 2u * 3 * 96 * 160);
+  GroupedLinearOptions g;
+  g.num_groups = 2, g.in_features = 128, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
+  g.dequantized_weights = true;
+  EXPECT_TRUE(has(thrown_message([&] { validate(g); }), "dequantized_weights needs the mxfp8 recipe with bf16"));
+  g.recipe = Recipe::kMXFP8;
+  EXPECT_NO_THROW(validate(g));
+  g.dtype = DType::kFP16;
+  EXPECT_TRUE(has(thrown_message([&] { validate(g); }), "got recipe mxfp8 and dtype fp16"));
+
+  MoeLayerOptions l;
+  l.experts = 8, l.hidden = 128, l.ffn = 128, l.top_k = 2, l.max_tokens = 64, l.row_align = 32;
+  l.dequantized_weights = true;
+  EXPECT_TRUE(has(thrown_message([&] { validate(l); }), "dequantized_weights needs the mxfp8 recipe"));
+  l.recipe = Recipe::kMXFP8;
+  EXPECT_NO_THROW(validate(l));
+
+  const std::string layer = R"("layer": {"experts": 8, "hidden": 128, "ffn": 128, "top_k": 2}, "buckets": [64],
+                               "row_align": 32)";
+  EXPECT_TRUE(has(thrown_message([&] {
+                    parse_config("{" + layer + R"(, "precision": {"dequantized_weights": true}})", "cfg.json");
+                  }),
+                  "precision.dequantized_weights needs precision.recipe \"mxfp8\" and dtype \"bf16\""));
+  EXPECT_TRUE(has(thrown_message([&] {
+                    parse_config("{" + layer + R"(, "precision": {"recipe": "mxfp8", "dtype": "fp16",
+                                                                  "dequantized_weights": true}})",
+                                 "cfg.json");
+                  }),
+                  "got recipe \"mxfp8\" and dtype \"fp16\""));
+  const Config c =
+      parse_config("{" + layer + R"(, "precision": {"recipe": "mxfp8", "dequantized_weights": true}})", "cfg.json");
+  EXPECT_TRUE(c.precision.dequantized_weights);
+  EXPECT_TRUE(moe_layer_options(c, 64).dequantized_weights);
+  EXPECT_TRUE(parse_config(to_json(c), "round trip").precision.dequantized_weights);
+
+  alignas(16) static uint8_t fake[64];
+  Mxfp8Weights values_alone;
+  values_alone.data_t = fake, values_alone.scales_t = fake, values_alone.dequantized = fake;
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, values_alone, nullptr); }),
+                  "dequantized needs data and scales"));
+  Mxfp8Weights odd;
+  odd.data = fake, odd.scales = fake, odd.dequantized = fake + 8;
+  EXPECT_TRUE(has(thrown_message([&] { quantize_mxfp8_weights(DType::kBF16, fake, 1, 32, 32, odd, nullptr); }),
+                  "dequantized copies must be 16-byte aligned"));
+}
+
 StepGraphsOptions mxfp8_step(std::vector<int64_t> buckets) {
   StepGraphsOptions o;
   MoeLayerOptions& l = o.layer;
@@ -114,6 +164,36 @@ TEST(PrequantizedWeights, AStepPlansOneSharedCopy) {
   bool caller = false;
   for (const std::string& k : given.kernels) caller |= has(k, "mxfp8 weights: the caller's");
   EXPECT_TRUE(caller);
+}
+
+// dequantized_weights adds the bf16 values of both copies to the one shared set (2 + 2 bytes an
+// element in training, 2 for inference, which has no dgrad copy); with prequantized_weights they
+// are the caller's, in weight_bytes.
+TEST(DequantizedWeights, AStepPlansTheirBytesOnce) {
+  const int64_t expert_elements = 16 * 3 * 512 * 256;
+  StepGraphsOptions values = mxfp8_step({64, 256});
+  values.layer.dequantized_weights = true;
+  const StepPlan plain = plan_step(mxfp8_step({64, 256})), with = plan_step(values);
+  EXPECT_EQ(plain.mxfp8_dequantized_bytes, 0u);
+  EXPECT_EQ(with.mxfp8_dequantized_bytes, std::size_t(expert_elements) * 4);
+  EXPECT_GE(with.mxfp8_copy_bytes - plain.mxfp8_copy_bytes, std::size_t(expert_elements) * 4);
+  EXPECT_LT(with.mxfp8_copy_bytes - plain.mxfp8_copy_bytes, std::size_t(expert_elements) * 4 + 4 * 256);
+  EXPECT_TRUE(has(with.to_string(), "of which their bf16 values, dequantized_weights"));
+  StepGraphsOptions serve = values;
+  serve.layer.training = false;
+  EXPECT_EQ(plan_step(serve).mxfp8_dequantized_bytes, std::size_t(expert_elements) * 2);
+  StepGraphsOptions given = values;
+  given.layer.prequantized_weights = true;
+  const StepPlan caller = plan_step(given);
+  EXPECT_EQ(caller.mxfp8_copy_bytes, 0u);
+  EXPECT_GE(caller.weight_bytes, plan_step([&] {
+              StepGraphsOptions o = given;
+              o.layer.dequantized_weights = false;
+              return o;
+            }()).weight_bytes + std::size_t(expert_elements) * 4);
+  bool kept = false;
+  for (const std::string& k : with.kernels) kept |= has(k, "also kept dequantized to bf16");
+  EXPECT_TRUE(kept);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] [--torch FILE] [--ops]
-//                [--expert-parallel R]
+// moegraph-bench [CONFIG] [--plan] [--json FILE] [--replays N] [--recipe R] [--mxfp8-dequantized] [--torch FILE]
+//                [--ops] [--expert-parallel R]
 //                | --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]
+//                  [--mxfp8-dequantized]
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -18,8 +19,9 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: moegraph-bench [CONFIG.json] [--plan] [--json FILE] [--replays N] [--recipe bf16|mxfp8]\n"
-    "                      [--torch FILE] [--ops] [--expert-parallel R]\n"
+    "                      [--mxfp8-dequantized] [--torch FILE] [--ops] [--expert-parallel R]\n"
     "       moegraph-bench --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]\n"
+    "                      [--mxfp8-dequantized]\n"
     "  CONFIG.json  layer, buckets, training and routing (docs/config.md); default: the built-in\n"
     "               Qwen3-30B-A3B-like preset\n"
     "  --plan       print each bucket's buffers, the kernels chosen and the device memory they take,\n"
@@ -27,6 +29,9 @@ constexpr const char* kUsage =
     "  --json FILE  also write the results as JSON (scripts/plot-bench draws them); with --plan, the plan\n"
     "  --replays N  timed replays per measurement (default: the config's bench.replays)\n"
     "  --recipe R   override precision.recipe (mxfp8 training at row_align 1 or 16 uses row_align 32)\n"
+    "  --mxfp8-dequantized  a config: set precision.dequantized_weights (mxfp8, bf16: the MXFP8 weights\n"
+    "               also kept dequantized to bf16); --kernels: also MXFP8 fprop and dgrad on such\n"
+    "               weights (columns dq ms, dq speed-up)\n"
     "  --torch FILE the same layer in PyTorch beside each bucket: columns \"torch ms\" (its graph replay)\n"
     "               and \"vs torch\" (torch ms / replay ms) from FILE, written by scripts/torch-moe-bench\n"
     "               --json FILE on the same config (name, layer, phase, buckets and fill must match;\n"
@@ -75,6 +80,8 @@ int main(int argc, char** argv) {
       options.ops = true;
     } else if (a == "--kernels") {
       kernels = true;
+    } else if (a == "--mxfp8-dequantized") {
+      kernel_options.mxfp8_dequantized = true;
     } else if (a == "--quick") {
       kernel_options.set = "quick";
     } else if (a == "--set") {
@@ -138,6 +145,10 @@ int main(int argc, char** argv) {
       config.precision.recipe = recipe == "mxfp8" ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
       if (recipe == "mxfp8" && config.training.enabled && config.row_align < 32) config.row_align = 32;
       config = moegraph::parse_config(moegraph::to_json(config), "--recipe " + recipe);  // the config's rules again
+    }
+    if (kernel_options.mxfp8_dequantized && !config.precision.dequantized_weights) {
+      config.precision.dequantized_weights = true;
+      config = moegraph::parse_config(moegraph::to_json(config), "--mxfp8-dequantized");  // needs mxfp8 and bf16
     }
     if (expert_parallel > 0) {
       config.parallel.expert_parallel = expert_parallel;

@@ -69,8 +69,9 @@ kernels::GemmPhase gemm_phase(Phase p) {
 // The kernel the library's heuristic picks for this shape and phase (optionally forcing the
 // 16-bit load pipeline), prepared on this device.
 kernels::GemmPlan plan_for(const KernelShape& s, Phase phase, Recipe recipe, int64_t capacity_rows, int sm_count,
-                           GemmPipeline forced = GemmPipeline::kAuto) {
+                           GemmPipeline forced = GemmPipeline::kAuto, bool dequantized_weights = false) {
   kernels::GemmProblem problem;
+  problem.dequantized_weights = dequantized_weights;
   problem.phase = gemm_phase(phase);
   problem.recipe = recipe;
   problem.groups = s.groups;
@@ -166,15 +167,27 @@ const char* mxfp8_route_name(kernels::GemmFamily family) {
 }
 
 // One MXFP8 phase on the same routings, graph-replayed like the bf16 kernels: its time and the
-// route (kernel family) the heuristic chose.
+// route (kernel family) the heuristic chose. With `dequantized`, the route the heuristic picks for
+// weights kept dequantized (dequantized_weights), their bf16 values made here at set-up; ms is 0
+// where that is the same route as without (swap-AB, wgrad).
 struct MxResult {
   double ms;
   kernels::GemmFamily family;
 };
 MxResult run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vector<int32_t>>& routings, Buffers& b,
-                 const MxBuffers& mx, int sm_count, int replays, cudaStream_t stream) {
-  const kernels::GemmPlan plan =
-      plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows, sm_count);  // set-up
+                 const MxBuffers& mx, int sm_count, int replays, cudaStream_t stream, bool dequantized = false) {
+  const kernels::GemmPlan plan = plan_for(s, phase, Recipe::kMXFP8, phase == Phase::kWgrad ? mx.cap32 : s.rows,
+                                          sm_count, GemmPipeline::kAuto, dequantized);  // set-up
+  if (dequantized && !plan.config.dequantized_weights) return {0, plan.config.family};
+  DeviceBuffer values;
+  if (plan.config.dequantized_weights) {
+    const bool fprop_weights = phase == Phase::kFprop;
+    values = DeviceBuffer(s.groups * s.n * s.k * 2);
+    kernels::launch_dequantize_mxfp8_weights((fprop_weights ? mx.w : mx.wt).as<uint8_t>(),
+                                             (fprop_weights ? mx.ws : mx.wts).as<uint8_t>(), values.get(),
+                                             s.groups * (fprop_weights ? s.n : s.k), fprop_weights ? s.k : s.n,
+                                             stream);
+  }
   auto splits = b.splits.as<int32_t>();
   auto offsets = b.offsets.as<int64_t>();
   auto err = b.error.as<DeviceErrorRecord>();
@@ -203,6 +216,7 @@ MxResult run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vec
     p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();
     p.capacity_rows = s.rows;
     p.staging = staging.get(), p.staging_bytes = staging.bytes();
+    p.b_dequantized = values.get();
     kernels::launch_mxfp8_ragged_gemm(plan, p, stream);
   };
   auto set_routing = [&](int i) {
@@ -494,16 +508,19 @@ int run_kernel_bench(const KernelBenchOptions& options) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
         const double flops = 2.0 * s.rows * s.n * s.k, bytes = phase_bytes(s, phase, active);
         const double floor = roof.floor_ms(flops, bytes);
-        double mx_ms = 0, mx_floor = 0;
+        double mx_ms = 0, mx_floor = 0, dq_ms = 0;
         std::string mx_route;
         if (mx_shape && phase != Phase::kWgradMainGrad) {
           const MxResult m = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream);
           mx_ms = m.ms;
           mx_floor = roof.floor_ms(flops, mxfp8_phase_bytes(s, phase, active));
           mx_route = mxfp8_route_name(m.family);
+          if (options.mxfp8_dequantized && phase != Phase::kWgrad)
+            dq_ms = run_mxfp8(s, phase, routings, b, mx, grid, replays, stream, true).ms;
           mx_table.add({s.name, routing_name(routing), phase_name(phase), mx_route, fmt(r.grouped_ms, 3),
                         fmt(floor / r.grouped_ms, 2), fmt(mx_ms, 3), fmt(mx_floor, 3), fmt(mx_floor / mx_ms, 2),
-                        fmt(r.grouped_ms / mx_ms, 2)});
+                        fmt(r.grouped_ms / mx_ms, 2), dq_ms > 0 ? fmt(dq_ms, 3) : "-",
+                        dq_ms > 0 ? fmt(r.grouped_ms / dq_ms, 2) : "-"});
         }
         const kernels::GemmConfig chosen = plan_for(s, phase, Recipe::kBF16, s.rows, grid).config;
         const std::string tile = std::to_string(chosen.block_n) + " " +
@@ -519,6 +536,7 @@ int run_kernel_bench(const KernelBenchOptions& options) {
                              {"bytes", bytes}, {"active_experts", active}, {"floor_ms", floor},
                              {"bound", roof.bound(flops, bytes)}, {"of_roofline", floor / r.grouped_ms}};
         if (mx_ms > 0) jr["mxfp8_ms"] = mx_ms, jr["mxfp8_floor_ms"] = mx_floor, jr["mxfp8_route"] = mx_route;
+        if (dq_ms > 0) jr["mxfp8_dequantized_weights_ms"] = dq_ms;
         out["results"].push_back(jr);
         progress(++done, total, s.name.c_str());
       }
@@ -535,9 +553,11 @@ int run_kernel_bench(const KernelBenchOptions& options) {
               "per-32 scales promoted), swap_ab, dequant (to bf16 on chip) or staged (to bf16 in scratch, then the "
               "bf16 kernel), as the heuristic or MOEGRAPH_MXFP8_ROUTE picks; mxfp8 floor: FLOPs at the dense bf16 "
               "rate (faithful per-32 scaling cannot beat it on Hopper) or the MXFP8 bytes (1 + 1/32 per operand "
-              "element) at the copy bandwidth, whichever is larger\n");
+              "element) at the copy bandwidth, whichever is larger; dq: fprop and dgrad with the weights kept "
+              "dequantized to bf16 (dequantized_weights: the staged route without the weights' pass; - where the "
+              "route is the same%s)\n", options.mxfp8_dequantized ? "" : "; not run: --mxfp8-dequantized");
   mx_table.print({"shape", "routing", "phase", "route", "bf16 ms", "bf16 of roofline", "mxfp8 ms", "mxfp8 floor ms",
-                  "mxfp8 of roofline", "mxfp8 speed-up"});
+                  "mxfp8 of roofline", "mxfp8 speed-up", "dq ms", "dq speed-up"});
   std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing; "
               "same-size copy: the faster of cudaMemcpyAsync and the copy kernel over the same bytes (half read, half "
               "written), graph-replayed like the quantizer; of same-size copy = its time / the quantizer's\n");

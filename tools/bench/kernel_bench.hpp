@@ -24,6 +24,7 @@ struct KernelBenchOptions {
   std::vector<KernelShape> shapes;  // --shape: replaces the set
   std::string json_path;            // --json FILE: every result, the roofline and the routings
   int replays = 0;                  // 0: 40 (quick: 15)
+  bool mxfp8_dequantized = false;   // --mxfp8-dequantized: MXFP8 fprop/dgrad also on weights kept dequantized
 };
 // The shapes `options` names (the set, or the --shape list).
 std::vector<KernelShape> kernel_bench_shapes(const KernelBenchOptions& options);

@@ -118,6 +118,7 @@ json plan_json(const Config& config, const StepPlan& plan, const std::vector<EpW
   out["sum_of_buckets"] = plan.sum_of_buckets;
   out["weight_bytes"] = plan.weight_bytes;
   out["mxfp8_copy_bytes"] = plan.mxfp8_copy_bytes;
+  out["mxfp8_dequantized_bytes"] = plan.mxfp8_dequantized_bytes;
   out["window_bytes"] = plan.window_bytes;
   out["device_bytes"] = plan.device_bytes();
   out["kernels"] = plan.kernels;

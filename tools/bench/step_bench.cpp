@@ -304,6 +304,7 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     Config bf16 = c;
     bf16.precision.recipe = Recipe::kBF16;
     bf16.precision.prequantized_weights = false;
+    bf16.precision.dequantized_weights = false;
     auto saved = [](const Config& cfg, int64_t rows) {
       std::size_t bytes = 0;
       const MoeLayerOptions o = moe_layer_options(cfg, 1);

@@ -103,6 +103,7 @@ MoeLayerOptions moe_layer_options(const MoeLayerCase& c, bool delay_wgrad) {
   o.row_align = c.row_align;
   o.dtype = c.dtype;
   o.recipe = c.recipe;
+  o.dequantized_weights = c.dequantized_weights;
   o.training = c.training();
   o.wgrad_slots = 1;
   o.delay_wgrad = delay_wgrad;
@@ -111,8 +112,8 @@ MoeLayerOptions moe_layer_options(const MoeLayerCase& c, bool delay_wgrad) {
 }
 
 std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::string& name) {
-  const JsonObject o(value, "", {"name", "op", "seed", "shape", "tokens", "router", "dtype", "recipe", "phases",
-                                 "wgrad", "replays", "tolerance"});
+  const JsonObject o(value, "", {"name", "op", "seed", "shape", "tokens", "router", "dtype", "recipe",
+                                 "dequantized_weights", "phases", "wgrad", "replays", "tolerance"});
   MoeLayerCase c;
   c.name = name;
   c.data_seed = optional_value(o, "seed", seed_from_name(name), config_detail::non_negative_integer);
@@ -122,6 +123,9 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
 
   c.dtype = read_dtype(o);
   c.recipe = read_recipe(o);
+  c.dequantized_weights = optional_value(o, "dequantized_weights", false, config_detail::boolean);
+  MG_CONFIG_CHECK(!c.dequantized_weights || (c.recipe == Recipe::kMXFP8 && c.dtype == DType::kBF16),
+                  o.path("dequantized_weights"), " needs \"recipe\": \"mxfp8\" and \"dtype\": \"bf16\"");
   c.phases = read_phases(o);
 
   c.main_grad = read_main_grad(o, c.dtype, "the weight gradients");

@@ -34,6 +34,7 @@ struct MoeLayerCase {
   bool fuse_weights = false;
   DType dtype = DType::kBF16;
   Recipe recipe = Recipe::kBF16;  // kMXFP8: FC1 and FC2 on MXFP8 copies, and so does the reference
+  bool dequantized_weights = false;  // kMXFP8, bf16: the MXFP8 weights also kept dequantized to bf16
   bool main_grad = false;  // weight gradients accumulate into fp32 main_grad (else written in dtype)
   PhaseSet phases;
   int replays = 3;                             // graph replays of every token count

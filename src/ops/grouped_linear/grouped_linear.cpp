@@ -52,6 +52,7 @@ kernels::GemmConfig gemm_config(const GroupedLinearOptions& o, kernels::GemmPhas
   p.expected_rows_per_group = o.capacity_rows / o.num_groups;
   p.n = o.out_features;
   p.k = o.in_features;
+  p.dequantized_weights = o.dequantized_weights;
   kernels::GemmOverrides forced;
   forced.reference = o.reference_kernels;
   forced.tile_n = o.tile_n;
@@ -139,6 +140,9 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(!o.prequantized_weights || o.recipe == Recipe::kMXFP8,
            "prequantized_weights needs the mxfp8 recipe (the weights it reads are MXFP8), got recipe ",
            recipe_name(o.recipe));
+  MG_CHECK(!o.dequantized_weights || (o.recipe == Recipe::kMXFP8 && o.dtype == DType::kBF16),
+           "dequantized_weights needs the mxfp8 recipe with bf16 activations (the kept values are bf16 and the "
+           "bf16 kernels read them), got recipe ", recipe_name(o.recipe), " and dtype ", dtype_name(o.dtype));
   const std::string recipe = recipe_can_implement(o);
   MG_CHECK(recipe.empty(), recipe);
 }
@@ -236,7 +240,10 @@ void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
   if (o.prequantized_weights)
     MG_CHECK(a.mxfp8_weights.data != nullptr && a.mxfp8_weights.scales != nullptr,
              "forward needs mxfp8_weights.data and .scales (prequantized_weights)");
-  else
+  if (o.prequantized_weights && o.dequantized_weights)
+    MG_CHECK(a.mxfp8_weights.dequantized != nullptr,
+             "forward needs mxfp8_weights.dequantized (prequantized_weights with dequantized_weights)");
+  if (!o.prequantized_weights)
     MG_CHECK(a.weight != nullptr, "forward needs the weight");
   MG_CHECK(a.bias == nullptr || o.bias, "a bias was given but the layer was built without bias");
   MG_CHECK(a.bias_scale == nullptr || a.bias != nullptr, "bias_scale needs a bias");
@@ -296,7 +303,10 @@ void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStrea
   if (options_.prequantized_weights)
     MG_CHECK(args.dx == nullptr || (args.mxfp8_weights.data_t != nullptr && args.mxfp8_weights.scales_t != nullptr),
              "dx needs mxfp8_weights.data_t and .scales_t (prequantized_weights)");
-  else
+  if (options_.prequantized_weights && options_.dequantized_weights)
+    MG_CHECK(args.dx == nullptr || args.mxfp8_weights.dequantized_t != nullptr,
+             "dx needs mxfp8_weights.dequantized_t (prequantized_weights with dequantized_weights)");
+  if (!options_.prequantized_weights)
     MG_CHECK(args.dx == nullptr || args.weight != nullptr, "dx needs the weight");
   MG_CHECK((args.dweight == nullptr) != (args.main_grad == nullptr),
            "backward needs exactly one of dweight (written) and main_grad (accumulated)");

@@ -54,14 +54,24 @@ class Mxfp8Backend final : public LinearBackend {
     w_data_ = DeviceBuffer(data), w_scales_ = DeviceBuffer(scales);
     wt_data_ = DeviceBuffer(data), wt_scales_ = DeviceBuffer(scales);
     own_ = {w_data_.as<uint8_t>(), w_scales_.as<uint8_t>(), wt_data_.as<uint8_t>(), wt_scales_.as<uint8_t>()};
+    if (!o_.dequantized_weights) return;
+    // dgrad's copy only where dgrad may run.
+    const std::size_t values = mxfp8_dequantized_weight_bytes(o_.num_groups, o_.out_features, o_.in_features);
+    w_values_ = DeviceBuffer(values);
+    own_.dequantized = w_values_.get();
+    if (!trains_) return;
+    wt_values_ = DeviceBuffer(values);
+    own_.dequantized_t = wt_values_.get();
   }
   std::string describe() const override {
     return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_config_, wgrad_main_grad_config_) +
            " | quantize: row-wise + column-wise from one read" +
-           (o_.prequantized_weights ? " | weights: the caller's MXFP8" : " | weights: own MXFP8 copies");
+           (o_.prequantized_weights ? " | weights: the caller's MXFP8" : " | weights: own MXFP8 copies") +
+           (o_.dequantized_weights ? ", also kept dequantized to bf16" : "");
   }
   std::size_t weight_copy_bytes() const override {
-    return w_data_.bytes() + w_scales_.bytes() + wt_data_.bytes() + wt_scales_.bytes();
+    return w_data_.bytes() + w_scales_.bytes() + wt_data_.bytes() + wt_scales_.bytes() + w_values_.bytes() +
+           wt_values_.bytes();
   }
 
   void weights_changed(const void* weight, cudaStream_t stream) override {
@@ -80,7 +90,7 @@ class Mxfp8Backend final : public LinearBackend {
                                    stream);
     kernels::Mxfp8RaggedGemmParams p;
     p.a = operand_.data, p.a_scales = operand_.scales;
-    p.b = w.data, p.b_scales = w.scales;
+    p.b = w.data, p.b_scales = w.scales, p.b_dequantized = w.dequantized;
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y, p.capacity_rows = o_.capacity_rows;
@@ -98,7 +108,7 @@ class Mxfp8Backend final : public LinearBackend {
       const Mxfp8Weights& w = weights(a.mxfp8_weights);
       kernels::Mxfp8RaggedGemmParams p;
       p.a = operand_.data, p.a_scales = operand_.scales;
-      p.b = w.data_t, p.b_scales = w.scales_t;
+      p.b = w.data_t, p.b_scales = w.scales_t, p.b_dequantized = w.dequantized_t;
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
       p.capacity_rows = o_.capacity_rows;
@@ -164,7 +174,8 @@ class Mxfp8Backend final : public LinearBackend {
   // The quantized weights live outside the workspace: they persist across steps until the weights change.
   // Without prequantized_weights only: the layouts of moegraph/mxfp8_weights.hpp.
   DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N
-  Mxfp8Weights own_;                                      // views of those four buffers
+  DeviceBuffer w_values_, wt_values_;  // dequantized_weights: their bf16 values (wt_: training only)
+  Mxfp8Weights own_;                   // views of those buffers
   bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
   kernels::GemmConfig fprop_config_, dgrad_config_, wgrad_config_, wgrad_main_grad_config_;
   kernels::GemmPlan fprop_, dgrad_;

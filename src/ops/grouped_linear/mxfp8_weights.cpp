@@ -31,6 +31,23 @@ bool pair_given(const char* data_name, const uint8_t* data, const uint8_t* scale
   return data != nullptr;
 }
 
+// A dequantized copy needs its pair (already checked whole) and 16-byte alignment.
+void check_dequantized(const char* who, const Mxfp8Weights& w) {
+  MG_CHECK(w.dequantized == nullptr || w.data != nullptr, who, ": dequantized needs data and scales");
+  MG_CHECK(w.dequantized_t == nullptr || w.data_t != nullptr, who, ": dequantized_t needs data_t and scales_t");
+  MG_CHECK(aligned16(w.dequantized) && aligned16(w.dequantized_t), who,
+           ": the dequantized copies must be 16-byte aligned");
+}
+
+// The values of each pair whose copy is set, by the rule every mxfp8 route multiplies (the staged
+// route's dequantizer).
+void write_dequantized(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
+  if (w.dequantized != nullptr)
+    kernels::launch_dequantize_mxfp8_weights(w.data, w.scales, w.dequantized, groups * n, k, stream);
+  if (w.dequantized_t != nullptr)
+    kernels::launch_dequantize_mxfp8_weights(w.data_t, w.scales_t, w.dequantized_t, groups * k, n, stream);
+}
+
 }  // namespace
 
 std::size_t mxfp8_weight_data_bytes(int groups, int64_t n, int64_t k) {
@@ -51,10 +68,26 @@ void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, i
   const bool rows = pair_given("data", out.data, out.scales);
   const bool cols = pair_given("data_t", out.data_t, out.scales_t);
   MG_CHECK(rows || cols, "quantize_mxfp8_weights: nothing to write (give data and scales, data_t and scales_t, or both)");
+  check_dequantized("quantize_mxfp8_weights", out);
   const kernels::Mxfp8Rowwise row{out.data, out.scales};
   const kernels::Mxfp8Colwise col{out.data_t, out.scales_t};
   kernels::launch_quantize_mxfp8_weights(dtype, w, groups, n, k, rows ? &row : nullptr, cols ? &col : nullptr,
                                          stream);
+  write_dequantized(groups, n, k, out, stream);
+}
+
+void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
+  check_sizes(groups, n, k);
+  pair_given("data", w.data, w.scales);
+  pair_given("data_t", w.data_t, w.scales_t);
+  MG_CHECK(w.dequantized != nullptr || w.dequantized_t != nullptr,
+           "dequantize_mxfp8_weights: nothing to write (give dequantized, dequantized_t or both)");
+  check_dequantized("dequantize_mxfp8_weights", w);
+  write_dequantized(groups, n, k, w, stream);
+}
+
+std::size_t mxfp8_dequantized_weight_bytes(int groups, int64_t n, int64_t k) {
+  return checked_mul("MXFP8 dequantized weight bytes", mxfp8_weight_data_bytes(groups, n, k), 2);
 }
 
 }  // namespace moegraph

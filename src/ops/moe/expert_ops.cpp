@@ -178,6 +178,7 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, 
   g.delay_wgrad = o.training && o.delay_wgrad;
   g.recipe = o.recipe;
   g.prequantized_weights = o.prequantized_weights;
+  g.dequantized_weights = o.dequantized_weights;
   return g;
 }
 

@@ -155,7 +155,11 @@ std::vector<Field> weight_fields(const MoeLayerWeights& w) {
           {"w2_mxfp8.data", w.w2_mxfp8.data},
           {"w2_mxfp8.scales", w.w2_mxfp8.scales},
           {"w2_mxfp8.data_t", w.w2_mxfp8.data_t},
-          {"w2_mxfp8.scales_t", w.w2_mxfp8.scales_t}};
+          {"w2_mxfp8.scales_t", w.w2_mxfp8.scales_t},
+          {"w1_mxfp8.dequantized", w.w1_mxfp8.dequantized},
+          {"w1_mxfp8.dequantized_t", w.w1_mxfp8.dequantized_t},
+          {"w2_mxfp8.dequantized", w.w2_mxfp8.dequantized},
+          {"w2_mxfp8.dequantized_t", w.w2_mxfp8.dequantized_t}};
 }
 // The buffers a queued (delayed) weight gradient writes.
 std::vector<Field> wgrad_fields(const MoeLayerWeights& w) {
