@@ -101,6 +101,7 @@ moegraph::MoeLayerOptions cpp_options(const mg_moe_layer_options& o) {
   c.ep_exchange = o.ep_exchange == MG_EP_SEND_RECV ? moegraph::EpExchange::kSendRecv
                                                    : moegraph::EpExchange::kPeerStores;
   c.ep_chunk_rows = o.ep_chunk_rows;
+  c.dequantized_weights = o.dequantized_weights != 0;
   return c;
 }
 
@@ -189,6 +190,7 @@ void fuzz_grouped_linear(const uint8_t* data, size_t size) {
   c.delay_wgrad = o.delay_wgrad != 0;
   c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
   c.prequantized_weights = o.prequantized_weights != 0;
+  c.dequantized_weights = o.dequantized_weights != 0;
   // The C++ API refuses bad options in validate() and layouts too large to size in workspace_bytes().
   std::size_t bytes = 0;
   try {
