@@ -42,9 +42,10 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
                ".data and .scales (prequantized_weights)");
       MG_CHECK(!l.training || (m->data_t != nullptr && m->scales_t != nullptr), "StepWeights needs ", name,
                ".data_t and .scales_t for training (dgrad reads them)");
-      MG_CHECK(!l.dequantized_weights || (m->dequantized != nullptr && (!l.training || m->dequantized_t != nullptr)),
-               "StepWeights needs ", name, ".dequantized", l.training ? " and .dequantized_t" : "",
-               " (prequantized_weights with dequantized_weights)");
+      MG_CHECK(!l.dequantized_weights || m->dequantized != nullptr, "StepWeights needs ", name,
+               ".dequantized (prequantized_weights with dequantized_weights)");
+      MG_CHECK(!l.dequantized_weights || !l.training || m->dequantized_t != nullptr, "StepWeights needs ", name,
+               ".dequantized_t for training (dgrad reads it; prequantized_weights with dequantized_weights)");
     }
   } else if (o.sharding.ranks == 1) {  // shards are checked by ShardedWeights (a rank may hold none)
     MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "StepWeights needs w1 and w2");

@@ -113,6 +113,13 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
   constexpr const char* kWho = "launch_mxfp8_ragged_gemm (staged)";
   check_staging(plan, p.staging, p.staging_bytes, p.num_groups, p.capacity_rows, p.n, p.k, kWho);
   MG_CHECK(p.capacity_rows > 0, kWho, ": needs capacity_rows");
+  // The weights this plan reads, checked before anything is enqueued.
+  if (plan.config.dequantized_weights)
+    MG_CHECK(p.b_dequantized != nullptr && reinterpret_cast<std::uintptr_t>(p.b_dequantized) % 16 == 0, kWho,
+             ": this plan reads the weights' kept bf16 values (dequantized_weights): b_dequantized must be a "
+             "16-byte aligned device pointer");
+  else
+    MG_CHECK(p.b != nullptr && p.b_scales != nullptr, kWho, ": needs b and b_scales");
   auto* a16 = static_cast<std::byte*>(p.staging);
   const std::size_t a_bytes = aligned(bytes_of(p.capacity_rows, p.k, 2));
   auto* w16 = a16 + a_bytes;
@@ -123,14 +130,10 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
   q.a = a16, q.n = p.n, q.k = p.k;
   q.bias_scale = p.bias_scale, q.c = p.c, q.capacity_rows = p.capacity_rows;
   if (plan.config.dequantized_weights) {
-    MG_CHECK(p.b_dequantized != nullptr && reinterpret_cast<std::uintptr_t>(p.b_dequantized) % 16 == 0, kWho,
-             ": this plan reads the weights' kept bf16 values (dequantized_weights): b_dequantized must be a "
-             "16-byte aligned device pointer");
     q.w = p.b_dequantized, q.splits = p.splits, q.offsets = p.offsets, q.num_groups = p.num_groups, q.bias = p.bias;
     launch_tma_gemm(inner, q, stream);
     return;
   }
-  MG_CHECK(p.b != nullptr && p.b_scales != nullptr, kWho, ": needs b and b_scales");
   const int run = experts_fitting(p.staging_bytes - a_bytes, p.num_groups, p.n, p.k);
   const int64_t expert = p.n * p.k;  // elements of one expert's weights
   for (int e0 = 0; e0 < p.num_groups; e0 += run) {

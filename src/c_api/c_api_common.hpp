@@ -48,6 +48,11 @@ void check_handle(const void* handle, HandleKind kind, const char* type);
 // covers: read_struct takes that release's fields only, and the later ones keep their defaults even
 // where they lie in the older struct's tail padding (an older caller's sizeof covers those bytes,
 // but to it they are padding, not fields).
+// A field appended inside the current sizeof's tail padding leaves sizeof unchanged, so a caller of
+// the previous release could not be told apart and its padding bytes would be read as the field:
+// such a field must be wide enough to begin past the padding (mg_grouped_linear_options'
+// dequantized_weights is 64-bit for this). mg_moe_layer_options and mg_config_shape end with 4
+// bytes of padding today.
 template <class T>
 struct Releases {
   static constexpr std::array<std::size_t, 1> ends{sizeof(T)};

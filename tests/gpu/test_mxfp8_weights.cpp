@@ -215,6 +215,47 @@ TEST(Mxfp8WeightsApi, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
                Error);
 }
 
+// A StepGraphs of the mxfp8 recipe from 16-bit weights (one shared quantized copy) and one from the
+// same weights prequantized by the caller: every output and gradient of a training step, replayed
+// and eager, bit for bit, on two buckets.
+TEST(Mxfp8WeightsApi, StepFromPrequantizedWeightsGivesTheSameBits) {
+  StepGraphsOptions o = small_layer_step(8, 2, 64);
+  o.layer.recipe = Recipe::kMXFP8;
+  o.layer.row_align = 32;
+  o.buckets = {64, 256};  // the driver runs the first; both read the one shared copy
+  StepGraphsOptions pre = o;
+  pre.layer.prequantized_weights = true;
+  EXPECT_GT(o.buckets.size(), 1u);
+  EXPECT_GT(plan_step(o).mxfp8_copy_bytes, 0u);
+  EXPECT_EQ(plan_step(pre).mxfp8_copy_bytes, 0u);
+
+  StepDriver self(o), given(pre);
+  std::mt19937_64 rng(test_seed("mxfp8_prequantized_step"));
+  const int64_t n = self.tokens() * self.hidden();
+  for (int32_t tokens : {64, 23}) {
+    const auto x = to_device_bits(random_values(rng, n, 1.0, DType::kBF16), DType::kBF16);
+    const auto dy = to_device_bits(random_values(rng, n, 1.0, DType::kBF16), DType::kBF16);
+    for (bool graph : {false, true}) {
+      for (StepDriver* d : {&self, &given}) {
+        d->write_inputs(x, dy, tokens);
+        d->reset_outputs();
+        d->train_step(graph);
+      }
+      const StepBits a = self.read(), b = given.read();
+      EXPECT_TRUE(a.y == b.y) << tokens << " tokens, graph " << graph;
+      EXPECT_TRUE(a.dx == b.dx) << tokens << " tokens, graph " << graph;
+      EXPECT_TRUE(a.main_grad1 == b.main_grad1 && a.main_grad2 == b.main_grad2 &&
+                  a.main_grad_router == b.main_grad_router)
+          << tokens << " tokens, graph " << graph;
+      std::size_t nan = 0;
+      for (int64_t i = 0; i < int64_t{tokens} * self.hidden(); ++i) nan += std::isnan(from_bits(a.y[i], DType::kBF16));
+      EXPECT_EQ(nan, 0u);
+      self.step().check_device_errors(self.stream());
+      given.step().check_device_errors(given.stream());
+    }
+  }
+}
+
 // A StepGraphs keeping the dequantized values in its one shared set, one given them by the caller,
 // and one staging the weights per call (staged route forced on all three): the same bits of a
 // training step on a bucket whose groups take the staged route, eager and replayed.
@@ -226,6 +267,13 @@ TEST(Mxfp8WeightsApi, StepWithDequantizedWeightsGivesTheStagedRoutesBits) {
   kept.layer.dequantized_weights = true;
   given.layer.dequantized_weights = given.layer.prequantized_weights = true;
   EXPECT_GT(plan_step(kept).mxfp8_dequantized_bytes, 0u);
+  // The buckets' fprop and dgrad read the kept values (else the bit equality below would hold
+  // whether or not they were used); with the staged route forced too, below, as with none.
+  for (const StepGraphsOptions* options : {&kept, &given}) {
+    std::size_t reading = 0;
+    for (const std::string& k : plan_step(*options).kernels) reading += k.find("kept bf16 values") != std::string::npos;
+    EXPECT_EQ(reading, 2u) << "fc1 and fc2 of the one bucket";
+  }
   EnvVar staged("MOEGRAPH_MXFP8_ROUTE", "staged");
   StepDriver plain(o), own(kept), caller(given);
   std::mt19937_64 rng(test_seed("mxfp8_dequantized_step"));

@@ -440,17 +440,21 @@ TEST(CAbiMxfp8, StepWeightsCarryEachDequantizedPointer) {
         &mg_step_weights::w1_mxfp8_scales_t, &mg_step_weights::w2_mxfp8_data, &mg_step_weights::w2_mxfp8_scales,
         &mg_step_weights::w2_mxfp8_data_t, &mg_step_weights::w2_mxfp8_scales_t})
     w.*f = fake;
-  const char* const needs_w1 = "StepWeights needs w1_mxfp8.dequantized and .dequantized_t";
-  const char* const needs_w2 = "StepWeights needs w2_mxfp8.dequantized and .dequantized_t";
+  // Each field set in turn, the _t one of a weight first: the message names the field still missing,
+  // so a field read into its twin's place would show.
   const std::pair<void* mg_step_weights::*, const char*> fields[] = {
-      {&mg_step_weights::w1_mxfp8_dequantized, needs_w1},
-      {&mg_step_weights::w1_mxfp8_dequantized_t, needs_w2},
-      {&mg_step_weights::w2_mxfp8_dequantized, needs_w2},
+      {&mg_step_weights::w1_mxfp8_dequantized_t, "StepWeights needs w1_mxfp8.dequantized ("},
+      {&mg_step_weights::w1_mxfp8_dequantized, "StepWeights needs w2_mxfp8.dequantized ("},
+      {&mg_step_weights::w2_mxfp8_dequantized, "StepWeights needs w2_mxfp8.dequantized_t for training"},
       {&mg_step_weights::w2_mxfp8_dequantized_t, "StepWeights needs the router weight for the whole-layer step"},
   };
   mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
   EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
-  EXPECT_TRUE(last_error_has(needs_w1)) << mg_last_error();
+  EXPECT_TRUE(last_error_has("StepWeights needs w1_mxfp8.dequantized (")) << mg_last_error();
+  w.w1_mxfp8_dequantized = fake;
+  EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("StepWeights needs w1_mxfp8.dequantized_t for training")) << mg_last_error();
+  w.w1_mxfp8_dequantized = nullptr;
   for (const auto& [field, then_missing] : fields) {
     w.*field = fake;
     EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);

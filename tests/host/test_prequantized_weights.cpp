@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "moegraph/config.hpp"
 #include "moegraph/grouped_linear.hpp"
@@ -194,6 +195,31 @@ TEST(DequantizedWeights, AStepPlansTheirBytesOnce) {
   bool kept = false;
   for (const std::string& k : with.kernels) kept |= has(k, "also kept dequantized to bf16");
   EXPECT_TRUE(kept);
+}
+
+// Which buckets' GEMMs read the kept values: fprop and dgrad of groups past the swap-AB bound (64
+// expected rows), so here bucket 1024 (159 rows a group) and not bucket 64 (39 rows), for FC1 and
+// FC2; the same for the 8-expert, 512-token step of the GPU bit-equality test.
+TEST(DequantizedWeights, PlansNameTheBucketsThatReadThem) {
+  const auto reading = [](const StepGraphsOptions& o) {
+    std::vector<std::string> lines;
+    for (const std::string& k : plan_step(o).kernels)
+      if (has(k, "kept bf16 values")) lines.push_back(k.substr(0, k.find(':')));
+    return lines;
+  };
+  StepGraphsOptions o = mxfp8_step({64, 1024});
+  o.layer.dequantized_weights = true;
+  EXPECT_EQ(reading(o), (std::vector<std::string>{"bucket 1024 fc1", "bucket 1024 fc2"}));
+  o.layer.dequantized_weights = false;
+  EXPECT_TRUE(reading(o).empty());
+  StepGraphsOptions gpu_test;  // tests/gpu/step_driver.hpp small_layer_step(8, 2, 512), mxfp8
+  gpu_test.step = StepKind::kMoeLayer;
+  MoeLayerOptions& l = gpu_test.layer;
+  l.experts = 8, l.hidden = 256, l.ffn = 256, l.top_k = 2, l.bias = true, l.row_align = 32;
+  l.training = true, l.delay_wgrad = true, l.wgrad_slots = 2, l.recipe = Recipe::kMXFP8;
+  l.dequantized_weights = true;
+  gpu_test.buckets = {512};
+  EXPECT_EQ(reading(gpu_test).size(), 2u);
 }
 
 }  // namespace

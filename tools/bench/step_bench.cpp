@@ -21,6 +21,7 @@
 #include "moegraph/config.hpp"
 #include "moegraph/step_graphs.hpp"
 #include "src/core/lt_gemm.hpp"
+#include "src/ops/grouped_linear/linear_backend.hpp"
 #include "src/ops/moe/op_spec.hpp"
 #include "testing/legacy_loop.hpp"
 #include "testing/step_weights.hpp"
@@ -112,14 +113,28 @@ struct Row {
 // The fewest bytes of one step of bucket `tokens` at the routing replayed (tools/bench/roofline.hpp).
 // Experts only: the routings drawn for the replays; the whole layer routes by its router, about
 // uniformly on the benchmark's random x.
-StepTraffic step_traffic(const Config& c, int64_t tokens, double drawn_active) {
+// Bytes per weight element that fprop and dgrad read: the dtype's for bf16; 1 + 1/32 for the MXFP8
+// copies, or 2 where their values are kept in bf16 (dequantized_weights) and the bucket's route
+// reads them (groups past the swap-AB bound: the config of its FC1 fprop says so).
+double weight_bytes_read(const Config& c, int64_t tokens, int64_t capacity_rows) {
+  if (c.precision.recipe != Recipe::kMXFP8) return static_cast<double>(dtype_size(c.precision.dtype));
+  if (c.precision.dequantized_weights) {
+    const MoeLayerOptions o = moe_layer_options(c, tokens);
+    if (linear::gemm_config(layer::expert_linear_options(o, 1, capacity_rows), kernels::GemmPhase::kFprop)
+            .dequantized_weights)
+      return 2.0;
+  }
+  return 1.0 + 1.0 / 32;
+}
+
+StepTraffic step_traffic(const Config& c, int64_t tokens, int64_t capacity_rows, double drawn_active) {
   const bool layer = c.step == StepKind::kMoeLayer;
   StepTraffic t;
   t.hidden = c.layer.hidden, t.ffn = c.layer.ffn, t.experts = c.layer.experts;
   t.active_experts = layer ? expected_active_experts(c.layer.experts, c.layer.top_k, tokens) : drawn_active;
   t.io_rows = layer ? tokens : tokens * c.layer.top_k;
   t.act_bytes = static_cast<double>(dtype_size(c.precision.dtype));
-  t.weight_bytes = c.precision.recipe == Recipe::kMXFP8 ? 1.0 + 1.0 / 32 : t.act_bytes;  // the quantized copies
+  t.weight_bytes = weight_bytes_read(c, tokens, capacity_rows);
   t.training = c.training.enabled;
   t.main_grad_fp32 = c.training.main_grad_fp32;
   return t;
@@ -202,7 +217,7 @@ int run_bucket(StepGraphs& step, const StepWeights& baseline, int b, const Confi
   step.check_device_errors(s);
   row.dropped = step.read_dropped(s);
   row.flops = (train ? 18.0 : 6.0) * routed_rows * h * f;
-  const StepTraffic traffic = step_traffic(c, full_tokens, full.active);
+  const StepTraffic traffic = step_traffic(c, full_tokens, io.rows, full.active);
   row.active_experts = traffic.active_experts;
   row.bytes = step_bytes(traffic);
 
@@ -317,7 +332,11 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
     std::printf("recipe mxfp8 (row_align %d, weights %s), per bucket, mxfp8 / bf16 MiB: the experts' saved tensors, "
                 "the bucket's arena, and the device memory of the bucket alone (arena, weights and gradients, mxfp8 "
                 "copies):\n", c.row_align,
-                c.precision.prequantized_weights ? "prequantized by the caller" : "quantized by the step, one shared copy");
+                c.precision.prequantized_weights
+                    ? (c.precision.dequantized_weights ? "prequantized by the caller, with their bf16 values"
+                                                       : "prequantized by the caller")
+                    : (c.precision.dequantized_weights ? "quantized by the step, one shared copy, kept dequantized too"
+                                                       : "quantized by the step, one shared copy"));
     for (std::size_t b = 0; b < mx_plan.buckets.size(); ++b)
       std::printf("  %lld tokens: saved %.1f / %.1f, arena %.1f / %.1f, device %.1f / %.1f\n",
                   static_cast<long long>(mx_plan.buckets[b].tokens), saved(c, mx_plan.buckets[b].rows) / 1048576.0,
