@@ -7,6 +7,7 @@
 
 #include "kernels/comm/ep_exchange.hpp"
 #include "kernels/common/row_lanes.cuh"
+#include "kernels/common/warp_scan.cuh"
 #include "kernels/routing/routing_common.cuh"
 #include "moegraph/error.hpp"
 
@@ -98,17 +99,6 @@ __global__ void ep_barrier_kernel(EpBarrierParams p) {
 }
 
 // ---- plan ---------------------------------------------------------------------------------------
-// Exclusive sum over the 32 lanes of a warp.
-__device__ __forceinline__ int64_t warp_exclusive_sum(int64_t v) {
-  const int lane = threadIdx.x & 31;
-  int64_t inclusive = v;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o) inclusive += up;
-  }
-  return inclusive - v;
-}
-
 // The plan runs once per dispatch on one block, ahead of every row: it is latency, not work. Each
 // step therefore spreads its entries over the block (a warp per source row, a thread per expert)
 // instead of walking them on one thread per rank, which at 128 experts cost tens of microseconds

@@ -21,6 +21,7 @@
 
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/common/row_lanes.cuh"
+#include "kernels/common/warp_scan.cuh"
 #include "kernels/routing/moe_routing.hpp"
 #include "kernels/routing/routing_common.cuh"
 #include "moegraph/error.hpp"
@@ -263,11 +264,7 @@ __global__ void __launch_bounds__(kScanThreads) dispatch_scan_kernel(DispatchPar
     for (int64_t c0 = 0; c0 < chunks_used; c0 += 32) {
       const int64_t c = c0 + lane;
       const int v = c < chunks_used ? row[c] : 0;
-      int inclusive = v;
-      for (int o = 1; o < 32; o <<= 1) {
-        const int up = __shfl_up_sync(kFullMask, inclusive, o);
-        if (lane >= o) inclusive += up;
-      }
+      const int inclusive = warp_inclusive_sum(v);
       if (c < chunks_used) row[c] = carry + inclusive - v;
       carry += __shfl_sync(kFullMask, inclusive, 31);
     }
