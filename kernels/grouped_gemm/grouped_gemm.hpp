@@ -66,6 +66,9 @@ struct Mxfp8RaggedGemmParams {
   // the operands are dequantized to bf16 before the bf16 kernel reads them.
   void* staging = nullptr;
   std::size_t staging_bytes = 0;
+  // The staged route only: A's bf16 values [capacity_rows, k] are already at the start of staging
+  // (the quantizer wrote them: Mxfp8Rowwise::values), so a and a_scales are not read (may be null).
+  bool a_staged = false;
   // A config with dequantized_weights only: B's values already dequantized to bf16 [G, n, k] (kept
   // from the last weight update); the launch reads them instead of b and b_scales (which may be null).
   const void* b_dequantized = nullptr;

@@ -20,6 +20,9 @@
 // The values multiplied overflow to Inf where the dequantized value passes bf16's (and fp32's)
 // range, scale bytes of about 248 and up, as in the reference rule.
 //
+// A's values may also arrive staged (Mxfp8RaggedGemmParams::a_staged): the operators have the
+// quantizer write them in the pass that makes x's or dy's copies, instead of codes read back here.
+//
 // A config with dequantized_weights reads B's values from b_dequantized, dequantized once per
 // weight update by the same rule (launch_dequantize_mxfp8_weights), so the products are the same
 // and each call stages A alone, then runs the bf16 kernel once over every group.
@@ -120,11 +123,14 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
              "16-byte aligned device pointer");
   else
     MG_CHECK(p.b != nullptr && p.b_scales != nullptr, kWho, ": needs b and b_scales");
+  MG_CHECK(p.a_staged || (p.a != nullptr && p.a_scales != nullptr), kWho,
+           ": needs a and a_scales, or A's bf16 values at the start of staging (a_staged)");
   auto* a16 = static_cast<std::byte*>(p.staging);
   const std::size_t a_bytes = aligned(bytes_of(p.capacity_rows, p.k, 2));
   auto* w16 = a16 + a_bytes;
-  launch_dequantize_mxfp8_rowwise(p.a, p.a_scales, DType::kBF16, a16, p.capacity_rows, p.k, p.offsets, p.num_groups,
-                                  stream);
+  if (!p.a_staged)
+    launch_dequantize_mxfp8_rowwise(p.a, p.a_scales, DType::kBF16, a16, p.capacity_rows, p.k, p.offsets,
+                                    p.num_groups, stream);
   const GemmPlan inner = inner_plan(plan);
   RaggedGemmParams q;
   q.a = a16, q.n = p.n, q.k = p.k;

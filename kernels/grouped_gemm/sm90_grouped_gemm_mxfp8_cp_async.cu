@@ -57,6 +57,9 @@ void launch_mxfp8_ragged_gemm(const GemmPlan& plan, const Mxfp8RaggedGemmParams&
   MG_CHECK(p.n > 0 && p.n % 8 == 0, "MXFP8 GEMM: output columns must be a positive multiple of 8, got ", p.n);
   MG_CHECK(p.num_groups >= 1 && p.num_groups <= kMaxGroups, "MXFP8 GEMM: num_groups must be in [1, ", kMaxGroups,
            "], got ", p.num_groups);
+  MG_CHECK(!p.a_staged || plan.config.family == GemmFamily::kMxfp8Staged,
+           "launch_mxfp8_ragged_gemm: A's staged bf16 values (a_staged) are read by the staged route only; ",
+           plan.config.to_string(), " reads A's codes");
   if (plan.config.family == GemmFamily::kMxfp8SwapAb) return launch_mxfp8_swap_ab(plan, p, stream);
   if (plan.config.family == GemmFamily::kMxfp8Dequant) return launch_mxfp8_dequant(plan, p, stream);
   if (plan.config.family == GemmFamily::kMxfp8Staged) return launch_mxfp8_staged(plan, p, stream);

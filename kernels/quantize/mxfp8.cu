@@ -154,6 +154,33 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// 16 E4M3 bytes (element i in byte i) of a block with scale `byte` -> their values in fp32, exact
+// (or ±Inf past fp32's range; NaN for a NaN code or scale). The one decoding rule: the dequantizer
+// and the quantizer's bf16 values both use it, so they agree bit for bit.
+__device__ __forceinline__ void decode16(const uint4& q, uint32_t byte, float (&v)[16]) {
+  const float s = mx_scale_value(byte);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t w = word_of(q, j);
+    const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
+    v[4 * j] = lo.x * s;
+    v[4 * j + 1] = lo.y * s;
+    v[4 * j + 2] = hi.x * s;
+    v[4 * j + 3] = hi.y * s;
+  }
+}
+
+// 16 fp32 values rounded to nearest even into `Out`, stored as 16-byte vectors (dst 16-byte aligned).
+template <class Out>
+__device__ __forceinline__ void store16(Out* dst, const float (&v)[16]) {
+  alignas(16) Out out[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<Out>(v[i]);
+#pragma unroll
+  for (int j = 0; j < static_cast<int>(sizeof(out) / 16); ++j)
+    reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(out)[j];
+}
+
 // ---- Quantize -------------------------------------------------------------------------------
 
 struct QuantizeArgs {
@@ -240,8 +267,16 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
   if (r >= used || c >= a.cols) return;
   const uint32_t byte = block_scale_byte<T>(m);
   const int64_t at = (t.batch * a.rows + r) * a.cols + c;
-  *reinterpret_cast<uint4*>(a.rowwise.data + at) = encode16<T>(w, byte);
-  if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
+  const uint4 q = encode16<T>(w, byte);
+  if (a.rowwise.data != nullptr) {  // uniform over the grid
+    *reinterpret_cast<uint4*>(a.rowwise.data + at) = q;
+    if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
+  }
+  if (a.rowwise.values != nullptr) {
+    float values[16];
+    decode16(q, byte, values);
+    store16(reinterpret_cast<__nv_bfloat16*>(a.rowwise.values) + at, values);
+  }
 }
 
 // Column role: rows [16 * half, 16 * half + 16) of tile column `col`; lane ^ 16 holds the other half.
@@ -269,6 +304,11 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
                                                          : (t.batch * a.cols + c) * a.rows + r0);
   if (r0 + 16 <= used) {
     *reinterpret_cast<uint4*>(dst) = q;
+    if (a.colwise.values != nullptr) {  // the weights' layout only (checked): dst's element index
+      float values[16];
+      decode16(q, byte, values);
+      store16(reinterpret_cast<__nv_bfloat16*>(a.colwise.values) + (dst - a.colwise.data), values);
+    }
   } else {  // the last block of an offsets[G] that is not a multiple of 32: rows below it only
 #pragma unroll
     for (int i = 0; i < 16; ++i)
@@ -339,7 +379,7 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
 
 template <class T>
 void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
-  const bool row = a.rowwise.data != nullptr, col = a.colwise.data != nullptr;
+  const bool row = a.rowwise.data != nullptr || a.rowwise.values != nullptr, col = a.colwise.data != nullptr;
   if (row && col) launch_quantize<T, true, true>(a, stream);
   else if (row) launch_quantize<T, true, false>(a, stream);
   else launch_quantize<T, false, true>(a, stream);
@@ -360,8 +400,13 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
            " columns are too many for the banded walk's 32-bit tile arithmetic");
   if (rowwise != nullptr) {
     MG_CHECK(a.cols % kMxBlock == 0, who, ": row-wise blocks need the row length to be a multiple of 32, got ", a.cols);
-    MG_CHECK(rowwise->data != nullptr && aligned16(rowwise->data) && rowwise->scales != nullptr, who,
-             ": the row-wise output needs a 16-byte aligned data pointer and a scales pointer");
+    const bool codes = rowwise->data != nullptr || rowwise->scales != nullptr;
+    MG_CHECK(codes || rowwise->values != nullptr, who,
+             ": the row-wise output needs its codes (data and scales), its bf16 values, or both (all null)");
+    MG_CHECK(!codes || (rowwise->data != nullptr && aligned16(rowwise->data) && rowwise->scales != nullptr), who,
+             ": the row-wise codes need a 16-byte aligned data pointer and a scales pointer");
+    MG_CHECK(rowwise->values == nullptr || aligned16(rowwise->values), who,
+             ": the row-wise bf16 values need a 16-byte aligned pointer");
     a.rowwise = *rowwise;
   }
   if (colwise != nullptr) {
@@ -370,22 +415,16 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
     MG_CHECK(a.cols % 16 == 0, who, ": the row length must be a multiple of 16, got ", a.cols);
     MG_CHECK(colwise->data != nullptr && aligned16(colwise->data) && colwise->scales != nullptr, who,
              ": the column-wise output needs a 16-byte aligned data pointer and a scales pointer");
+    MG_CHECK(colwise->values == nullptr || (!a.colwise_activations && aligned16(colwise->values)), who,
+             colwise->values != nullptr && a.colwise_activations
+                 ? ": the activations' column-wise copy has no bf16 values (only the weights' transposed copy)"
+                 : ": the column-wise bf16 values need a 16-byte aligned pointer");
     a.colwise = *colwise;
   }
   with_16bit_type(in, who, [&](auto t) { launch_quantize_layouts<decltype(t)>(a, stream); });
 }
 
 // ---- Dequantize (row-wise) --------------------------------------------------------------------
-
-template <class Out>
-__device__ __forceinline__ void store16(Out* dst, const float (&v)[16]) {
-  alignas(16) Out out[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) out[i] = static_cast<Out>(v[i]);  // round to nearest even
-#pragma unroll
-  for (int j = 0; j < static_cast<int>(sizeof(out) / 16); ++j)
-    reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(out)[j];
-}
 
 // Grid-stride over the 16-element chunks of the used rows (two chunks per block). The flat
 // element index is row * cols + col and cols is a multiple of 32, so chunk i has scale i / 2.
@@ -399,17 +438,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_rowwise_kernel(cons
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < chunks;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     const uint4 q = __ldg(reinterpret_cast<const uint4*>(data) + i);
-    const float s = mx_scale_value(__ldg(scales + i / 2));
     float v[16];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const uint32_t w = word_of(q, j);
-      const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
-      v[4 * j] = lo.x * s;  // exact in fp32 (or ±Inf past its range)
-      v[4 * j + 1] = lo.y * s;
-      v[4 * j + 2] = hi.x * s;
-      v[4 * j + 3] = hi.y * s;
-    }
+    decode16(q, __ldg(scales + i / 2), v);
     store16(y + i * kChunk, v);
   }
 }
@@ -509,6 +539,7 @@ void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t 
   a.rows = n;
   a.cols = k;
   a.batches = groups;
+  MG_CHECK(rowwise == nullptr || rowwise->data != nullptr, kWho, ": the row-wise bf16 values need the codes beside them");
   check_and_quantize(kWho, "n", in, a, rowwise, colwise, stream);
 }
 

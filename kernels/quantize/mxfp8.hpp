@@ -23,9 +23,15 @@ constexpr uint8_t kE4m3NaN = 0x7f;      // every element byte of such a block
 // Device pointers of a row-wise copy of a [rows, cols] tensor: blocks of 32 along a row.
 //   data   [rows, cols]      E4M3, element (r, c) at r * cols + c           (16-byte aligned)
 //   scales [rows, cols / 32] E8M0, block of columns [32j, 32j + 32) of row r at r * (cols / 32) + j
+//   values (optional) [rows, cols] bf16: each element's MXFP8 value rounded to bf16, exactly what
+//          launch_dequantize_mxfp8_rowwise(..., kBF16, ...) makes of the codes (16-byte aligned).
+//          Why: the staged GEMM route (mxfp8_staged.cpp) reads only A's bf16 values; written in the
+//          quantizer's pass, they save reading the codes back (3 bytes per element). With values,
+//          data and scales may both be null: the codes are then not written.
 struct Mxfp8Rowwise {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
+  uint16_t* values = nullptr;
 };
 
 // Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows
@@ -37,9 +43,12 @@ struct Mxfp8Rowwise {
 //   scales [rows / 32, cols] E8M0, block of rows [32j, 32j + 32) of column c at j * cols + c
 //          (block-major: a GEMM stage's scales are contiguous wherever a 32-aligned group starts).
 //          The weights' transposed copy (launch_quantize_mxfp8_weights) differs: see there.
+//   values (optional; the weights' transposed copy only) [groups, k, n] bf16: the codes' values, as
+//          Mxfp8Rowwise::values (the copy is W_e^T row-wise), written beside the codes.
 struct Mxfp8Colwise {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
+  uint16_t* values = nullptr;
 };
 
 constexpr int64_t kMxColwiseStrip = 128;  // columns of a strip of the column-wise data
@@ -85,6 +94,8 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
 //            element (e, n', k') at (e * k + k') * n + n', block j at (e * k + k') * (n / 32) + j
 // That is, W_e^T row-wise: not the activations' tiled column-wise layout (this one is a serving format).
 // k is a multiple of 16 (of 32 for rowwise); n is a multiple of 32 for colwise; pointers as above.
+// Either copy may also carry its bf16 values (Mxfp8Rowwise::values, Mxfp8Colwise::values: what
+// dequantized_weights keeps), written from the codes in the same pass; here the codes are required.
 // Launch as above, expert after expert, each expert's [n, k] tiles walked in bands of 32 row tiles
 // (down a band within one 128-column strip, then the next strip: mxfp8.cu says why).
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,

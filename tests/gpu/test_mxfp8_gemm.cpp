@@ -208,6 +208,23 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get());
   MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
   check(splits, detail::concat(c.name, " dgrad plan"), false);
+
+  // The staged route with A's bf16 values already at the start of the staging (a_staged, as the
+  // operators' quantizer leaves them there): A's codes and scales are withheld.
+  if (route == Mxfp8Route::kStaged) {
+    dgrad_staging.buffer.poison();
+    kernels::launch_group_offsets(p.splits, c.groups, c.row_align, capacity, doffsets.get(), derr.get(), stream.get());
+    kernels::launch_dequantize_mxfp8_rowwise(da.get(), das.get(), DType::kBF16, dgrad_staging.buffer.get(), capacity,
+                                             c.k, doffsets.get(), c.groups, stream.get());
+    p.a = nullptr, p.a_scales = nullptr, p.a_staged = true;
+    dc.poison();
+    kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get());
+    MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+    check(splits, detail::concat(c.name, " dgrad plan, A staged by the quantizer"), false);
+  } else {  // the other routes read A's codes: a_staged is refused before anything is enqueued
+    p.a_staged = true;
+    EXPECT_THROW(kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get()), Error);
+  }
   EXPECT_EQ(derr.download()[0].code, 0);
 }
 

@@ -110,6 +110,86 @@ TEST_P(Mxfp8Grouped, GapRowsReadAsZeroWithSplits) {
   EXPECT_TRUE(same_mx("column-wise, NaN gaps masked", run.col.download(), reference_colwise(x, run.rows, cols, used)));
 }
 
+// The row-wise bf16 values (Mxfp8Rowwise::values, what the staged GEMM route reads) are the host
+// rule's values of the row-wise codes, bit for bit (NaN blocks: NaN), with or without the codes
+// and the column-wise copy beside them in the same pass; rows past offsets[G] keep the poison. The
+// input has edge blocks (NaN, ±Inf, subnormals, ±448) and NaN garbage in the gap rows, read as zero
+// with the splits.
+TEST_P(Mxfp8Grouped, RowwiseValuesAreTheCodesDequantized) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_rowwise_values_", dtype_name(dtype))));
+  const std::vector<int32_t> splits{40, 0, 70, 0, 1, 33, 0};
+  const GroupLayout l = make_layout(splits, 32, 352);
+  const int64_t cols = 416, used = l.offsets.back();
+  std::vector<double> x = grouped_values(rng, l, cols, dtype);
+  plant_edges(x, used, cols, dtype, rng);
+  const std::vector<bool> data = data_rows(l);
+  std::vector<double> garbage = x;
+  for (int64_t r = 0; r < used; ++r)
+    if (!data[r]) {
+      std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, 0.0);
+      std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
+    }
+  QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
+  run.set_splits(splits);
+  const MxBuffer codes = reference_rowwise(x, run.rows, cols, used);
+  const std::vector<double> want = mx_dequantize_rowwise(codes, cols, used, DType::kBF16);
+  constexpr uint16_t kPoison = 0x5555;  // finite, unlike 0xFFFF (a bf16 NaN)
+  DeviceArray<uint16_t> values(run.rows * cols);
+
+  auto check = [&](const std::string& where) {
+    const std::vector<uint16_t> got = values.download();
+    std::size_t wrong = 0, nan = 0, nonzero = 0, first = 0;
+    for (int64_t i = 0; i < run.rows * cols; ++i) {
+      const bool in_use = i < used * cols;
+      bool ok;
+      if (!in_use) {
+        ok = got[i] == kPoison;
+      } else if (std::isnan(want[i])) {
+        ok = std::isnan(from_bits(got[i], DType::kBF16));
+        ++nan;
+      } else {
+        ok = got[i] == to_bits(want[i], DType::kBF16);
+        nonzero += want[i] != 0.0;
+      }
+      if (!ok && wrong++ == 0) first = i;
+    }
+    EXPECT_EQ(wrong, 0u) << where << ": first at row " << first / cols << ", column " << first % cols << ": got 0x"
+                         << std::hex << got[first];
+    EXPECT_GT(nan, 0u) << where << ": the edge blocks should give NaN values";
+    EXPECT_GT(nonzero, static_cast<std::size_t>(used * cols / 4)) << where;
+  };
+  auto launch = [&](bool with_codes, bool with_colwise) {
+    values.upload(std::vector<uint16_t>(run.rows * cols, kPoison));
+    run.row.poison(), run.col.poison();
+    Mxfp8Rowwise r = with_codes ? run.row.rowwise() : Mxfp8Rowwise{};
+    r.values = values.get();
+    const Mxfp8Colwise c = run.col.colwise();
+    kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(), run.splits.get(),
+                                   run.groups(), &r, with_colwise ? &c : nullptr, nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+
+  launch(true, true);
+  check("values, codes and column-wise copy");
+  EXPECT_TRUE(same_mx("row-wise codes beside the values", run.row.download(), codes));
+  EXPECT_TRUE(same_mx("column-wise beside the values", run.col.download(), reference_colwise(x, run.rows, cols, used)));
+  launch(false, true);
+  check("values and column-wise copy");
+  EXPECT_TRUE(same_mx("codes not asked for", run.row.download(), mx_buffer(run.rows, cols)));
+  launch(false, false);
+  check("values alone");
+  EXPECT_TRUE(same_mx("column-wise not asked for", run.col.download(), mx_buffer(run.rows, cols)));
+
+  // The activations' tiled column-wise copy has no bf16 values (only the weights' transposed copy
+  // does): refused before anything is enqueued.
+  Mxfp8Colwise with_values = run.col.colwise();
+  with_values.values = values.get();
+  EXPECT_THROW(kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(), run.splits.get(),
+                                              run.groups(), nullptr, &with_values, nullptr),
+               Error);
+}
+
 // Row-wise needs no alignment: groups of 5, 0, 37, 11, 0 rows (row_align 1) end at row 53 of 100,
 // in the middle of a 32-row tile. Column-wise with one group of 53 rows: the last block of each
 // column is short (rows 32..52) and rows 53..63 of it keep the poison.

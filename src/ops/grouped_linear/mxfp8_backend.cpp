@@ -27,9 +27,14 @@ class Mxfp8Backend final : public LinearBackend {
         wgrad_main_grad_config_(gemm_config(o, kernels::GemmPhase::kWgrad, true)) {}
 
   void lay_out_scratch(LayoutWalker& walk) override {
-    const int64_t widest = std::max(o_.in_features, o_.out_features);
-    operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows, widest),
-                walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
+    // The row-wise codes of x (fprop) or dy (dgrad), for the GEMM routes that read codes; a staged
+    // route gets A's bf16 values in its staging instead (operand_for).
+    int64_t widest = 0;
+    if (!staged(fprop_config_)) widest = o_.in_features;
+    if (trains_ && !staged(dgrad_config_)) widest = std::max(widest, o_.out_features);
+    if (widest > 0)
+      operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows, widest),
+                  walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
     // A forward-only operator (row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (trains_ && !o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
@@ -65,7 +70,7 @@ class Mxfp8Backend final : public LinearBackend {
   }
   std::string describe() const override {
     return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_config_, wgrad_main_grad_config_) +
-           " | quantize: row-wise + column-wise from one read" +
+           " | quantize: row-wise (codes, or bf16 values for a staged GEMM) + column-wise from one read" +
            (o_.prequantized_weights ? " | weights: the caller's MXFP8" : " | weights: own MXFP8 copies") +
            (o_.dequantized_weights ? ", also kept dequantized to bf16" : "");
   }
@@ -85,11 +90,12 @@ class Mxfp8Backend final : public LinearBackend {
   void fprop(const ForwardArgs& a, Groups g, int save_slot, cudaStream_t stream) override {
     const Mxfp8Weights& w = weights(a.mxfp8_weights);
     // The saved activation is the column-wise copy, quantized in the same read as fprop's operand.
+    const kernels::Mxfp8Rowwise operand = operand_for(fprop_);
     kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
-                                   o_.num_groups, &operand_, save_slot >= 0 ? &slots_[save_slot].x_t : nullptr,
+                                   o_.num_groups, &operand, save_slot >= 0 ? &slots_[save_slot].x_t : nullptr,
                                    stream);
     kernels::Mxfp8RaggedGemmParams p;
-    p.a = operand_.data, p.a_scales = operand_.scales;
+    p.a = operand.data, p.a_scales = operand.scales, p.a_staged = operand.values != nullptr;
     p.b = w.data, p.b_scales = w.scales, p.b_dequantized = w.dequantized;
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
@@ -102,12 +108,13 @@ class Mxfp8Backend final : public LinearBackend {
     // dy quantized once: row-wise along N for dgrad, column-wise for wgrad (kept in the slot when
     // the wgrad is delayed; with delay_wgrad the slot holds it either way).
     kernels::Mxfp8Colwise* dy_t = o_.delay_wgrad ? &slots_[slot].dy_t : &dy_t_;
+    const kernels::Mxfp8Rowwise operand = operand_for(dgrad_);
     kernels::launch_quantize_mxfp8(o_.dtype, a.dy, o_.capacity_rows, o_.out_features, g.offsets, g.splits,
-                                   o_.num_groups, a.dx != nullptr ? &operand_ : nullptr, dy_t, stream);
+                                   o_.num_groups, a.dx != nullptr ? &operand : nullptr, dy_t, stream);
     if (a.dx != nullptr) {
       const Mxfp8Weights& w = weights(a.mxfp8_weights);
       kernels::Mxfp8RaggedGemmParams p;
-      p.a = operand_.data, p.a_scales = operand_.scales;
+      p.a = operand.data, p.a_scales = operand.scales, p.a_staged = operand.values != nullptr;
       p.b = w.data_t, p.b_scales = w.scales_t, p.b_dequantized = w.dequantized_t;
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
@@ -133,6 +140,13 @@ class Mxfp8Backend final : public LinearBackend {
     MG_CHECK(weights_quantized_, "the mxfp8 recipe needs weights_changed() before the first forward or dgrad");
     return own_;
   }
+  // Where the quantizer puts a GEMM's operand: the staged route reads only A's bf16 values, so they
+  // are written straight to the start of the staging (its A) instead of codes read back there.
+  kernels::Mxfp8Rowwise operand_for(const kernels::GemmPlan& plan) const {
+    if (!staged(plan.config)) return operand_;
+    return {nullptr, nullptr, static_cast<uint16_t*>(staging_)};
+  }
+  static bool staged(const kernels::GemmConfig& c) { return c.family == kernels::GemmFamily::kMxfp8Staged; }
   kernels::Mxfp8Colwise colwise(LayoutWalker& walk, const std::string& name, int64_t cols) {
     return {walk.take<uint8_t>(name, o_.capacity_rows, cols),
             walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
@@ -167,7 +181,7 @@ class Mxfp8Backend final : public LinearBackend {
   GroupedLinearOptions o_;
   bool trains_;  // mxfp8_can_train: forward_train may run (GroupedLinear refuses it otherwise)
   std::vector<Slot> slots_;
-  kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]
+  kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]: codes, for the routes that read them
   kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy
   void* staging_ = nullptr;        // the staged route's bf16 operands (kernels::mxfp8_staging_bytes)
   std::size_t staging_bytes_ = 0;

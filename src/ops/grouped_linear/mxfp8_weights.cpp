@@ -40,7 +40,7 @@ void check_dequantized(const char* who, const Mxfp8Weights& w) {
 }
 
 // The values of each pair whose copy is set, by the rule every mxfp8 route multiplies (the staged
-// route's dequantizer).
+// route's dequantizer; the quantizer writes the same values when it makes the codes).
 void write_dequantized(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
   if (w.dequantized != nullptr)
     kernels::launch_dequantize_mxfp8_weights(w.data, w.scales, w.dequantized, groups * n, k, stream);
@@ -69,11 +69,11 @@ void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, i
   const bool cols = pair_given("data_t", out.data_t, out.scales_t);
   MG_CHECK(rows || cols, "quantize_mxfp8_weights: nothing to write (give data and scales, data_t and scales_t, or both)");
   check_dequantized("quantize_mxfp8_weights", out);
-  const kernels::Mxfp8Rowwise row{out.data, out.scales};
-  const kernels::Mxfp8Colwise col{out.data_t, out.scales_t};
+  // The kept bf16 values (dequantized_weights) come from the codes in the same pass.
+  const kernels::Mxfp8Rowwise row{out.data, out.scales, static_cast<uint16_t*>(out.dequantized)};
+  const kernels::Mxfp8Colwise col{out.data_t, out.scales_t, static_cast<uint16_t*>(out.dequantized_t)};
   kernels::launch_quantize_mxfp8_weights(dtype, w, groups, n, k, rows ? &row : nullptr, cols ? &col : nullptr,
                                          stream);
-  write_dequantized(groups, n, k, out, stream);
 }
 
 void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
