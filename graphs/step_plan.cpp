@@ -98,7 +98,7 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     lay_out_mxfp8_pair(options, copies, unused);
     plan.mxfp8_copy_bytes = copies.bytes();
     for (const auto& entry : copies.entries())
-      if (entry.name.ends_with(".bf16")) plan.mxfp8_dequantized_bytes += entry.bytes;
+      if (entry.name.ends_with(kMxfp8ValuesSuffix)) plan.mxfp8_dequantized_bytes += entry.bytes;
   }
   const MoeLayerOptions first = bucket_layer_options(options, options.buckets.front());
   if (options.step == StepKind::kMoeLayer) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 #include "moegraph/mxfp8_weights.hpp"
 #include "moegraph/step_graphs.hpp"
@@ -11,6 +12,9 @@
 #include "src/core/layout.hpp"
 
 namespace moegraph {
+
+// The name ending of the laid-out bf16 values (dequantized_weights): the plan sums them by it.
+inline constexpr std::string_view kMxfp8ValuesSuffix = ".mxfp8.bf16";
 
 // MXFP8 weights [g, n, k] in the layouts of moegraph/mxfp8_weights.hpp: data and scales, and with
 // `transposed` (training: dgrad reads W_e^T) data_t and scales_t; with `dequantized` (options'
@@ -23,11 +27,11 @@ inline Mxfp8Weights lay_out_mxfp8_weights(LayoutWalker& walk, const std::string&
   Mxfp8Weights w;
   w.data = walk.take<uint8_t>(name + ".mxfp8", data);
   w.scales = walk.take<uint8_t>(name + ".mxfp8.scales", scales);
-  if (dequantized) w.dequantized = walk.take(name + ".mxfp8.bf16", values);
+  if (dequantized) w.dequantized = walk.take(name + std::string(kMxfp8ValuesSuffix), values);
   if (!transposed) return w;
   w.data_t = walk.take<uint8_t>(name + "_t.mxfp8", data);
   w.scales_t = walk.take<uint8_t>(name + "_t.mxfp8.scales", scales);
-  if (dequantized) w.dequantized_t = walk.take(name + "_t.mxfp8.bf16", values);
+  if (dequantized) w.dequantized_t = walk.take(name + "_t" + std::string(kMxfp8ValuesSuffix), values);
   return w;
 }
 
