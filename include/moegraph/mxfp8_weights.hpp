@@ -47,15 +47,16 @@ MOEGRAPH_API std::size_t mxfp8_dequantized_weight_bytes(int groups, int64_t n, i
 
 // Quantizes w [G, N, K] (bf16 or fp16, device) into the pairs of `out` that are set: data with
 // scales, data_t with scales_t (a pair is both pointers or neither; at least one pair), and writes
-// the dequantized copies that are set (each needs its pair: dequantized with data). The rules
-// (scale choice, rounding, NaN blocks) are docs/mxfp8.md's, bit-exact. G in [1, 1024]; N and K
+// the dequantized copies that are set (each needs its pair: dequantized with data), in the same
+// pass: no output may overlap w. The rules (scale choice, rounding, NaN blocks) are docs/mxfp8.md's,
+// bit-exact. G in [1, 1024]; N and K
 // multiples of 32 in [32, 2^21]. An enqueue path (graph-capturable): it never synchronizes,
 // allocates or reads device memory on the host.
 MOEGRAPH_API void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, int64_t k,
                                          const Mxfp8Weights& out, cudaStream_t stream);
 
-// Writes the dequantized copies of `w` that are set (at least one) from their pairs, as
-// quantize_mxfp8_weights does after quantizing: for weights that arrive already quantized (an
+// Writes the dequantized copies of `w` that are set (at least one) from their pairs, the same bits
+// quantize_mxfp8_weights writes while quantizing: for weights that arrive already quantized (an
 // MXFP8 checkpoint) and are read with dequantized_weights. Sizes and pointers as above; an enqueue
 // path (graph-capturable).
 MOEGRAPH_API void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w,

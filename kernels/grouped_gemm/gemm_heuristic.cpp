@@ -159,8 +159,9 @@ constexpr int64_t kDequantMinRowsPerGroup = 384, kDequantMinReduction = 2048;
 // against 0.31-0.38x at 500-2048 rows, 0.39-0.41x against 0.41-0.43x at 256, and behind below.
 constexpr int64_t kStagedMinRowsPerGroup = 384;
 // With the weights' values kept dequantized (dequantized_weights) the staged route's fprop and dgrad
-// pay only the activations' pass, about 3 bytes per element of A against the bf16 kernel's work
-// on the same rows, so it takes every group too large for swap-AB, whose FP8 weight bytes still
+// pay only for A in bf16: in an operator the quantizer writes its values (2 bytes per element)
+// instead of codes (1 + 1/32), a byte per element of A against the bf16 kernel's work on the same
+// rows, so it takes every group too large for swap-AB, whose FP8 weight bytes still
 // win on few rows.
 Mxfp8Route heuristic_mxfp8_route(const GemmProblem& p) {
   const bool bf16 = p.dtype == DType::kBF16;

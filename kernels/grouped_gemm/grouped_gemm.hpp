@@ -172,8 +172,9 @@ struct GemmPlan {
 GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
 
 // Device scratch the config's launches need (Mxfp8*Params::staging): 0 except for kMxfp8Staged.
-// Its wgrad dequantizes dy and x, [capacity_rows, n + k]. Its fprop/dgrad dequantize A
-// [capacity_rows, k] (all they stage with dequantized_weights) and then the weights a run of
+// Its wgrad dequantizes dy and x, [capacity_rows, n + k]. Its fprop/dgrad hold A's bf16 values
+// [capacity_rows, k] at the start (dequantized there, or written by the quantizer: a_staged; all
+// they stage with dequantized_weights) and then the weights a run of
 // experts at a time: as many experts as the given staging_bytes hold past A (at least one). This
 // size holds runs of `experts_per_run`, or by default as many experts as fit kStagedWeightBytes
 // (at least one). n and k as in the launch's

@@ -539,7 +539,8 @@ void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t 
   a.rows = n;
   a.cols = k;
   a.batches = groups;
-  MG_CHECK(rowwise == nullptr || rowwise->data != nullptr, kWho, ": the row-wise bf16 values need the codes beside them");
+  MG_CHECK(rowwise == nullptr || rowwise->data != nullptr, kWho,
+           ": the weights' row-wise copy needs its codes (data and scales); bf16 values are only written beside them");
   check_and_quantize(kWho, "n", in, a, rowwise, colwise, stream);
 }
 

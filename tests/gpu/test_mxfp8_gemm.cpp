@@ -220,7 +220,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
     dc.poison();
     kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get());
     MG_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
-    check(splits, detail::concat(c.name, " dgrad plan, A staged by the quantizer"), false);
+    check(splits, detail::concat(c.name, " dgrad plan, A's values staged by the caller"), false);
   } else {  // the other routes read A's codes: a_staged is refused before anything is enqueued
     p.a_staged = true;
     EXPECT_THROW(kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get()), Error);

@@ -1,5 +1,6 @@
 // The mxfp8 recipe (docs/mxfp8.md): x and dy are quantized on the fly into MXFP8 copies (row-wise
-// for fprop and dgrad, column-wise for wgrad); a slot keeps the column-wise copies instead of a
+// for fprop and dgrad, column-wise for wgrad; where fprop or dgrad takes the staged route, the
+// row-wise copy is written as its bf16 values into the staging instead); a slot keeps the column-wise copies instead of a
 // 16-bit x; the weights are quantized once per update into copies outside the workspace, or
 // arrive already quantized from the caller (prequantized_weights).
 #include <algorithm>
@@ -38,7 +39,8 @@ class Mxfp8Backend final : public LinearBackend {
     // A forward-only operator (row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (trains_ && !o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
-    // The staged route's bf16 operands: one buffer for every phase (they run one after another).
+    // The staged route's bf16 operands: one buffer for every phase (they run one after another). It
+    // also carries A's values from the quantizer to the GEMM that reads them next (operand_for).
     staging_bytes_ = staging_bytes();
     staging_ = walk.take("mxfp8.staging", staging_bytes_);
   }
@@ -105,8 +107,9 @@ class Mxfp8Backend final : public LinearBackend {
   }
 
   void backward(const BackwardArgs& a, Groups g, int slot, WgradMode mode, cudaStream_t stream) override {
-    // dy quantized once: row-wise along N for dgrad, column-wise for wgrad (kept in the slot when
-    // the wgrad is delayed; with delay_wgrad the slot holds it either way).
+    // dy quantized once: row-wise along N for dgrad (codes, or values: operand_for), column-wise
+    // for wgrad (kept in the slot when the wgrad is delayed; with delay_wgrad the slot holds it
+    // either way).
     kernels::Mxfp8Colwise* dy_t = o_.delay_wgrad ? &slots_[slot].dy_t : &dy_t_;
     const kernels::Mxfp8Rowwise operand = operand_for(dgrad_);
     kernels::launch_quantize_mxfp8(o_.dtype, a.dy, o_.capacity_rows, o_.out_features, g.offsets, g.splits,
