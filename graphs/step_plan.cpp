@@ -128,7 +128,11 @@ StepPlan plan_step(const StepGraphsOptions& options) {
                                                               : ""));
   plan.kernels.push_back("swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
-  if (first.training) plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
+  if (options.step == StepKind::kMoeLayer && layer::layer_keeps_linear_activations(first))
+    plan.kernels.push_back("saved activations: x_perm, swiglu_out and (delayed wgrad) their gradients kept per slot "
+                           "where they are written; fc1 and fc2 keep pointers, no copies");
+  else if (first.training)
+    plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
   return plan;
 }
 

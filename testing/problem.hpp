@@ -29,6 +29,7 @@ struct CaseSpec {
   int64_t capacity_extra = 0;   // padding rows past the last group (0: capacity exactly full)
   bool bias = false, scale = false, main_grad = false, delay_wgrad = false;
   int wgrad_slots = 1;
+  bool caller_keeps_activations = false;  // bf16: the operator keeps pointers to x, s and dy, no copies
   bool reference_kernels = false;  // the WMMA reference kernels instead of wgmma
   int tile_n = 0;                  // wgmma tile width (0: the heuristic's choice)
   GemmPipeline pipeline = GemmPipeline::kAuto;  // 16-bit wgmma operand loads

@@ -47,6 +47,13 @@ struct GroupedLinearOptions {
   bool bias = false;           // bias [G, N]
   int wgrad_slots = 1;         // forward_train contexts that may be in flight at once
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
+  // bf16 recipe, training: forward_train keeps pointers to x and to the bias scale, and a delayed
+  // backward a pointer to dy, instead of copying them into its slot. The caller keeps all three
+  // unchanged until that micro-batch's weight gradient has run (backward with kImmediate, or its
+  // backward_dw). The slots then hold no activation copies: less workspace, and two passes over
+  // the activations fewer per step (the MoE layer's producers write them where wgrad reads them).
+  // Refused with the mxfp8 recipe, whose slots keep quantized copies that it must make anyway.
+  bool caller_keeps_activations = false;
   // Kernel choices, normally left to the GEMM heuristic (tuning and differential tests); where left
   // open, MOEGRAPH_TILE_N / MOEGRAPH_GEMM_PIPELINE may force them.
   bool reference_kernels = false;  // the simple WMMA reference kernels (bf16 recipe only)
@@ -151,7 +158,8 @@ class MOEGRAPH_API GroupedLinear {
 
   // Inference: y = x W^T (+ s b). Saves nothing.
   void forward(const ForwardArgs& args, cudaStream_t stream);
-  // Training: the same, and saves x, splits, offsets and the bias scale into the next free slot.
+  // Training: the same, and saves x, splits, offsets and the bias scale into the next free slot
+  // (or keeps pointers to them: ForwardArgs::offsets, options.caller_keeps_activations).
   // Throws if all wgrad_slots are in use.
   void forward_train(const ForwardArgs& args, cudaStream_t stream);
   // Backward of the oldest forward_train not yet backwarded: dx, dbias, dbias_scale, and the

@@ -158,6 +158,18 @@ class LayerHarness {
     dy_d_.upload(to_device_bits(dy_, o_.dtype));
     set_tokens(n);
   }
+  // The last inputs set, to be written again later (micro-batches in flight).
+  struct Inputs {
+    Mat x, dy;
+    int64_t n = 0;
+  };
+  Inputs inputs() const { return {x_, dy_, n_}; }
+  // x and the token count of `in` into the caller's buffers (forward), or dy (backward).
+  void write_forward_inputs(const Inputs& in) {
+    x_d_.upload(to_device_bits(in.x, o_.dtype));
+    tokens_d_.upload({static_cast<int32_t>(in.n)});
+  }
+  void write_dy(const Inputs& in) { dy_d_.upload(to_device_bits(in.dy, o_.dtype)); }
   void set_tokens(int64_t n) {
     n_ = n;
     tokens_d_.upload({static_cast<int32_t>(n)});

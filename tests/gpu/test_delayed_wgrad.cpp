@@ -73,6 +73,64 @@ TEST(DelayedWgrad, Mxfp8PipelinedMicroBatchesAreBitIdenticalToImmediate) {
   expect_pipelined_wgrads_bit_identical(spec);
 }
 
+// caller_keeps_activations: the operator keeps pointers to x, the bias scale and dy instead of
+// copies, so each micro-batch's buffers are its own until its wgrad has run. Pipelined F0 F1 B0 B1
+// W0 W1 on those buffers equals immediate wgrad bit for bit, and poisoning a kept buffer before its
+// wgrad reaches the result (the operator reads the caller's memory, as the contract says).
+TEST(DelayedWgrad, CallerKeptActivationsPipelineBitIdenticalToImmediate) {
+  CaseSpec spec{"delayed_caller_kept", 8, 256, 384, DType::kBF16, 1, {}, 1500, Routing::kSkewed, 0, true, true};
+  spec.delay_wgrad = true, spec.wgrad_slots = 2, spec.caller_keeps_activations = true;
+  Problem p(spec, test_seed(spec.name));
+  cudaStream_t stream = nullptr;
+  std::vector<std::vector<uint16_t>> immediate(2), db(2);
+  std::vector<std::vector<int32_t>> splits(2);
+  std::vector<DeviceArray<uint16_t>> xs, dys;
+  std::vector<DeviceArray<float>> scales;
+  for (int mb = 0; mb < 2; ++mb) {
+    p.reroute_random();
+    splits[mb] = p.layout.splits;
+    xs.emplace_back(p.d_x.size()), dys.emplace_back(p.d_dy.size()), scales.emplace_back(p.d_s.size());
+    MG_CUDA_CHECK(cudaMemcpy(xs[mb].get(), p.d_x.get(), p.d_x.size() * 2, cudaMemcpyDeviceToDevice));
+    MG_CUDA_CHECK(cudaMemcpy(dys[mb].get(), p.d_dy.get(), p.d_dy.size() * 2, cudaMemcpyDeviceToDevice));
+    MG_CUDA_CHECK(cudaMemcpy(scales[mb].get(), p.d_s.get(), p.d_s.size() * 4, cudaMemcpyDeviceToDevice));
+    p.op->forward_train(p.forward_args(), stream);
+    p.op->backward(p.backward_args(), WgradMode::kImmediate, stream);
+    p.op->check_device_errors(stream);
+    immediate[mb] = p.d_dw.download(), db[mb] = p.d_db.download();
+    expect_matches_reference(p, OutputSet::kWgrad, "immediate mb" + std::to_string(mb));
+  }
+  ASSERT_FALSE(immediate[0] == immediate[1]) << "the two micro-batches should differ";
+
+  auto pipeline = [&](bool poison_x0) {
+    DeviceArray<uint16_t> dw0(p.d_dw.size()), dw1(p.d_dw.size());
+    for (int mb = 0; mb < 2; ++mb) {
+      p.d_splits.upload(splits[mb]);
+      ForwardArgs f = p.forward_args();
+      f.x = xs[mb].get(), f.bias_scale = scales[mb].get();
+      p.op->forward_train(f, stream);
+    }
+    for (int mb = 0; mb < 2; ++mb) {
+      BackwardArgs b = p.backward_args();
+      b.dy = dys[mb].get(), b.dweight = (mb == 0 ? dw0 : dw1).get();
+      p.op->backward(b, WgradMode::kDelayed, stream);
+      MG_CUDA_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(p.d_db.download() == db[mb]) << "micro-batch " << mb << ": dbias from the kept bias scale";
+    }
+    p.d_x.poison(), p.d_dy.poison(), p.d_s.poison();  // the operator's usual inputs: not read any more
+    if (poison_x0) xs[0].poison();
+    p.op->backward_dw(stream);
+    p.op->backward_dw(stream);
+    p.op->check_device_errors(stream);
+    return std::make_pair(dw0.download(), dw1.download());
+  };
+  const auto [dw0, dw1] = pipeline(false);
+  EXPECT_TRUE(dw0 == immediate[0]) << "micro-batch 0: delayed wgrad from the kept buffers differs from immediate";
+  EXPECT_TRUE(dw1 == immediate[1]) << "micro-batch 1: delayed wgrad from the kept buffers differs from immediate";
+  const auto [poisoned0, still1] = pipeline(true);
+  EXPECT_FALSE(poisoned0 == immediate[0]) << "micro-batch 0's wgrad did not read the caller's x";
+  EXPECT_TRUE(still1 == immediate[1]) << "micro-batch 1 must not read micro-batch 0's buffers";
+}
+
 TEST(DelayedWgrad, RefusedWithoutDelayOption) {
   CaseSpec spec{"delay_refused", 4, 128, 128, DType::kBF16, 1, {}, 100};
   Problem p(spec, test_seed(spec.name));

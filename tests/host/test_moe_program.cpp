@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "moegraph/config.hpp"
+#include "moegraph/error.hpp"
 #include "moegraph/moe_layer.hpp"
 #include "src/ops/moe/op_spec.hpp"
 
@@ -46,7 +47,7 @@ TEST(MoeProgram, WorkspaceHoldsSavedTensorsPerSlot) {
   MoeLayerOptions o = small();
   const auto train = MoeLayer::workspace_buffers(o);
   for (const char* name : {"slot0.router.scores", "slot1.router.scores", "slot0.fc1_out", "slot1.expert_out",
-                           "slot1.row_of", "x_perm", "d.x_perm", "fc1.workspace"})
+                           "slot1.row_of", "slot0.x_perm", "d.x_perm", "fc1.workspace"})
     EXPECT_TRUE(has_buffer(train, name)) << name;
   o.fuse_weights = true;
   EXPECT_FALSE(has_buffer(MoeLayer::workspace_buffers(o), "slot0.expert_out"));
@@ -55,6 +56,56 @@ TEST(MoeProgram, WorkspaceHoldsSavedTensorsPerSlot) {
   EXPECT_FALSE(has_buffer(infer, "d.x_perm"));
   EXPECT_FALSE(has_buffer(infer, "slot1.router.scores")) << "inference keeps one slot";
   EXPECT_LT(MoeLayer::workspace_bytes(o), MoeLayer::workspace_bytes(small()));
+}
+
+// bf16 training: FC1 and FC2 keep pointers to their inputs and (delayed wgrad) output gradients,
+// so the layer saves those per slot where dispatch, SwiGLU, combine and the SwiGLU backward write
+// them, and the linears' workspaces hold no copies. The mxfp8 recipe saves quantized copies
+// instead, and then the layer's tensors stay per step.
+TEST(MoeProgram, Bf16TrainingSavesTheLinearsActivationsWhereTheyAreWritten) {
+  MoeLayerOptions o = small();
+  o.delay_wgrad = true;
+  ASSERT_TRUE(layer::layer_keeps_linear_activations(o));
+  const auto saved = MoeLayer::workspace_buffers(o);
+  for (const char* name : {"slot0.x_perm", "slot1.x_perm", "slot0.swiglu_out", "slot1.swiglu_out",
+                           "slot0.d.fc1_out", "slot1.d.fc1_out", "slot0.d.expert_out", "slot1.d.expert_out"})
+    EXPECT_TRUE(has_buffer(saved, name)) << name;
+  for (const char* name : {"x_perm", "swiglu_out", "d.fc1_out", "d.expert_out"})
+    EXPECT_FALSE(has_buffer(saved, name)) << name << " is saved per slot, not per step";
+  for (int layer : {1, 2}) {
+    GroupedLinearOptions g = layer::expert_linear_options(o, layer, moe_expert_rows(o));
+    const std::size_t copies = GroupedLinear::workspace_bytes(g);
+    g.caller_keeps_activations = true;
+    for (const auto& b : GroupedLinear::workspace_buffers(g))
+      EXPECT_TRUE(b.name.find(".x") == std::string::npos && b.name.find(".dy") == std::string::npos)
+          << "fc" << layer << " keeps " << b.name;
+    // Two slots of x [rows, K] and dy [rows, N], 2 bytes each, at least.
+    EXPECT_GE(copies - GroupedLinear::workspace_bytes(g),
+              std::size_t(2 * moe_expert_rows(o) * (g.in_features + g.out_features) * 2));
+  }
+
+  o.delay_wgrad = false;  // the gradients are read in the backward that writes them
+  const auto immediate = MoeLayer::workspace_buffers(o);
+  EXPECT_TRUE(has_buffer(immediate, "slot1.x_perm"));
+  EXPECT_TRUE(has_buffer(immediate, "d.expert_out"));
+  EXPECT_FALSE(has_buffer(immediate, "slot0.d.expert_out"));
+
+  o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32, o.delay_wgrad = true;
+  ASSERT_FALSE(layer::layer_keeps_linear_activations(o));
+  const auto mxfp8 = MoeLayer::workspace_buffers(o);
+  for (const char* name : {"x_perm", "swiglu_out", "d.fc1_out", "d.expert_out"})
+    EXPECT_TRUE(has_buffer(mxfp8, name)) << name;
+  GroupedLinearOptions g = layer::expert_linear_options(o, 1, moe_expert_rows(o));
+  g.caller_keeps_activations = true;
+  std::string refusal;
+  try {
+    validate(g);
+  } catch (const Error& e) {
+    refusal = e.what();
+  }
+  EXPECT_NE(refusal.find("caller_keeps_activations needs the bf16 recipe"), std::string::npos) << refusal;
+  o.recipe = Recipe::kBF16, o.training = false;
+  EXPECT_FALSE(layer::layer_keeps_linear_activations(o));
 }
 
 TEST(MoeProgram, RowsHoldDroplessRoutingWithPadding) {

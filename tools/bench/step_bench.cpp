@@ -314,8 +314,9 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
                 std::string(routing_kind_name(c.routing.kind)).c_str());
   }
   if (c.precision.recipe == Recipe::kMXFP8) {
-    // The experts' saved activations (every slot's x copy and, with delayed wgrad, dy copy of FC1
-    // and FC2) against the same layer in bf16, and the whole bucket.
+    // The experts' saved activations (every slot's x and, with delayed wgrad, dy of FC1 and FC2:
+    // their slots' copies, sized here; bf16 training keeps the same bytes as the layer's per-slot
+    // tensors that FC1 and FC2 point to) against the same layer in bf16, and the whole bucket.
     Config bf16 = c;
     bf16.precision.recipe = Recipe::kBF16;
     bf16.precision.prequantized_weights = false;

@@ -1,5 +1,6 @@
 // The bf16 recipe (bf16 or fp16 activations): the GEMMs read the 16-bit operands directly; a
-// slot keeps a copy of x (and of dy when wgrad is delayed).
+// slot keeps a copy of x (and of dy when wgrad is delayed), or with caller_keeps_activations
+// pointers to the caller's.
 #include <vector>
 
 #include "kernels/elementwise/elementwise.hpp"
@@ -15,8 +16,9 @@ class Bf16Backend final : public LinearBackend {
   void lay_out_scratch(LayoutWalker&) override {}
   void lay_out_slot(LayoutWalker& walk, int slot, const std::string& prefix) override {
     if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
-    slots_[slot].x = walk.take(prefix + "x", o_.capacity_rows, o_.in_features, es_);
-    if (o_.delay_wgrad) slots_[slot].dy = walk.take(prefix + "dy", o_.capacity_rows, o_.out_features, es_);
+    if (o_.caller_keeps_activations) return;  // pointers, set per micro-batch
+    slots_[slot].own_x = walk.take(prefix + "x", o_.capacity_rows, o_.in_features, es_);
+    if (o_.delay_wgrad) slots_[slot].own_dy = walk.take(prefix + "dy", o_.capacity_rows, o_.out_features, es_);
   }
 
   void prepare(int sm_count) override {
@@ -34,9 +36,7 @@ class Bf16Backend final : public LinearBackend {
   void weights_changed(const void*, cudaStream_t) override {}
 
   void fprop(const ForwardArgs& a, Groups g, int save_slot, cudaStream_t stream) override {
-    if (save_slot >= 0)
-      kernels::launch_copy_used_rows(slots_[save_slot].x, a.x, o_.in_features * es_, g.offsets, o_.num_groups,
-                                     copy_grid_, stream);
+    if (save_slot >= 0) save(slots_[save_slot].own_x, slots_[save_slot].x, a.x, o_.in_features, g, stream);
     kernels::RaggedGemmParams p;
     p.a = a.x, p.w = a.weight, p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
@@ -54,9 +54,7 @@ class Bf16Backend final : public LinearBackend {
     }
     switch (mode) {
       case WgradMode::kImmediate: return wgrad(a.dy, slots_[slot].x, g, a.dweight, a.main_grad, stream);
-      case WgradMode::kDelayed:
-        return kernels::launch_copy_used_rows(slots_[slot].dy, a.dy, o_.out_features * es_, g.offsets, o_.num_groups,
-                                              copy_grid_, stream);
+      case WgradMode::kDelayed: return save(slots_[slot].own_dy, slots_[slot].dy, a.dy, o_.out_features, g, stream);
     }
   }
 
@@ -73,9 +71,22 @@ class Bf16Backend final : public LinearBackend {
     kernels::launch_grouped_wgrad(wgrad_.for_call(main_grad), p, stream);
   }
 
+  // What wgrad will read of `src` (`width` elements a row): a copy of its used rows in `own`, or
+  // the caller's buffer itself (caller_keeps_activations).
+  void save(void* own, const void*& saved, const void* src, int64_t width, Groups g, cudaStream_t stream) {
+    if (o_.caller_keeps_activations) {
+      saved = src;
+      return;
+    }
+    kernels::launch_copy_used_rows(own, src, width * es_, g.offsets, o_.num_groups, copy_grid_, stream);
+    saved = own;
+  }
+
   struct Slot {
-    void* x = nullptr;   // [capacity_rows, K] copy of the forward input
-    void* dy = nullptr;  // [capacity_rows, N], when wgrad may be delayed
+    void* own_x = nullptr;   // [capacity_rows, K] copy of the forward input
+    void* own_dy = nullptr;  // [capacity_rows, N], when wgrad may be delayed
+    const void* x = nullptr;   // what wgrad reads: the copies, or the caller's buffers
+    const void* dy = nullptr;
   };
   GroupedLinearOptions o_;
   std::size_t es_;

@@ -25,7 +25,8 @@ struct GroupedLinear::Slot {
   int64_t* own_offsets = nullptr;  // [G + 1]
   const int32_t* splits = nullptr;   // what backward and wgrad read: the copies or the caller's
   const int64_t* offsets = nullptr;
-  float* scale = nullptr;          // [capacity_rows] bias scale, when the layer has a bias
+  float* own_scale = nullptr;      // [capacity_rows] copy of the bias scale (bias, unless the caller keeps it)
+  const float* scale = nullptr;    // what backward reads: the copy or the caller's
   bool has_scale = false;
 };
 
@@ -143,6 +144,9 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(!o.dequantized_weights || (o.recipe == Recipe::kMXFP8 && o.dtype == DType::kBF16),
            "dequantized_weights needs the mxfp8 recipe with bf16 activations (the kept values are bf16 and the "
            "bf16 kernels read them), got recipe ", recipe_name(o.recipe), " and dtype ", dtype_name(o.dtype));
+  MG_CHECK(!o.caller_keeps_activations || o.recipe == Recipe::kBF16,
+           "caller_keeps_activations needs the bf16 recipe (the mxfp8 recipe saves quantized copies), got recipe ",
+           recipe_name(o.recipe));
   const std::string recipe = recipe_can_implement(o);
   MG_CHECK(recipe.empty(), recipe);
 }
@@ -161,7 +165,8 @@ void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, l
     backend.lay_out_slot(walk, s, prefix);
     slots[s].own_splits = walk.take<int32_t>(prefix + "splits", g, sizeof(int32_t));
     slots[s].own_offsets = walk.take<int64_t>(prefix + "offsets", g + 1, sizeof(int64_t));
-    if (o.bias) slots[s].scale = walk.take<float>(prefix + "bias_scale", o.capacity_rows, sizeof(float));
+    if (o.bias && !o.caller_keeps_activations)
+      slots[s].own_scale = walk.take<float>(prefix + "bias_scale", o.capacity_rows, sizeof(float));
   }
 }
 
@@ -288,8 +293,9 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
     slot.splits = slot.own_splits, slot.offsets = slot.own_offsets;
   }
   slot.has_scale = args.bias_scale != nullptr;
-  if (slot.has_scale)
-    kernels::launch_copy_used_rows(slot.scale, args.bias_scale, sizeof(float), slot.offsets, options_.num_groups,
+  slot.scale = options_.caller_keeps_activations ? args.bias_scale : slot.own_scale;
+  if (slot.has_scale && !options_.caller_keeps_activations)
+    kernels::launch_copy_used_rows(slot.own_scale, args.bias_scale, sizeof(float), slot.offsets, options_.num_groups,
                                    scratch_->sm_count * 4, stream);
   backend_->fprop(args, {slot.splits, slot.offsets}, index, stream);
   free_slots_.pop_back();

@@ -15,7 +15,7 @@ namespace {
 
 class DispatchOp final : public LayerOp {
  public:
-  explicit DispatchOp(const MoeLayerOptions& o) : o_(o), rows_(moe_layer_rows(o)) {}
+  DispatchOp(const OpSpec& spec, const MoeLayerOptions& o) : spec_(spec), o_(o), rows_(moe_layer_rows(o)) {}
   std::string name() const override { return "dispatch"; }
   std::string kernels() const override {
     return "dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter), row gather; "
@@ -31,7 +31,7 @@ class DispatchOp final : public LayerOp {
     t.declare(tensor::kTokenOfRow, checked_mul(tensor::kTokenOfRow, rows_, sizeof(int32_t)), Lifetime::kSaved);
     t.declare(tensor::kRowWeight, checked_mul(tensor::kRowWeight, rows_, sizeof(float)), Lifetime::kSaved);
     t.declare(tensor::kPermutedX, checked_mul(tensor::kPermutedX, rows_, o_.hidden, dtype_size(o_.dtype)),
-              Lifetime::kStep);
+              spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     t.declare("dispatch.workspace", kernels::dispatch_workspace_bytes(tk, o_.experts, o_.top_k), Lifetime::kStep);
     if (training)
       t.declare(tensor::kDTopkWeights, checked_mul(tensor::kDTopkWeights, tk, k, sizeof(float)), Lifetime::kStep);
@@ -45,7 +45,7 @@ class DispatchOp final : public LayerOp {
                                                       rows_, o_.capacity_factor, records_);
     kernels::launch_dispatch(d, stream);
     kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
-                                 t.get(tensor::kPermutedX), stream);
+                                 t.get(tensor::kPermutedX, p.slot), stream);
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {
@@ -64,6 +64,7 @@ class DispatchOp final : public LayerOp {
   uint64_t take_dropped() override { return records_.take_dropped(); }
 
  private:
+  OpSpec spec_;
   MoeLayerOptions o_;
   int64_t rows_;
   DispatchRecords records_;
@@ -83,7 +84,8 @@ class CombineOp final : public LayerOp {
   void declare(TensorTable& t, bool training) override {
     if (!training) return;
     const std::string d_in = tensor::grad(spec_.in);
-    t.declare(d_in, checked_mul(d_in, rows_, o_.hidden, dtype_size(o_.dtype)), Lifetime::kStep);
+    t.declare(d_in, checked_mul(d_in, rows_, o_.hidden, dtype_size(o_.dtype)),
+              spec_.save_d_in ? Lifetime::kSaved : Lifetime::kStep);
     if (spec_.weighted)
       t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, rows_, sizeof(float)), Lifetime::kStep);
   }
@@ -105,7 +107,7 @@ class CombineOp final : public LayerOp {
                                      spec_.weighted ? t.get<float>(tensor::kRowWeight, s) : nullptr,
                                      spec_.weighted ? t.get(spec_.in, s) : nullptr, t.get<int32_t>(tensor::kSplits, s),
                                      t.get<int64_t>(tensor::kOffsets, s), o_.experts, o_.hidden,
-                                     t.get(tensor::grad(spec_.in)),
+                                     t.get(tensor::grad(spec_.in), s),
                                      spec_.weighted ? t.get<float>(tensor::kDRowWeight) : nullptr, stream);
   }
 
@@ -158,8 +160,8 @@ kernels::DispatchParams dispatch_params(const TensorTable& t, int s, const MoeLa
   return d;
 }
 
-std::unique_ptr<LayerOp> make_dispatch_op(const OpSpec&, const MoeLayerOptions& o) {
-  return std::make_unique<DispatchOp>(o);
+std::unique_ptr<LayerOp> make_dispatch_op(const OpSpec& spec, const MoeLayerOptions& o) {
+  return std::make_unique<DispatchOp>(spec, o);
 }
 std::unique_ptr<LayerOp> make_combine_op(const OpSpec& spec, const MoeLayerOptions& o) {
   return std::make_unique<CombineOp>(spec, o);

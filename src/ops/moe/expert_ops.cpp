@@ -21,6 +21,8 @@ class LinearOp final : public LayerOp {
   LinearOp(const OpSpec& spec, const MoeLayerOptions& o, const MoeLayerWeights& w)
       : spec_(spec), o_(o), g_(expert_linear_options(o, spec.layer, moe_expert_rows(o))) {
     MG_CHECK(spec.layer == 1 || spec.layer == 2, "linear operator \"", spec.name, "\" must be FC1 or FC2");
+    // The layer saves this operator's input and output gradient per slot (moe_layer_ops).
+    g_.caller_keeps_activations = layer_keeps_linear_activations(o);
     set_weights(w);
     scaled_bias_ = o.bias && !spec.bias_scale.empty();
   }
@@ -69,7 +71,7 @@ class LinearOp final : public LayerOp {
     MG_CHECK(fp32 ? main_grad_ != nullptr : dweight_ != nullptr, spec_.name, ": MoeLayerWeights needs ",
              fp32 ? "main_grad" : "dw", spec_.layer);
     MG_CHECK(!o_.bias || dbias_ != nullptr, spec_.name, ": MoeLayerWeights needs db", spec_.layer);
-    BackwardArgs b{t.get(tensor::grad(spec_.out)),
+    BackwardArgs b{t.get(tensor::grad(spec_.out), p.slot),
                    weight_,
                    bias_,
                    t.get(tensor::grad(spec_.in)),
@@ -120,7 +122,7 @@ class SwigluOp final : public LayerOp {
               spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     if (!training) return;
     const std::string d_in = tensor::grad(spec_.in);
-    t.declare(d_in, checked_mul(d_in, rows_, 2, o_.ffn, es), Lifetime::kStep);
+    t.declare(d_in, checked_mul(d_in, rows_, 2, o_.ffn, es), spec_.save_d_in ? Lifetime::kSaved : Lifetime::kStep);
     if (weighted_)
       t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, rows_, sizeof(float)), Lifetime::kStep);
   }
@@ -146,11 +148,11 @@ class SwigluOp final : public LayerOp {
     if (weighted_)
       kernels::launch_swiglu_weighted_backward(
           o_.dtype, t.get(spec_.in, s), t.get<float>(tensor::kRowWeight, s), t.get(tensor::grad(spec_.out)),
-          t.get(tensor::grad(spec_.in)), t.has(kDBiasScale) ? t.get<float>(kDBiasScale) : nullptr,
+          t.get(tensor::grad(spec_.in), s), t.has(kDBiasScale) ? t.get<float>(kDBiasScale) : nullptr,
           t.get<float>(tensor::kDRowWeight), o_.ffn, offsets, groups_, stream);
     else
       kernels::launch_swiglu_backward(o_.dtype, t.get(spec_.in, s), t.get(tensor::grad(spec_.out)),
-                                      t.get(tensor::grad(spec_.in)), o_.ffn, offsets, groups_, grid_, stream);
+                                      t.get(tensor::grad(spec_.in), s), o_.ffn, offsets, groups_, grid_, stream);
   }
 
  private:

@@ -4,17 +4,22 @@
 
 namespace moegraph::layer {
 
+bool layer_keeps_linear_activations(const MoeLayerOptions& o) {
+  return o.training && o.recipe == Recipe::kBF16 && o.expert_parallel == 1;
+}
+
 std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
+  const bool keep = layer_keeps_linear_activations(o), keep_grads = keep && o.delay_wgrad;
   std::vector<OpSpec> ops;
-  ops.push_back({OpKind::kRouter, "router", "", "", true, true, "", 0});
-  ops.push_back({OpKind::kDispatch, "dispatch", "", tensor::kPermutedX, false, true, "", 0});
-  if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, true, "", 0});
-  ops.push_back({OpKind::kLinear, "fc1", tensor::kPermutedX, "fc1_out", true, true, "", 1});
-  ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", false, true, "", 0});
+  ops.push_back({OpKind::kRouter, "router", "", "", true, false, true, "", 0});
+  ops.push_back({OpKind::kDispatch, "dispatch", "", tensor::kPermutedX, keep, false, true, "", 0});
+  if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, false, true, "", 0});
+  ops.push_back({OpKind::kLinear, "fc1", tensor::kPermutedX, "fc1_out", true, false, true, "", 1});
+  ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", keep, keep_grads, true, "", 0});
   // The combine's backward needs each row's expert output for the weight gradient (with expert
   // parallelism it keeps the copy that came back to this rank instead).
-  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, true, "", 2});
-  ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, true, "", 0});
+  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, false, true, "", 2});
+  ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, keep_grads, true, "", 0});
   return ops;
 }
 

@@ -27,7 +27,8 @@ struct OpSpec {
   OpKind kind;
   std::string name;             // unique: "router", "fc1", ...
   std::string in, out;          // the tensor read and the tensor produced ("" where the io is used)
-  bool save_out = false;        // the output is saved per slot (backward reads it)
+  bool save_out = false;        // the output is saved per slot (backward or wgrad reads it)
+  bool save_d_in = false;       // the input gradient is saved per slot (a delayed wgrad reads it)
   bool weighted = true;         // kCombine: apply the top-k weights
   std::string bias_scale;       // kLinear: tensor scaling the bias per row ("" none)
   int layer = 0;                // kLinear: 1 (hidden -> 2 ffn) or 2 (ffn -> hidden)
@@ -40,6 +41,13 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& options);
 // the same function. Returns the number of rewrites (0 when the pattern is absent).
 int fuse_routing_weights(std::vector<OpSpec>& ops);
 std::string describe(const std::vector<OpSpec>& ops);
+
+// Whether the layer saves the expert linears' inputs (x_perm, swiglu_out) per slot, and with delayed
+// wgrad their output gradients (d.fc1_out, d.expert_out), where the producers write them, so that
+// FC1 and FC2 keep pointers instead of copies (GroupedLinearOptions::caller_keeps_activations):
+// bf16 training on one GPU. The mxfp8 recipe saves quantized copies instead; with expert
+// parallelism x_perm is the receive buffer that backward reuses for FC2's output gradient.
+bool layer_keeps_linear_activations(const MoeLayerOptions& options);
 
 // FC1 (layer 1: hidden -> 2 * ffn) or FC2 (layer 2: ffn -> hidden) of the experts, on
 // `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions
