@@ -21,10 +21,11 @@
 // in the same [cols, rows] layout, as they were stored then.)
 // The activations' column-wise copy is tiled (mxfp8.hpp): each tile writes one contiguous 4 KB run,
 // so the bands no longer help it, and their walk makes the reads of x jump between rows. Activations
-// are walked row-major (bands of one row tile). Measured on an H100 with the tiled layout, bands of
-// 1 / 4 / 32 / 128 row tiles, two alternating runs (ms): 32768 x 7168 0.398 / 0.408 / 0.422 / 0.426,
-// with 256 groups 0.446 / 0.448 / 0.462 / 0.470; 16384 x 4096 0.112 / 0.114 / 0.115 / 0.117;
-// 32000 x 2048 0.115 / 0.115 / 0.117 / 0.116.
+// are walked row-major. Measured on an H100 with the tiled layout, bands of 1 / 4 / 32 / 128 row
+// tiles, two alternating runs (ms): 32768 x 7168 0.398 / 0.408 / 0.422 / 0.426, with 256 groups
+// 0.446 / 0.448 / 0.462 / 0.470; 16384 x 4096 0.112 / 0.114 / 0.115 / 0.117; 32000 x 2048 0.115 /
+// 0.115 / 0.117 / 0.116. Each block now takes a contiguous share of that row-major order
+// (ContiguousWalk below says why).
 //
 // This file must be compiled without flush-to-zero (no -ftz=true / --use_fast_math): bf16
 // subnormal inputs and the 2^-127 scale are fp32 subnormals, and the rules keep them exact.
@@ -224,21 +225,62 @@ __device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tile
   return Tile{batch, int64_t{row_tile} * kTileRows, int64_t{col_tile} * kTileCols, row_tile};
 }
 
+// The activations' walk: block b takes the contiguous tiles [begin, end) of the row-major order,
+// an equal share (one more for the first total % gridDim.x blocks). Consecutive tiles of a block
+// are the column tiles of one row tile, so its coordinates advance without a division and a
+// thread's row, and so whether the row lies in a group's gap, changes only once per row of tiles.
+// Measured on an H200, Qwen3-like step at 4096 tokens (x 32768 x 2048, 128 groups): the
+// grid-stride walk issued 772 instructions per warp and tile, at 2.85 instructions per cycle per
+// SM (issue-bound), of which the tile's location (three divisions) and the binary search over the
+// group offsets took a large part.
+struct ContiguousWalk {
+  uint32_t remaining, col_tile, row_tile;
+  __device__ ContiguousWalk(uint32_t total, uint32_t col_tiles) {
+    const uint32_t per = total / gridDim.x, extra = total % gridDim.x;
+    const uint32_t t = blockIdx.x * per + min(blockIdx.x, extra);
+    remaining = per + (blockIdx.x < extra ? 1 : 0);
+    row_tile = t / col_tiles;
+    col_tile = t - row_tile * col_tiles;
+  }
+  __device__ bool done() const { return remaining == 0; }
+  __device__ Tile tile() const { return Tile{0, int64_t{row_tile} * kTileRows, int64_t{col_tile} * kTileCols, row_tile}; }
+  __device__ void advance(uint32_t col_tiles) {
+    --remaining;
+    if (++col_tile == col_tiles) col_tile = 0, ++row_tile;
+  }
+};
+
+// Whether row r holds data: below the used rows and, with splits, not in a group's gap.
+__device__ __forceinline__ bool row_has_data(const QuantizeArgs& a, int64_t used, int64_t r) {
+  if (r >= used) return false;
+  if (a.splits == nullptr) return true;
+  int lo = 0, hi = a.groups - 1;  // the largest group e with offsets[e] <= r holds row r
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.offsets[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  const int64_t span = a.offsets[lo + 1] - a.offsets[lo], split = a.splits[lo];
+  return r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
+}
+
+// row_has_data for the last row asked about, remembered (the contiguous walk asks about one row for
+// a whole row of tiles): row * 2 + answer, rows being below 2^31.
+struct RowValidity {
+  uint32_t packed = 0xffffffffu;
+  __device__ bool operator()(const QuantizeArgs& a, int64_t used, int64_t r) {
+    if (static_cast<uint32_t>(r) == packed >> 1) return packed & 1;
+    const bool data = row_has_data(a, used, r);
+    packed = static_cast<uint32_t>(r) << 1 | (data ? 1u : 0u);
+    return data;
+  }
+};
+
 // The 16 elements [col, col + 16) of tile row `row` as two 16-byte vectors; zeros past the used
-// rows or the columns (nothing is read there).
-__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row, int col,
+// rows or the columns (nothing is read there). `row_data`: row_has_data of the row.
+__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int row, int col, bool row_data,
                                            uint4 (&v)[2]) {
   const int64_t r = t.row0 + row, c = t.col0 + col;
-  bool data = r < used && c < a.cols;
-  if (data && a.splits != nullptr) {  // the largest group e with offsets[e] <= r holds row r
-    int lo = 0, hi = a.groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (a.offsets[mid] <= r) lo = mid; else hi = mid - 1;
-    }
-    const int64_t span = a.offsets[lo + 1] - a.offsets[lo], split = a.splits[lo];
-    data = r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
-  }
+  const bool data = row_data && c < a.cols;
   if (data) {
     const uint4* src = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + r) * a.cols + c);
     v[0] = __ldg(src);
@@ -320,9 +362,19 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
   if (half == 0) a.colwise.scales[at] = static_cast<uint8_t>(byte);
 }
 
-// `band`: kBandRowTiles for weights, 1 for activations (a row-major walk). It is an argument, not a
-// template constant: folding a constant in makes ptxas spill 4 bytes in the bf16 row-wise kernel.
-template <class T, bool kRow, bool kCol>
+// The walk of the weights (batches of experts): tile t, t + gridDim.x, ... in bands of `band` row
+// tiles (locate_tile_banded), so the blocks resident together write neighbouring rows of each
+// column of the transposed copy.
+struct BandedWalk {
+  uint32_t t, total;
+  __device__ bool done() const { return t >= total; }
+  __device__ void advance(uint32_t) { t += gridDim.x; }
+};
+
+// kContiguous: the activations' walk (ContiguousWalk, one batch); else the weights' (BandedWalk,
+// `band` = kBandRowTiles). `band` is an argument, not a template constant: folding a constant in
+// makes ptxas spill 4 bytes in the bf16 row-wise kernel.
+template <class T, bool kRow, bool kCol, bool kContiguous>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
                                                                                    const uint32_t band) {
   // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
@@ -331,24 +383,38 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
   const uint32_t row_tiles = static_cast<uint32_t>((used + kTileRows - 1) / kTileRows);
   const uint32_t col_tiles = static_cast<uint32_t>((a.cols + kTileCols - 1) / kTileCols);
   const uint32_t total = row_tiles * col_tiles * static_cast<uint32_t>(a.batches);
-  if (blockIdx.x >= total) return;  // uniform over the block
+  using Walk = std::conditional_t<kContiguous, ContiguousWalk, BandedWalk>;
+  Walk walk = [&]() -> Walk {
+    if constexpr (kContiguous) return ContiguousWalk(total, col_tiles);
+    else return BandedWalk{blockIdx.x, total};
+  }();
+  if (walk.done()) return;  // uniform over the block
+  const auto tile_of = [&](const Walk& w) {
+    if constexpr (kContiguous) return w.tile();
+    else return locate_tile_banded(w.t, row_tiles, col_tiles, band, a.batches);
+  };
 
   const int lane = threadIdx.x & 31;
   const int chunk_row = threadIdx.x / kChunksPerRow, chunk_col = threadIdx.x % kChunksPerRow * kChunk;
   const int col = threadIdx.x / 32 * 16 + (lane & 15), half = lane >> 4;  // column role
 
-  Tile tile = locate_tile_banded(blockIdx.x, row_tiles, col_tiles, band, a.batches);
+  RowValidity valid;  // the contiguous walk's; the banded one asks each time
+  const auto row_data = [&](const Tile& t) {
+    if constexpr (kContiguous) return valid(a, used, t.row0 + chunk_row);
+    else return row_has_data(a, used, t.row0 + chunk_row);
+  };
+  Tile tile = tile_of(walk);
   uint4 v[2];
-  load_chunk(a, tile, used, chunk_row, chunk_col, v);
+  load_chunk(a, tile, chunk_row, chunk_col, row_data(tile), v);
   int buf = 0;
-  for (uint32_t t = blockIdx.x; t < total; t += gridDim.x) {
+  while (!walk.done()) {
     // The next tile's loads go out first and stay in flight while this tile is converted.
-    const uint32_t next = t + gridDim.x;
+    walk.advance(col_tiles);
     Tile next_tile = tile;
     uint4 next_v[2] = {};
-    if (next < total) {
-      next_tile = locate_tile_banded(next, row_tiles, col_tiles, band, a.batches);
-      load_chunk(a, next_tile, used, chunk_row, chunk_col, next_v);
+    if (!walk.done()) {
+      next_tile = tile_of(walk);
+      load_chunk(a, next_tile, chunk_row, chunk_col, row_data(next_tile), next_v);
     }
     if constexpr (kCol) {
       shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8)] = v[0];
@@ -368,21 +434,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
   }
 }
 
-template <class T, bool kRow, bool kCol>
+template <class T, bool kRow, bool kCol, bool kContiguous>
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
-  const int blocks_per_sm = resident_blocks_per_sm(quantize_mxfp8_kernel<T, kRow, kCol>, kThreads);
+  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous>;
+  const int blocks_per_sm = resident_blocks_per_sm(kernel, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
-  quantize_mxfp8_kernel<T, kRow, kCol>
-      <<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, a.colwise_activations ? 1u : kBandRowTiles);
+  kernel<<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
   MG_LAUNCH_CHECK();
+}
+
+// Activations (one batch) take the contiguous walk, weights the banded one.
+template <class T, bool kRow, bool kCol>
+void launch_quantize_walk(const QuantizeArgs& a, cudaStream_t stream) {
+  if (a.batches == 1 && a.used_rows != nullptr) launch_quantize<T, kRow, kCol, true>(a, stream);
+  else launch_quantize<T, kRow, kCol, false>(a, stream);
 }
 
 template <class T>
 void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
   const bool row = a.rowwise.data != nullptr || a.rowwise.values != nullptr, col = a.colwise.data != nullptr;
-  if (row && col) launch_quantize<T, true, true>(a, stream);
-  else if (row) launch_quantize<T, true, false>(a, stream);
-  else launch_quantize<T, false, true>(a, stream);
+  if (row && col) launch_quantize_walk<T, true, true>(a, stream);
+  else if (row) launch_quantize_walk<T, true, false>(a, stream);
+  else launch_quantize_walk<T, false, true>(a, stream);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
