@@ -57,8 +57,8 @@ constexpr int kTileCols = 128;                    // four row-wise blocks per ro
 constexpr int kChunk = 16;                        // elements per thread: two 16-byte vectors
 constexpr int kChunksPerRow = kTileCols / kChunk;  // 8
 constexpr int kUnitsPerRow = kTileCols * 2 / 16;  // 16-byte units in a tile row of 16-bit elements
-// Row tiles per band of the weights' walk (1024 rows); activations use bands of one. See the top
-// of this file.
+// Row tiles per band of the weights' walk (1024 rows); activations take ContiguousWalk. See the
+// top of this file.
 constexpr uint32_t kBandRowTiles = 32;
 static_assert(kTileRows * kChunksPerRow == kThreads, "row role: one 16-element chunk per thread");
 static_assert(kTileCols * 2 == kThreads, "column role: one half column (16 rows) per thread");
@@ -210,8 +210,8 @@ struct Tile {
 
 // Tile t of the walk in bands of `band` row tiles (kBandRowTiles; the last band of a batch may be
 // shorter): down the band's rows of one 128-column strip, then the next strip. The tile count fits
-// 32 bits, and so does band * col_tiles: check_and_quantize bounds both. One batch (the
-// activations) saves a division.
+// 32 bits, and so does band * col_tiles: check_and_quantize bounds both. One batch saves a
+// division (the weights of one expert).
 __device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tiles, uint32_t col_tiles, uint32_t band,
                                                    int batches) {
   const uint32_t per_batch = row_tiles * col_tiles;
@@ -230,9 +230,10 @@ __device__ __forceinline__ Tile locate_tile_banded(uint32_t t, uint32_t row_tile
 // are the column tiles of one row tile, so its coordinates advance without a division and a
 // thread's row, and so whether the row lies in a group's gap, changes only once per row of tiles.
 // Measured on an H200, Qwen3-like step at 4096 tokens (x 32768 x 2048, 128 groups): the
-// grid-stride walk issued 772 instructions per warp and tile, at 2.85 instructions per cycle per
-// SM (issue-bound), of which the tile's location (three divisions) and the binary search over the
-// group offsets took a large part.
+// grid-stride walk issued 772 instructions per warp and tile, at 2.84 instructions per cycle per
+// SM (issue-bound), of which the tile's location (divisions) and the binary search over the group
+// offsets took a large part; this walk runs 23% fewer instructions and 24% less time there
+// (docs/PERF.md, "MXFP8 quantizer: a contiguous walk for the activations").
 struct ContiguousWalk {
   uint32_t remaining, col_tile, row_tile;
   __device__ ContiguousWalk(uint32_t total, uint32_t col_tiles) {
@@ -264,7 +265,9 @@ __device__ __forceinline__ bool row_has_data(const QuantizeArgs& a, int64_t used
 }
 
 // row_has_data for the last row asked about, remembered (the contiguous walk asks about one row for
-// a whole row of tiles): row * 2 + answer, rows being below 2^31.
+// a whole row of tiles): row * 2 + answer. Rows asked about, tile padding included, are below
+// capacity_rows + 32 < 2^31 (launch_quantize_mxfp8 checks it), so row * 2 + 1 fits 32 bits and no
+// row is 0x7fffffff, the empty cache's row.
 struct RowValidity {
   uint32_t packed = 0xffffffffu;
   __device__ bool operator()(const QuantizeArgs& a, int64_t used, int64_t r) {
@@ -446,7 +449,7 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
 // Activations (one batch) take the contiguous walk, weights the banded one.
 template <class T, bool kRow, bool kCol>
 void launch_quantize_walk(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.batches == 1 && a.used_rows != nullptr) launch_quantize<T, kRow, kCol, true>(a, stream);
+  if (a.colwise_activations && a.batches == 1) launch_quantize<T, kRow, kCol, true>(a, stream);
   else launch_quantize<T, kRow, kCol, false>(a, stream);
 }
 
@@ -590,6 +593,9 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
   constexpr const char* kWho = "launch_quantize_mxfp8";
   MG_CHECK(cols % kMxBlock == 0, kWho, ": cols must be a multiple of 32, got ", cols);
   MG_CHECK(offsets != nullptr && groups >= 0, kWho, ": needs the device offsets [groups + 1], groups = ", groups);
+  MG_CHECK(capacity_rows < (int64_t{1} << 31) - kTileRows, kWho,
+           ": capacity_rows must be below 2^31 - 32 (the walk keeps a row, tile padding included, in 31 bits), got ",
+           capacity_rows);
   QuantizeArgs a;
   a.x = static_cast<const uint16_t*>(x);
   a.rows = capacity_rows;

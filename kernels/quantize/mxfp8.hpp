@@ -79,8 +79,9 @@ constexpr int64_t mxfp8_scale_bytes(int64_t rows, int64_t cols) { return rows * 
 //     offsets[groups] itself is not a multiple of 32, the last block of each column holds the rows
 //     below it only (the absent rows count as zeros; their bytes are not written).
 //   - row-wise alone works for any offsets (row_align 1 included).
-// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles, walked row-major (mxfp8.cu says
-// why the weights' walk differs).
+//   - capacity_rows is below 2^31 - 32 (the walk remembers a row, tile padding included, in 31 bits).
+// Launch: persistent grid of 256-thread blocks over 32 x 128 tiles, each block a contiguous share of
+// them in row-major order (mxfp8.cu says why the weights' walk differs).
 // `splits` (optional, device [groups]): rows of a group past its split (alignment gaps) are
 // quantized as zeros whatever x holds there, as the grouped GEMMs treat them.
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols,

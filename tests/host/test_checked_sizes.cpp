@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/config.hpp"
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
@@ -227,6 +228,26 @@ void expect_moe_refused(const MoeLayerOptions& o, const std::vector<std::string>
   EXPECT_EQ(mg_moe_layer_create(&c, &weights, nullptr, &layer), MG_ERR_INVALID_ARGUMENT) << mg_last_error();
   EXPECT_EQ(layer, nullptr);
   expect_names(mg_last_error(), parts);
+}
+
+// The quantizer's walk keeps a row, tile padding included, in 31 bits: capacity_rows past 2^31 - 32
+// is refused on the host, naming the limit, before anything is launched (the pointers here are
+// never dereferenced).
+TEST(CheckedSizes, Mxfp8QuantizerRowsHaveAnUpperBound) {
+  alignas(16) static uint8_t fake[64];
+  const kernels::Mxfp8Rowwise row{fake, fake};
+  const int64_t* offsets = reinterpret_cast<const int64_t*>(fake);
+  const int64_t limit = (int64_t{1} << 31) - 32;
+  expect_names(refusal([&] {
+                 kernels::launch_quantize_mxfp8(DType::kBF16, fake, limit, 32, offsets, nullptr, 1, &row, nullptr,
+                                                nullptr);
+               }),
+               {"capacity_rows", "2^31 - 32", std::to_string(limit)});
+  expect_names(refusal([&] {
+                 kernels::launch_quantize_mxfp8(DType::kBF16, fake, kMaxCapacityRows, 32, offsets, nullptr, 1, &row,
+                                                nullptr, nullptr);
+               }),
+               {"capacity_rows", std::to_string(kMaxCapacityRows)});
 }
 
 TEST(CheckedSizes, MoeLayerIssueExampleIsRefusedNotWrapped) {
