@@ -129,8 +129,11 @@ StepPlan plan_step(const StepGraphsOptions& options) {
   plan.kernels.push_back("swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (options.step == StepKind::kMoeLayer && layer::layer_keeps_linear_activations(first))
-    plan.kernels.push_back("saved activations: x_perm, swiglu_out and (delayed wgrad) their gradients kept per slot "
-                           "where they are written; fc1 and fc2 keep pointers, no copies");
+    plan.kernels.push_back(std::string("saved activations: x_perm and swiglu_out") +
+                           (first.delay_wgrad ? ", d.fc1_out and d.expert_out" : "") +
+                           " kept per slot where they are written; fc1 and fc2 keep pointers, no copies");
+  else if (first.training && first.recipe == Recipe::kMXFP8)
+    plan.kernels.push_back("saved activations: the quantizer's MXFP8 column-wise copies of x and dy");
   else if (first.training)
     plan.kernels.push_back("saved-context copies: used rows only, 16-byte vectors");
   return plan;

@@ -48,11 +48,12 @@ struct GroupedLinearOptions {
   int wgrad_slots = 1;         // forward_train contexts that may be in flight at once
   bool delay_wgrad = false;    // reserve room so backward can queue wgrad (it then saves dy)
   // bf16 recipe, training: forward_train keeps pointers to x and to the bias scale, and a delayed
-  // backward a pointer to dy, instead of copying them into its slot. The caller keeps all three
+  // backward a pointer to dy, instead of copying them into its slot. The caller keeps x and dy
   // unchanged until that micro-batch's weight gradient has run (backward with kImmediate, or its
-  // backward_dw). The slots then hold no activation copies: less workspace, and two passes over
-  // the activations fewer per step (the MoE layer's producers write them where wgrad reads them).
-  // Refused with the mxfp8 recipe, whose slots keep quantized copies that it must make anyway.
+  // backward_dw), and the bias scale until its backward. The slots then hold no copies: less
+  // workspace, and a pass over x (and with delayed wgrad one over dy) fewer per micro-batch (the
+  // MoE layer's producers write them where wgrad reads them). Refused with the mxfp8 recipe, whose
+  // slots keep quantized copies that it must make anyway.
   bool caller_keeps_activations = false;
   // Kernel choices, normally left to the GEMM heuristic (tuning and differential tests); where left
   // open, MOEGRAPH_TILE_N / MOEGRAPH_GEMM_PIPELINE may force them.

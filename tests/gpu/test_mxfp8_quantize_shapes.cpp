@@ -1,6 +1,7 @@
-// The MXFP8 quantizer bit for bit against the host reference on the shapes that exercise its walk
-// in bands of row tiles: rows of 56 column tiles (7168 columns) over more tiles than the persistent
-// grid holds, so blocks cross from one band to the next, and the last band is short; ragged groups
+// The MXFP8 quantizer bit for bit against the host reference on the shapes that exercise its walks
+// (the activations' contiguous share of tiles per block, the weights' bands of row tiles): rows of
+// 56 column tiles (7168 columns) over more tiles than the persistent grid holds, so a block's share
+// crosses from one row tile to the next (and a band's end), and the last band is short; ragged groups
 // with row_align 32 whose gap rows hold NaN that the splits must mask; row_align 1 and row_align 8
 // groups that start inside a tile (row-wise: each row's own group); used rows that end inside a
 // tile and a partial column tile; scales pointers that are not 4-byte aligned; grouped weights.
@@ -50,9 +51,9 @@ std::vector<double> nan_gaps(std::vector<double> x, const GroupLayout& l, int64_
 class Mxfp8QuantizeShapes : public ::testing::TestWithParam<DType> {};
 
 // 7168 columns (56 column tiles) and ragged groups aligned to 32 with NaN in their gaps: 2080 used
-// rows, 65 row tiles, two whole bands of 32 and one of a single row tile; 3640 tiles, more than
-// four per block of the persistent grid (792 blocks on an H100), so each block's tiles lie in more
-// than one band. Both copies from one read and each alone.
+// rows, 65 row tiles; 3640 tiles, more than four per block of the persistent grid (792 blocks on an
+// H100), so a block's contiguous share of them crosses row tiles (and group gaps, whose rows the
+// walk's remembered answer must not carry over). Both copies from one read and each alone.
 TEST_P(Mxfp8QuantizeShapes, WideRowsRaggedGroupsWithSplits) {
   const DType dtype = GetParam();
   std::mt19937_64 rng(test_seed(detail::concat("mxfp8_shapes_wide_", dtype_name(dtype))));

@@ -51,7 +51,9 @@ bool layer_keeps_linear_activations(const MoeLayerOptions& options);
 
 // FC1 (layer 1: hidden -> 2 * ffn) or FC2 (layer 2: ffn -> hidden) of the experts, on
 // `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions
-// (the layer's operators and the expert-MLP step both use it).
+// (the layer's operators and the expert-MLP step both use it; the layer's operators then set
+// caller_keeps_activations where layer_keeps_linear_activations, which changes what a slot holds,
+// not the kernels).
 GroupedLinearOptions expert_linear_options(const MoeLayerOptions& options, int layer, int64_t capacity_rows);
 // Why the recipe cannot run that expert linear as the layer would use it ("" when it can): its shape
 // rules, and its training rules when options.training.
