@@ -16,6 +16,19 @@
 namespace moegraph::test {
 namespace {
 
+// The bf16 defaults of a small expert linear and layer that the mxfp8 recipe could also run
+// (K, N multiples of 128, row_align 32): each recipe rule is then the only reason for a refusal.
+GroupedLinearOptions small_linear() {
+  GroupedLinearOptions g;
+  g.num_groups = 2, g.in_features = 128, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
+  return g;
+}
+MoeLayerOptions small_layer() {
+  MoeLayerOptions l;
+  l.experts = 8, l.hidden = 128, l.ffn = 128, l.top_k = 2, l.max_tokens = 64, l.row_align = 32;
+  return l;
+}
+
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 TEST(PrequantizedWeights, SizesFollowTheLayout) {
@@ -49,15 +62,13 @@ TEST(PrequantizedWeights, QuantizerArgumentsAreChecked) {
 }
 
 TEST(PrequantizedWeights, NeedTheMxfp8RecipeAtEveryLevel) {
-  GroupedLinearOptions g;
-  g.num_groups = 2, g.in_features = 128, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
+  GroupedLinearOptions g = small_linear();
   g.prequantized_weights = true;
   EXPECT_TRUE(has(thrown_message([&] { validate(g); }), "prequantized_weights needs the mxfp8 recipe"));
   g.recipe = Recipe::kMXFP8;
   EXPECT_NO_THROW(validate(g));
 
-  MoeLayerOptions l;
-  l.experts = 8, l.hidden = 128, l.ffn = 128, l.top_k = 2, l.max_tokens = 64, l.row_align = 32;
+  MoeLayerOptions l = small_layer();
   l.prequantized_weights = true;
   EXPECT_TRUE(has(thrown_message([&] { validate(l); }), "prequantized_weights needs the mxfp8 recipe"));
   l.recipe = Recipe::kMXFP8;
@@ -80,8 +91,7 @@ TEST(PrequantizedWeights, NeedTheMxfp8RecipeAtEveryLevel) {
 // writes a dequantized copy only beside its pair.
 TEST(DequantizedWeights, NeedMxfp8AndBf16AtEveryLevel) {
   EXPECT_EQ(mxfp8_dequantized_weight_bytes(3, 96, 160), 2u * 3 * 96 * 160);
-  GroupedLinearOptions g;
-  g.num_groups = 2, g.in_features = 128, g.out_features = 128, g.capacity_rows = 256, g.row_align = 32;
+  GroupedLinearOptions g = small_linear();
   g.dequantized_weights = true;
   EXPECT_TRUE(has(thrown_message([&] { validate(g); }), "dequantized_weights needs the mxfp8 recipe with bf16"));
   g.recipe = Recipe::kMXFP8;
@@ -89,8 +99,7 @@ TEST(DequantizedWeights, NeedMxfp8AndBf16AtEveryLevel) {
   g.dtype = DType::kFP16;
   EXPECT_TRUE(has(thrown_message([&] { validate(g); }), "got recipe mxfp8 and dtype fp16"));
 
-  MoeLayerOptions l;
-  l.experts = 8, l.hidden = 128, l.ffn = 128, l.top_k = 2, l.max_tokens = 64, l.row_align = 32;
+  MoeLayerOptions l = small_layer();
   l.dequantized_weights = true;
   EXPECT_TRUE(has(thrown_message([&] { validate(l); }), "dequantized_weights needs the mxfp8 recipe"));
   l.recipe = Recipe::kMXFP8;
