@@ -111,6 +111,13 @@ struct ForwardArgs {
   const int64_t* offsets = nullptr;
   // options.prequantized_weights: W as MXFP8 (data and scales; `weight` may be null).
   Mxfp8Weights mxfp8_weights;
+  // Optional [capacity_rows] int32, device; the mxfp8 recipe only: x is then the source the grouped
+  // rows are gathered from ([any rows, K]): input row r is row x_rows[r] of x, for the rows that
+  // hold data (a gap row reads as zero and its entry is never read). E.g. the MoE layer's tokens
+  // and its dispatch's token_of_row: the quantizer reads each token where it is, and no permuted
+  // copy is written. Each entry of a data row must be a row of x (device data: not checked). Read
+  // during the call only (the slot keeps the quantized copy).
+  const int32_t* x_rows = nullptr;
 };
 
 struct BackwardArgs {

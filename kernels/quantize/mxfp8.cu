@@ -194,6 +194,9 @@ struct QuantizeArgs {
   const int64_t* offsets = nullptr;
   const int32_t* splits = nullptr;
   int groups = 0;
+  // Optional (activations, with splits): row r of the input is row source_rows[r] of x, for the
+  // rows that hold data (launch_quantize_mxfp8_gathered).
+  const int32_t* source_rows = nullptr;
   Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
   Mxfp8Colwise colwise;              // see colwise_activations
   // The column-wise layout: the activations' (one batch; tiled data, mxfp8_colwise_offset, and
@@ -264,30 +267,34 @@ __device__ __forceinline__ bool row_has_data(const QuantizeArgs& a, int64_t used
   return r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
 }
 
-// row_has_data for the last row asked about, remembered (the contiguous walk asks about one row for
-// a whole row of tiles): row * 2 + answer. Rows asked about, tile padding included, are below
-// capacity_rows + 32 < 2^31 (launch_quantize_mxfp8 checks it), so row * 2 + 1 fits 32 bits and no
-// row is 0x7fffffff, the empty cache's row.
-struct RowValidity {
-  uint32_t packed = 0xffffffffu;
-  __device__ bool operator()(const QuantizeArgs& a, int64_t used, int64_t r) {
-    if (static_cast<uint32_t>(r) == packed >> 1) return packed & 1;
-    const bool data = row_has_data(a, used, r);
-    packed = static_cast<uint32_t>(r) << 1 | (data ? 1u : 0u);
-    return data;
+// The row of x that row r reads, or -1 where r holds no data (row_has_data): r itself, or with a
+// gather its source row.
+__device__ __forceinline__ int64_t source_row(const QuantizeArgs& a, int64_t used, int64_t r) {
+  if (!row_has_data(a, used, r)) return -1;
+  return a.source_rows != nullptr ? int64_t{__ldg(a.source_rows + r)} : r;
+}
+
+// source_row for the last row asked about, remembered (the contiguous walk asks about one row for a
+// whole row of tiles). Rows asked about, tile padding included, are below capacity_rows + 32 <
+// 2^31 (launch_quantize_mxfp8 checks it), so they and their source rows fit 32 bits, and no row is
+// 0xffffffff, the empty cache's row.
+struct RowSource {
+  uint32_t row = 0xffffffffu;
+  int32_t source = -1;
+  __device__ int64_t operator()(const QuantizeArgs& a, int64_t used, int64_t r) {
+    if (static_cast<uint32_t>(r) != row) row = static_cast<uint32_t>(r), source = static_cast<int32_t>(source_row(a, used, r));
+    return source;
   }
 };
 
-// The 16 elements [col, col + 16) of tile row `row` as two 16-byte vectors; zeros past the used
-// rows or the columns (nothing is read there). `row_data`: row_has_data of the row.
-__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int row, int col, bool row_data,
-                                           uint4 (&v)[2]) {
-  const int64_t r = t.row0 + row, c = t.col0 + col;
-  const bool data = row_data && c < a.cols;
-  if (data) {
-    const uint4* src = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + r) * a.cols + c);
-    v[0] = __ldg(src);
-    v[1] = __ldg(src + 1);
+// The 16 elements [col, col + 16) of tile row `row` as two 16-byte vectors, read from row `src` of
+// x (source_row); zeros where it is -1 or past the columns (nothing is read there).
+__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t src, int col, uint4 (&v)[2]) {
+  const int64_t c = t.col0 + col;
+  if (src >= 0 && c < a.cols) {
+    const uint4* src_ptr = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + src) * a.cols + c);
+    v[0] = __ldg(src_ptr);
+    v[1] = __ldg(src_ptr + 1);
   } else {
     v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
   }
@@ -401,14 +408,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
   const int chunk_row = threadIdx.x / kChunksPerRow, chunk_col = threadIdx.x % kChunksPerRow * kChunk;
   const int col = threadIdx.x / 32 * 16 + (lane & 15), half = lane >> 4;  // column role
 
-  RowValidity valid;  // the contiguous walk's; the banded one asks each time
-  const auto row_data = [&](const Tile& t) {
-    if constexpr (kContiguous) return valid(a, used, t.row0 + chunk_row);
-    else return row_has_data(a, used, t.row0 + chunk_row);
+  RowSource source;  // the contiguous walk's; the banded one asks each time
+  const auto source_of = [&](const Tile& t) {
+    if constexpr (kContiguous) return source(a, used, t.row0 + chunk_row);
+    else return source_row(a, used, t.row0 + chunk_row);
   };
   Tile tile = tile_of(walk);
   uint4 v[2];
-  load_chunk(a, tile, chunk_row, chunk_col, row_data(tile), v);
+  load_chunk(a, tile, source_of(tile), chunk_col, v);
   int buf = 0;
   while (!walk.done()) {
     // The next tile's loads go out first and stay in flight while this tile is converted.
@@ -417,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
     uint4 next_v[2] = {};
     if (!walk.done()) {
       next_tile = tile_of(walk);
-      load_chunk(a, next_tile, chunk_row, chunk_col, row_data(next_tile), next_v);
+      load_chunk(a, next_tile, source_of(next_tile), chunk_col, next_v);
     }
     if constexpr (kCol) {
       shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8)] = v[0];
@@ -585,15 +592,13 @@ void launch_dequantize_colwise(const uint8_t* data, const uint8_t* scales, void*
   MG_LAUNCH_CHECK();
 }
 
-}  // namespace
-
-void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols, const int64_t* offsets,
-                           const int32_t* splits, int groups, const Mxfp8Rowwise* rowwise,
-                           const Mxfp8Colwise* colwise, cudaStream_t stream) {
-  constexpr const char* kWho = "launch_quantize_mxfp8";
-  MG_CHECK(cols % kMxBlock == 0, kWho, ": cols must be a multiple of 32, got ", cols);
-  MG_CHECK(offsets != nullptr && groups >= 0, kWho, ": needs the device offsets [groups + 1], groups = ", groups);
-  MG_CHECK(capacity_rows < (int64_t{1} << 31) - kTileRows, kWho,
+// The activations' launchers: one batch of capacity_rows, optionally gathered.
+void quantize_activations(const char* who, DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
+                          int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
+                          const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
+  MG_CHECK(cols % kMxBlock == 0, who, ": cols must be a multiple of 32, got ", cols);
+  MG_CHECK(offsets != nullptr && groups >= 0, who, ": needs the device offsets [groups + 1], groups = ", groups);
+  MG_CHECK(capacity_rows < (int64_t{1} << 31) - kTileRows, who,
            ": capacity_rows must be below 2^31 - 32 (the walk keeps a row, tile padding included, in 31 bits), got ",
            capacity_rows);
   QuantizeArgs a;
@@ -604,8 +609,27 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
   a.offsets = offsets;
   a.splits = splits;
   a.groups = groups;
+  a.source_rows = source_rows;
   a.colwise_activations = true;
-  check_and_quantize(kWho, "capacity_rows", in, a, rowwise, colwise, stream);
+  check_and_quantize(who, "capacity_rows", in, a, rowwise, colwise, stream);
+}
+}  // namespace
+
+void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols, const int64_t* offsets,
+                           const int32_t* splits, int groups, const Mxfp8Rowwise* rowwise,
+                           const Mxfp8Colwise* colwise, cudaStream_t stream) {
+  quantize_activations("launch_quantize_mxfp8", in, x, nullptr, capacity_rows, cols, offsets, splits, groups, rowwise,
+                       colwise, stream);
+}
+
+void launch_quantize_mxfp8_gathered(DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
+                                    int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
+                                    const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
+  constexpr const char* kWho = "launch_quantize_mxfp8_gathered";
+  // Without the splits a gap row would be read through its map entry, which no producer defines.
+  MG_CHECK(source_rows != nullptr && splits != nullptr, kWho, ": needs the device source rows and splits");
+  quantize_activations(kWho, in, x, source_rows, capacity_rows, cols, offsets, splits, groups, rowwise, colwise,
+                       stream);
 }
 
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,

@@ -88,6 +88,17 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
                            const int64_t* offsets, const int32_t* splits, int groups,
                            const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);
 
+// launch_quantize_mxfp8 with the input rows gathered: row r of the grouped input is row
+// source_rows[r] of x ([any rows, cols]) for the rows that hold data, those below offsets[groups]
+// and each group's split (splits required; the other rows read as zeros and their map entries are
+// never read). E.g. x the tokens and source_rows a dispatch's token_of_row: the quantizer reads each
+// token where it is (several times, from L2, for top-k routing) and the permuted copy is never made.
+// Bit-identical to launch_quantize_mxfp8 of the gathered buffer. Every map entry of a data row must
+// be a row of x (device data: not checked).
+void launch_quantize_mxfp8_gathered(DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
+                                    int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
+                                    const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);
+
 // Quantizes grouped weights w [groups, n, k] (bf16 or fp16), all rows of every expert:
 //   rowwise: blocks along K (what fprop reads):  data [groups, n, k], scales [groups, n, k / 32]
 //   colwise: blocks along N, each expert stored transposed (what dgrad reads, W_e^T):

@@ -231,6 +231,68 @@ TEST_P(Mxfp8Grouped, ManyTilesPerBlock) {
   expect_quantized(run, Layouts::kBoth, x, rows - 32, "8160 rows, both");
 }
 
+// Gathered rows (launch_quantize_mxfp8_gathered): row r of the grouped input is token map[r] of a
+// smaller source, tokens repeating as top-k routing repeats them. Both copies, and each alone,
+// equal the reference's quantization of the gathered buffer bit for bit; bytes past the used rows
+// keep the poison. The map entries of gap and padding rows name a NaN row that no data row uses:
+// reading one would put NaN where the reference has zeros. The second layout has more tiles than
+// the grid holds: blocks walk several tiles, across rows of tiles (the remembered source row).
+TEST_P(Mxfp8Grouped, GatheredRowsEqualTheGatheredBuffer) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_gathered_", dtype_name(dtype))));
+  struct Shape {
+    std::vector<int32_t> splits;
+    int64_t capacity, cols, tokens;
+  };
+  const Shape shapes[] = {{{40, 0, 70, 0, 1, 33, 0}, 352, 288, 37},
+                          {{1500, 0, 2100, 33, 900, 2, 1600}, 6400, 1120, 1024}};
+  for (const Shape& sh : shapes) {
+    const GroupLayout l = make_layout(sh.splits, 32, sh.capacity);
+    const int64_t cols = sh.cols, used = l.offsets.back();
+    std::vector<double> tokens = mixed_values(rng, sh.tokens + 1, cols, dtype);
+    plant_edges(tokens, sh.tokens, cols, dtype, rng);
+    std::fill(tokens.begin() + sh.tokens * cols, tokens.end(), kNaN);  // row `tokens`: never to be read
+    std::vector<int32_t> map(sh.capacity, static_cast<int32_t>(sh.tokens));
+    std::vector<double> gathered(sh.capacity * cols, 0.0);
+    const std::vector<bool> data = data_rows(l);
+    std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(sh.tokens) - 1);
+    for (int64_t r = 0; r < sh.capacity; ++r) {
+      if (!data[r]) continue;
+      map[r] = token(rng);
+      std::copy_n(tokens.begin() + map[r] * cols, cols, gathered.begin() + r * cols);
+    }
+    DeviceArray<uint16_t> d_tokens(tokens.size());
+    d_tokens.upload(bits_of(tokens, dtype));
+    DeviceArray<int32_t> d_map(map.size()), d_splits(sh.splits.size());
+    d_map.upload(map);
+    d_splits.upload(sh.splits);
+    DeviceArray<int64_t> offsets(l.offsets.size());
+    offsets.upload(l.offsets);
+    DeviceMx row(sh.capacity, cols), col(sh.capacity, cols);
+    const MxBuffer want_row = reference_rowwise(gathered, sh.capacity, cols, used);
+    const MxBuffer want_col = reference_colwise(gathered, sh.capacity, cols, used);
+    const MxBuffer untouched = mx_buffer(sh.capacity, cols);
+    const int groups = static_cast<int>(sh.splits.size());
+    for (Layouts which : {Layouts::kBoth, Layouts::kRow, Layouts::kCol}) {
+      const std::string where = detail::concat(sh.capacity, " x ", cols, ", layouts ", int(which));
+      row.poison(), col.poison();
+      const Mxfp8Rowwise r = row.rowwise();
+      const Mxfp8Colwise c = col.colwise();
+      kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), d_map.get(), sh.capacity, cols, offsets.get(),
+                                              d_splits.get(), groups, has_row(which) ? &r : nullptr,
+                                              has_col(which) ? &c : nullptr, nullptr);
+      MG_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(same_mx(where + " row-wise", row.download(), has_row(which) ? want_row : untouched));
+      EXPECT_TRUE(same_mx(where + " column-wise", col.download(), has_col(which) ? want_col : untouched));
+    }
+    // Without the splits a gap row's entry would be read: refused before anything is enqueued.
+    const Mxfp8Rowwise r = row.rowwise();
+    EXPECT_THROW(kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), d_map.get(), sh.capacity, cols,
+                                                         offsets.get(), nullptr, groups, &r, nullptr, nullptr),
+                 Error);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, Mxfp8Grouped, ::testing::Values(DType::kBF16, DType::kFP16),
                          [](const ::testing::TestParamInfo<DType>& info) { return std::string(dtype_name(info.param)); });
 

@@ -3,16 +3,20 @@
 // keeps no weight copy of its own, and a StepGraphs of the mxfp8 recipe quantizes once for all its
 // buckets. The quantizer itself is checked bit for bit against the host reference. Weights kept
 // dequantized (dequantized_weights) give the same bits as the staged route that dequantizes them on
-// every call, whether the operator, the step or the caller keeps them.
+// every call, whether the operator, the step or the caller keeps them. An operator reading its rows
+// through a map (ForwardArgs::x_rows) gives the same bits as one reading the gathered buffer.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/mxfp8_weights.hpp"
+#include "testing/data.hpp"
 #include "testing/mxfp8_reference.hpp"
+#include "testing/reference.hpp"
 #include "tests/common/env_var.hpp"
 #include "tests/common/expect.hpp"
 #include "tests/gpu/step_driver.hpp"
@@ -117,14 +121,17 @@ struct Mxfp8Linear {
     splits.upload(host_splits);
   }
 
-  Out run(GroupedLinear& op, const void* weight, const Mxfp8Weights& m) {
+  // x_in and x_rows (ForwardArgs::x_rows) stand in for x when given.
+  Out run(GroupedLinear& op, const void* weight, const Mxfp8Weights& m, const void* x_in = nullptr,
+          const int32_t* x_rows = nullptr) {
     const cudaStream_t s = stream.get();
     DeviceArray<uint16_t> y(rows * N), y_infer(rows * N), dx(rows * K);
     DeviceArray<float> main_grad(G * N * K);
     y.poison(), y_infer.poison(), dx.poison();
     testing::memset_and_wait(main_grad.get(), 0, main_grad.size() * 4);
-    op.forward({x.get(), splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m}, s);
-    op.forward_train({x.get(), splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m}, s);
+    const void* in = x_in != nullptr ? x_in : x.get();
+    op.forward({in, splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m, x_rows}, s);
+    op.forward_train({in, splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m, x_rows}, s);
     op.backward({dy.get(), weight, b.get(), dx.get(), nullptr, nullptr, nullptr, main_grad.get(), m},
                 WgradMode::kImmediate, s);
     op.check_device_errors(s);
@@ -187,6 +194,48 @@ TEST(Mxfp8WeightsApi, DequantizedWeightsGiveTheStagedRoutesBits) {
   const Mxfp8Linear::Out a = l.run(own, l.w.get(), {}), p = l.run(plain, l.w.get(), {});
   EXPECT_TRUE(a == p) << "the kept values and the per-call staging";
   EXPECT_GT(nonzero(a.main_grad), a.main_grad.size() / 2) << "the step computed gradients";
+}
+
+// ForwardArgs::x_rows: the operator reading its rows from tokens through a map (as the MoE layer's
+// FC1 reads the dispatch's token_of_row) gives the same y, inference y, dx and main_grad bits as
+// reading the gathered buffer, on both GEMM routes. The gap rows' map entries name a NaN token that
+// no data row uses (reading one would show). The bf16 recipe refuses x_rows.
+TEST(Mxfp8WeightsApi, GatheredInputRowsGiveTheGatheredBuffersBits) {
+  const std::vector<int32_t> host_splits{40, 0, 97, 5, 64, 31};
+  Mxfp8Linear l(host_splits, "mxfp8_gathered_linear");
+  const int64_t K = Mxfp8Linear::K, T = 90;
+  std::mt19937_64 rng(test_seed("mxfp8_gathered_linear_tokens"));
+  std::vector<uint16_t> tokens = to_device_bits(random_values(rng, (T + 1) * K, 1.0, DType::kBF16), DType::kBF16);
+  std::fill(tokens.begin() + T * K, tokens.end(), uint16_t{0x7fc0});  // token T: NaN, never to be read
+  const GroupLayout layout = make_layout(host_splits, 32, l.rows);
+  const std::vector<bool> data = data_rows(layout);
+  std::vector<int32_t> map(l.rows, static_cast<int32_t>(T));
+  std::vector<uint16_t> gathered = l.x.download();  // padding rows keep their random values
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(T) - 1);
+  for (int64_t r = 0; r < layout.offsets.back(); ++r) {
+    if (data[r]) map[r] = token(rng);
+    for (int64_t c = 0; c < K; ++c) gathered[r * K + c] = data[r] ? tokens[map[r] * K + c] : uint16_t{0};
+  }
+  l.x.upload(gathered);
+  DeviceArray<uint16_t> d_tokens(tokens.size());
+  d_tokens.upload(tokens);
+  DeviceArray<int32_t> d_map(map.size());
+  d_map.upload(map);
+  for (const char* route : {"staged", "e4m3"}) {
+    EnvVar forced("MOEGRAPH_MXFP8_ROUTE", route);
+    GroupedLinear op(l.options);
+    op.weights_changed(l.w.get(), l.stream.get());
+    const Mxfp8Linear::Out want = l.run(op, l.w.get(), {}), got = l.run(op, l.w.get(), {}, d_tokens.get(), d_map.get());
+    EXPECT_TRUE(got == want) << route << " route: gathered rows differ from the gathered buffer";
+    EXPECT_GT(nonzero(want.main_grad), want.main_grad.size() / 2) << route << ": the step computed gradients";
+  }
+  GroupedLinearOptions bf16 = l.options;
+  bf16.recipe = Recipe::kBF16;
+  GroupedLinear plain(bf16);
+  DeviceArray<uint16_t> y(l.rows * Mxfp8Linear::N);
+  EXPECT_THROW(plain.forward({d_tokens.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get(), nullptr, {},
+                              d_map.get()}, l.stream.get()),
+               Error);
 }
 
 // One grouped linear quantizing its own copies and one reading the caller's: the same y, dx and

@@ -58,6 +58,29 @@ TEST(MoeProgram, WorkspaceHoldsSavedTensorsPerSlot) {
   EXPECT_LT(MoeLayer::workspace_bytes(o), MoeLayer::workspace_bytes(small()));
 }
 
+// The mxfp8 recipe on one GPU: FC1's quantizer reads the tokens through the dispatch's
+// token_of_row, so the dispatch makes no permuted copy of x (for training or inference); the input
+// gradient keeps its name. bf16, and expert parallelism (FC1 reads the received rows), keep it.
+TEST(MoeProgram, Mxfp8Fc1GathersTheTokensInsteadOfAPermutedCopy) {
+  MoeLayerOptions o = small();
+  o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32;
+  ASSERT_TRUE(layer::layer_gathers_fc1_input(o));
+  EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)),
+            "router -> dispatch -> fc1(x by token_of_row) -> swiglu -> fc2 -> combine");
+  const auto train = MoeLayer::workspace_buffers(o);
+  EXPECT_TRUE(has_buffer(train, "d.x_perm"));
+  for (const char* name : {"x_perm", "slot0.x_perm", "slot1.x_perm"}) EXPECT_FALSE(has_buffer(train, name)) << name;
+  MoeLayerOptions bf16 = o;
+  bf16.recipe = Recipe::kBF16;
+  EXPECT_FALSE(layer::layer_gathers_fc1_input(bf16));
+  EXPECT_TRUE(has_buffer(MoeLayer::workspace_buffers(bf16), "slot0.x_perm"));
+  o.training = false, o.wgrad_slots = 1;
+  EXPECT_FALSE(has_buffer(MoeLayer::workspace_buffers(o), "x_perm")) << "inference gathers too";
+  o.expert_parallel = 2;
+  EXPECT_FALSE(layer::layer_gathers_fc1_input(o));
+  EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)), "router -> dispatch -> fc1 -> swiglu -> fc2 -> combine");
+}
+
 // bf16 training: FC1 and FC2 keep pointers to their inputs and (delayed wgrad) output gradients,
 // so the layer saves those per slot where dispatch, SwiGLU, combine and the SwiGLU backward write
 // them, and the linears' workspaces hold no copies. The mxfp8 recipe saves quantized copies
@@ -93,7 +116,7 @@ TEST(MoeProgram, Bf16TrainingSavesTheLinearsActivationsWhereTheyAreWritten) {
   o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32, o.delay_wgrad = true;
   ASSERT_FALSE(layer::layer_keeps_linear_activations(o));
   const auto mxfp8 = MoeLayer::workspace_buffers(o);
-  for (const char* name : {"x_perm", "swiglu_out", "d.fc1_out", "d.expert_out"})
+  for (const char* name : {"swiglu_out", "d.fc1_out", "d.expert_out"})
     EXPECT_TRUE(has_buffer(mxfp8, name)) << name;
   GroupedLinearOptions g = layer::expert_linear_options(o, 1, moe_expert_rows(o));
   g.caller_keeps_activations = true;

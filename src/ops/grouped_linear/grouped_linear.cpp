@@ -252,6 +252,9 @@ void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
     MG_CHECK(a.weight != nullptr, "forward needs the weight");
   MG_CHECK(a.bias == nullptr || o.bias, "a bias was given but the layer was built without bias");
   MG_CHECK(a.bias_scale == nullptr || a.bias != nullptr, "bias_scale needs a bias");
+  MG_CHECK(a.x_rows == nullptr || o.recipe == Recipe::kMXFP8,
+           "ForwardArgs::x_rows (input rows gathered from x) needs the mxfp8 recipe, whose quantizer reads the "
+           "rows; the ", recipe_name(o.recipe), " recipe's GEMMs read x as grouped rows");
 }
 }  // namespace
 

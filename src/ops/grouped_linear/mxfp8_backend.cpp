@@ -1,8 +1,9 @@
-// The mxfp8 recipe (docs/mxfp8.md): x and dy are quantized on the fly into MXFP8 copies (row-wise
-// for fprop and dgrad, column-wise for wgrad; where fprop or dgrad takes the staged route, the
-// row-wise copy is written as its bf16 values into the staging instead); a slot keeps the
-// column-wise copies instead of a 16-bit x; the weights are quantized once per update into copies
-// outside the workspace, or arrive already quantized from the caller (prequantized_weights).
+// The mxfp8 recipe (docs/mxfp8.md): x (or the rows gathered through ForwardArgs::x_rows) and dy
+// are quantized on the fly into MXFP8 copies (row-wise for fprop and dgrad, column-wise for wgrad;
+// where fprop or dgrad takes the staged route, the row-wise copy is written as its bf16 values into
+// the staging instead); a slot keeps the column-wise copies instead of a 16-bit x; the weights are
+// quantized once per update into copies outside the workspace, or arrive already quantized from
+// the caller (prequantized_weights).
 #include <algorithm>
 #include <vector>
 
@@ -93,9 +94,13 @@ class Mxfp8Backend final : public LinearBackend {
     const Mxfp8Weights& w = weights(a.mxfp8_weights);
     // The saved activation is the column-wise copy, quantized in the same read as fprop's operand.
     const kernels::Mxfp8Rowwise operand = operand_for(fprop_);
-    kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
-                                   o_.num_groups, &operand, save_slot >= 0 ? &slots_[save_slot].x_t : nullptr,
-                                   stream);
+    const kernels::Mxfp8Colwise* saved = save_slot >= 0 ? &slots_[save_slot].x_t : nullptr;
+    if (a.x_rows != nullptr)
+      kernels::launch_quantize_mxfp8_gathered(o_.dtype, a.x, a.x_rows, o_.capacity_rows, o_.in_features, g.offsets,
+                                              g.splits, o_.num_groups, &operand, saved, stream);
+    else
+      kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
+                                     o_.num_groups, &operand, saved, stream);
     kernels::Mxfp8RaggedGemmParams p;
     p.a = operand.data, p.a_scales = operand.scales, p.a_staged = operand.values != nullptr;
     p.b = w.data, p.b_scales = w.scales, p.b_dequantized = w.dequantized;

@@ -1,6 +1,7 @@
 // Dispatch (tokens -> expert-contiguous rows, with the maps that undo it) and combine (each
 // token's weighted sum of its k expert rows), with their backward.
 #include <memory>
+#include <string>
 
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
@@ -18,8 +19,9 @@ class DispatchOp final : public LayerOp {
   DispatchOp(const OpSpec& spec, const MoeLayerOptions& o) : spec_(spec), o_(o), rows_(moe_layer_rows(o)) {}
   std::string name() const override { return "dispatch"; }
   std::string kernels() const override {
-    return "dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter), row gather; "
-           "backward: gather of the row-weight gradients, un-permute sum into dx";
+    return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter), ") +
+           (spec_.out.empty() ? "no row gather (fc1 reads the tokens through token_of_row)" : "row gather") +
+           "; backward: gather of the row-weight gradients, un-permute sum into dx";
   }
 
   void declare(TensorTable& t, bool training) override {
@@ -30,8 +32,9 @@ class DispatchOp final : public LayerOp {
     t.declare(tensor::kRowOf, checked_mul(tensor::kRowOf, tk, k, sizeof(int32_t)), Lifetime::kSaved);
     t.declare(tensor::kTokenOfRow, checked_mul(tensor::kTokenOfRow, rows_, sizeof(int32_t)), Lifetime::kSaved);
     t.declare(tensor::kRowWeight, checked_mul(tensor::kRowWeight, rows_, sizeof(float)), Lifetime::kSaved);
-    t.declare(tensor::kPermutedX, checked_mul(tensor::kPermutedX, rows_, o_.hidden, dtype_size(o_.dtype)),
-              spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
+    if (!spec_.out.empty())  // else FC1 gathers the tokens itself (OpSpec::gather)
+      t.declare(spec_.out, checked_mul(spec_.out, rows_, o_.hidden, dtype_size(o_.dtype)),
+                spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     t.declare("dispatch.workspace", kernels::dispatch_workspace_bytes(tk, o_.experts, o_.top_k), Lifetime::kStep);
     if (training)
       t.declare(tensor::kDTopkWeights, checked_mul(tensor::kDTopkWeights, tk, k, sizeof(float)), Lifetime::kStep);
@@ -44,8 +47,9 @@ class DispatchOp final : public LayerOp {
     const kernels::DispatchParams d = dispatch_params(t, p.slot, o_, tensor::kSplits, tensor::kOffsets, o_.row_align,
                                                       rows_, o_.capacity_factor, records_);
     kernels::launch_dispatch(d, stream);
-    kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
-                                 t.get(tensor::kPermutedX, p.slot), stream);
+    if (!spec_.out.empty())
+      kernels::launch_permute_rows(o_.dtype, p.io->x, d.token_of_row, d.splits, d.offsets, o_.experts, o_.hidden,
+                                   t.get(spec_.out, p.slot), stream);
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {

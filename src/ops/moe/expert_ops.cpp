@@ -58,9 +58,10 @@ class LinearOp final : public LayerOp {
     const TensorTable& t = *p.tensors;
     const int s = p.slot;
     // The dispatch's group layout: planned once per micro-batch, checked there.
-    ForwardArgs a{t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
+    const bool gather = !spec_.gather.empty();
+    ForwardArgs a{gather ? p.io->x : t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
                   scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s),
-                  t.get<int64_t>(tensor::kOffsets, s), mxfp8_};
+                  t.get<int64_t>(tensor::kOffsets, s), mxfp8_, gather ? t.get<int32_t>(spec_.gather, s) : nullptr};
     if (p.train) op_->forward_train(a, stream);
     else op_->forward(a, stream);
   }

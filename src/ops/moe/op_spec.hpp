@@ -32,6 +32,10 @@ struct OpSpec {
   bool weighted = true;         // kCombine: apply the top-k weights
   std::string bias_scale;       // kLinear: tensor scaling the bias per row ("" none)
   int layer = 0;                // kLinear: 1 (hidden -> 2 ffn) or 2 (ffn -> hidden)
+  // kLinear: `in` is never made; its rows are read from the layer's input x through this map
+  // (ForwardArgs::x_rows; `in` still names the input gradient). kDispatch with out "": makes no
+  // permuted copy of x.
+  std::string gather;
 };
 
 // The unfused layer: router, dispatch, [aux loss], FC1, SwiGLU, FC2, weighted combine.
@@ -48,6 +52,11 @@ std::string describe(const std::vector<OpSpec>& ops);
 // bf16 training on one GPU. The mxfp8 recipe saves quantized copies instead; with expert
 // parallelism x_perm is the receive buffer that backward reuses for FC2's output gradient.
 bool layer_keeps_linear_activations(const MoeLayerOptions& options);
+
+// Whether FC1 reads the tokens through the dispatch's token_of_row instead of a permuted copy
+// (ForwardArgs::x_rows): the mxfp8 recipe on one GPU, whose quantizer reads FC1's input once anyway.
+// With expert parallelism FC1 reads the rows received from the other ranks.
+bool layer_gathers_fc1_input(const MoeLayerOptions& options);
 
 // FC1 (layer 1: hidden -> 2 * ffn) or FC2 (layer 2: ffn -> hidden) of the experts, on
 // `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions
