@@ -101,7 +101,11 @@ TEST(DelayedWgrad, CallerKeptActivationsPipelineBitIdenticalToImmediate) {
   }
   ASSERT_FALSE(immediate[0] == immediate[1]) << "the two micro-batches should differ";
 
-  auto pipeline = [&](bool poison_x0) {
+  // poison: none, micro-batch 0's x, or its dy, after both backwards and before the delayed wgrads
+  // (then restored for the next run).
+  enum class Poison { kNone, kX0, kDy0 };
+  const std::vector<uint16_t> x0 = xs[0].download(), dy0 = dys[0].download();
+  auto pipeline = [&](Poison poison) {
     DeviceArray<uint16_t> dw0(p.d_dw.size()), dw1(p.d_dw.size());
     for (int mb = 0; mb < 2; ++mb) {
       p.d_splits.upload(splits[mb]);
@@ -117,18 +121,23 @@ TEST(DelayedWgrad, CallerKeptActivationsPipelineBitIdenticalToImmediate) {
       EXPECT_TRUE(p.d_db.download() == db[mb]) << "micro-batch " << mb << ": dbias from the kept bias scale";
     }
     p.d_x.poison(), p.d_dy.poison(), p.d_s.poison();  // the operator's usual inputs: not read any more
-    if (poison_x0) xs[0].poison();
+    if (poison == Poison::kX0) xs[0].poison();
+    if (poison == Poison::kDy0) dys[0].poison();
     p.op->backward_dw(stream);
     p.op->backward_dw(stream);
     p.op->check_device_errors(stream);
+    xs[0].upload(x0), dys[0].upload(dy0);
     return std::make_pair(dw0.download(), dw1.download());
   };
-  const auto [dw0, dw1] = pipeline(false);
+  const auto [dw0, dw1] = pipeline(Poison::kNone);
   EXPECT_TRUE(dw0 == immediate[0]) << "micro-batch 0: delayed wgrad from the kept buffers differs from immediate";
   EXPECT_TRUE(dw1 == immediate[1]) << "micro-batch 1: delayed wgrad from the kept buffers differs from immediate";
-  const auto [poisoned0, still1] = pipeline(true);
-  EXPECT_FALSE(poisoned0 == immediate[0]) << "micro-batch 0's wgrad did not read the caller's x";
-  EXPECT_TRUE(still1 == immediate[1]) << "micro-batch 1 must not read micro-batch 0's buffers";
+  for (Poison poison : {Poison::kX0, Poison::kDy0}) {
+    const char* what = poison == Poison::kX0 ? "x" : "dy";
+    const auto [poisoned0, still1] = pipeline(poison);
+    EXPECT_FALSE(poisoned0 == immediate[0]) << "micro-batch 0's wgrad did not read the caller's " << what;
+    EXPECT_TRUE(still1 == immediate[1]) << "micro-batch 1 must not read micro-batch 0's " << what;
+  }
 }
 
 TEST(DelayedWgrad, RefusedWithoutDelayOption) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "moegraph/moe_layer.hpp"
@@ -64,16 +65,18 @@ TEST(MoeLayer, DelayedWgradIsBitIdenticalToImmediate) {
   EXPECT_TRUE(delayed.read() == immediate.read());
 }
 
-// Two micro-batches in flight (F0 F1 B0 B1 W0 W1), the caller's x and dy rewritten between the
-// phases, against the same micro-batches one step after the other: every output and the
-// accumulated gradients bit for bit. With bf16 training the layer saves the expert linears'
-// inputs and output gradients per slot where they are written (FC1 and FC2 keep pointers), so a
-// tensor shared by the slots would show here as the other micro-batch's data.
+// Two micro-batches in flight (F0 F1 B0 B1 W0 W1, or F0 F1 B0 B1 with immediate wgrad), the
+// caller's x and dy rewritten between the phases, against the same micro-batches one step after
+// the other: every output and the accumulated gradients bit for bit. With bf16 training the layer
+// saves the expert linears' inputs (and with delayed wgrad their output gradients) per slot where
+// they are written (FC1 and FC2 keep pointers), so a tensor shared by the slots would show here as
+// the other micro-batch's data.
 TEST(MoeLayer, PipelinedMicroBatchesMatchSequentialSteps) {
-  for (const bool fuse : {false, true}) {
-    SCOPED_TRACE(fuse ? "fused routing weights" : "unfused");
+  for (const auto& [fuse, delay] : {std::pair{false, true}, std::pair{true, true}, std::pair{false, false}}) {
+    SCOPED_TRACE(detail::concat(fuse ? "fused routing weights" : "unfused", delay ? ", delayed" : ", immediate",
+                                " wgrad"));
     LayerCase c = kCases[0];  // bf16, biases, fp32 main_grad
-    c.delay = true, c.fuse = fuse;
+    c.delay = delay, c.fuse = fuse;
     LayerHarness h(options_of(c), 11);
     std::vector<LayerHarness::Inputs> in;
     std::vector<LayerOutputs> seq;
@@ -98,8 +101,10 @@ TEST(MoeLayer, PipelinedMicroBatchesMatchSequentialSteps) {
       h.layer().backward(h.io(), h.stream());
       pipe[mb].dx = h.read().dx;
     }
-    h.layer().backward_dw(h.stream());
-    h.layer().backward_dw(h.stream());
+    if (delay) {
+      h.layer().backward_dw(h.stream());
+      h.layer().backward_dw(h.stream());
+    }
     h.layer().check_device_errors(h.stream());
     const LayerOutputs last = h.read();
     for (int mb = 0; mb < 2; ++mb) {
