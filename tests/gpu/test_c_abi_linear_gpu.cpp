@@ -172,6 +172,83 @@ std::size_t poison_bytes(const DeviceArray<uint8_t>& a) {
   return std::count(bytes.begin(), bytes.end(), uint8_t{0xff});
 }
 
+// A grouped linear of the mxfp8 recipe through the C ABI (kGroups x kOut x kIn, row_align 32) on
+// random bf16 data, and one run of it: an inference forward, forward_train and backward (dx, dbias
+// when options.bias, main_grad), with the weights as 16-bit (the operator quantizes them) or as the
+// caller's MXFP8 copies (`given`, with their bf16 values when `values` is set).
+struct CMxfp8Linear {
+  static constexpr int kGroups = 5;
+  static constexpr int64_t kIn = 256, kOut = 384;
+  std::vector<int32_t> splits;
+  std::vector<int64_t> starts;  // row_align 32: groups start on multiples of 32
+  int64_t rows = 0;
+  DeviceArray<int32_t> d_splits{kGroups};
+  DeviceArray<uint16_t> x, w, b, dy;
+  Stream stream;
+  std::unique_ptr<CMxfp8> q;
+
+  struct Out {
+    std::vector<uint16_t> y, y_infer, dx, dbias;
+    std::vector<uint32_t> main_grad;
+  };
+
+  CMxfp8Linear(std::vector<int32_t> host_splits, const char* seed_name) : splits(std::move(host_splits)) {
+    for (int32_t n : splits) starts.push_back(rows), rows += (n + 31) / 32 * 32;
+    rows += 32;  // rows past the last group
+    std::mt19937_64 rng(test_seed(seed_name));
+    x = DeviceArray<uint16_t>(rows * kIn), w = DeviceArray<uint16_t>(kGroups * kOut * kIn);
+    b = DeviceArray<uint16_t>(kGroups * kOut), dy = DeviceArray<uint16_t>(rows * kOut);
+    d_splits.upload(splits);
+    x.upload(random_bf16(rng, x.size(), 1.0));
+    w.upload(random_bf16(rng, w.size(), 1.0 / std::sqrt(double(kIn))));
+    b.upload(random_bf16(rng, b.size(), 0.1));
+    dy.upload(random_bf16(rng, dy.size(), 1.0));
+    q = std::make_unique<CMxfp8>(w.get(), kGroups, kOut, kIn, stream.get());
+  }
+
+  mg_grouped_linear_options options() const {
+    mg_grouped_linear_options o;
+    mg_grouped_linear_options_init(&o);
+    o.num_groups = kGroups, o.in_features = kIn, o.out_features = kOut, o.capacity_rows = rows, o.row_align = 32;
+    o.recipe = MG_RECIPE_MXFP8;
+    return o;
+  }
+
+  Out run(const mg_grouped_linear_options& options, bool given, const void* values = nullptr,
+          const void* values_t = nullptr) {
+    const cudaStream_t s = stream.get();
+    mg_grouped_linear* op = nullptr;
+    ok(mg_grouped_linear_create(&options, nullptr, &op));
+    const std::unique_ptr<mg_grouped_linear, void (*)(mg_grouped_linear*)> owned(op, mg_grouped_linear_destroy);
+    if (!given) ok(mg_grouped_linear_weights_changed(op, w.get(), s));
+    DeviceArray<uint16_t> y(rows * kOut), y_infer(rows * kOut), dx(rows * kIn), db(kGroups * kOut);
+    DeviceArray<float> main_grad(kGroups * kOut * kIn);
+    y.poison(), y_infer.poison(), dx.poison(), db.poison();
+    memset_and_wait(main_grad.get(), 0, main_grad.size() * sizeof(float));
+    mg_forward_args f = sized<mg_forward_args>();
+    f.x = x.get(), f.splits = d_splits.get(), f.bias = options.bias ? b.get() : nullptr;
+    if (given) f.mxfp8_data = q->data.get(), f.mxfp8_scales = q->scales.get(), f.mxfp8_dequantized = values;
+    else f.weight = w.get();
+    f.y = y_infer.get();
+    ok(mg_grouped_linear_forward(op, &f, /*train=*/0, s));
+    f.y = y.get();
+    ok(mg_grouped_linear_forward(op, &f, /*train=*/1, s));
+    mg_backward_args bw = sized<mg_backward_args>();
+    bw.dy = dy.get(), bw.dx = dx.get(), bw.main_grad = main_grad.get();
+    if (options.bias) bw.bias = b.get(), bw.dbias = db.get();
+    if (given) {
+      bw.mxfp8_data_t = q->data_t.get(), bw.mxfp8_scales_t = q->scales_t.get();
+      bw.mxfp8_dequantized_t = values_t;
+    } else {
+      bw.weight = w.get();
+    }
+    ok(mg_grouped_linear_backward(op, &bw, /*delay_wgrad=*/0, s));
+    ok(mg_grouped_linear_check_device_errors(op, s));
+    return Out{y.download(), y_infer.download(), dx.download(), options.bias ? db.download() : std::vector<uint16_t>{},
+               bits_of(main_grad.download())};
+  }
+};
+
 // mg_quantize_mxfp8_weights passes every argument where the C++ quantizer expects it (n != k here, so
 // a swap would show): the same four arrays, every byte written; one pair alone leaves the other.
 TEST(CAbiMxfp8Gpu, QuantizerWritesWhatTheCppQuantizerWrites) {
@@ -207,62 +284,21 @@ TEST(CAbiMxfp8Gpu, QuantizerWritesWhatTheCppQuantizerWrites) {
 // transposed pair only). An inference forward, forward_train and backward (dx, dbias, main_grad)
 // give the same bits.
 TEST(CAbiMxfp8Gpu, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
-  constexpr int kGroups = 5;
-  constexpr int64_t kIn = 256, kOut = 384;
-  const std::vector<int32_t> splits = {37, 0, 61, 1, 44};  // uneven, an empty group, a single row
-  std::vector<int64_t> starts;                             // row_align 32: groups start on multiples of 32
-  int64_t rows = 0;
-  for (int32_t n : splits) starts.push_back(rows), rows += (n + 31) / 32 * 32;
-  rows += 32;  // rows past the last group
-  mg_grouped_linear_options o;
-  mg_grouped_linear_options_init(&o);
-  o.num_groups = kGroups, o.in_features = kIn, o.out_features = kOut, o.capacity_rows = rows, o.row_align = 32;
-  o.bias = 1, o.recipe = MG_RECIPE_MXFP8;
+  // Uneven groups, an empty one, a single row.
+  CMxfp8Linear l({37, 0, 61, 1, 44}, "CAbiMxfp8Gpu.GroupedLinearFromPrequantizedWeightsGivesTheSameBits");
+  constexpr int kGroups = CMxfp8Linear::kGroups;
+  constexpr int64_t kIn = CMxfp8Linear::kIn, kOut = CMxfp8Linear::kOut;
+  const std::vector<int32_t>& splits = l.splits;
+  const std::vector<int64_t>& starts = l.starts;
+  const int64_t rows = l.rows;
+  const cudaStream_t s = l.stream.get();
+  const CMxfp8& q = *l.q;
+  mg_grouped_linear_options o = l.options();
+  o.bias = 1;
   mg_grouped_linear_options pre = o;
   pre.prequantized_weights = 1;
-
-  std::mt19937_64 rng(test_seed("CAbiMxfp8Gpu.GroupedLinearFromPrequantizedWeightsGivesTheSameBits"));
-  DeviceArray<int32_t> d_splits(kGroups);
-  DeviceArray<uint16_t> x(rows * kIn), w(kGroups * kOut * kIn), b(kGroups * kOut), dy(rows * kOut);
-  d_splits.upload(splits);
-  x.upload(random_bf16(rng, x.size(), 1.0));
-  w.upload(random_bf16(rng, w.size(), 1.0 / std::sqrt(double(kIn))));
-  b.upload(random_bf16(rng, b.size(), 0.1));
-  dy.upload(random_bf16(rng, dy.size(), 1.0));
-  Stream stream;
-  const cudaStream_t s = stream.get();
-  const CMxfp8 q(w.get(), kGroups, kOut, kIn, s);
-
-  struct Out {
-    std::vector<uint16_t> y, y_infer, dx, dbias;
-    std::vector<uint32_t> main_grad;
-  };
-  const auto run = [&](const mg_grouped_linear_options& options, bool given) {
-    mg_grouped_linear* op = nullptr;
-    ok(mg_grouped_linear_create(&options, nullptr, &op));
-    const std::unique_ptr<mg_grouped_linear, void (*)(mg_grouped_linear*)> owned(op, mg_grouped_linear_destroy);
-    if (!given) ok(mg_grouped_linear_weights_changed(op, w.get(), s));
-    DeviceArray<uint16_t> y(rows * kOut), y_infer(rows * kOut), dx(rows * kIn), db(kGroups * kOut);
-    DeviceArray<float> main_grad(kGroups * kOut * kIn);
-    y.poison(), y_infer.poison(), dx.poison(), db.poison();
-    memset_and_wait(main_grad.get(), 0, main_grad.size() * sizeof(float));
-    mg_forward_args f = sized<mg_forward_args>();
-    f.x = x.get(), f.splits = d_splits.get(), f.bias = b.get();
-    if (given) f.mxfp8_data = q.data.get(), f.mxfp8_scales = q.scales.get();
-    else f.weight = w.get();
-    f.y = y_infer.get();
-    ok(mg_grouped_linear_forward(op, &f, /*train=*/0, s));
-    f.y = y.get();
-    ok(mg_grouped_linear_forward(op, &f, /*train=*/1, s));
-    mg_backward_args bw = sized<mg_backward_args>();
-    bw.dy = dy.get(), bw.bias = b.get(), bw.dx = dx.get(), bw.dbias = db.get(), bw.main_grad = main_grad.get();
-    if (given) bw.mxfp8_data_t = q.data_t.get(), bw.mxfp8_scales_t = q.scales_t.get();
-    else bw.weight = w.get();
-    ok(mg_grouped_linear_backward(op, &bw, /*delay_wgrad=*/0, s));
-    ok(mg_grouped_linear_check_device_errors(op, s));
-    return Out{y.download(), y_infer.download(), dx.download(), db.download(), bits_of(main_grad.download())};
-  };
-  const Out own = run(o, false), given = run(pre, true);
+  using Out = CMxfp8Linear::Out;
+  const Out own = l.run(o, false), given = l.run(pre, true);
   EXPECT_TRUE(identical(given.y, own.y)) << "y";
   EXPECT_TRUE(identical(given.y_infer, own.y_infer)) << "inference y";
   EXPECT_TRUE(identical(given.dx, own.dx)) << "dx";
@@ -289,12 +325,12 @@ TEST(CAbiMxfp8Gpu, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
   mg_grouped_linear* op = nullptr;
   ok(mg_grouped_linear_create(&pre, nullptr, &op));
   const std::unique_ptr<mg_grouped_linear, void (*)(mg_grouped_linear*)> owned(op, mg_grouped_linear_destroy);
-  EXPECT_EQ(mg_grouped_linear_weights_changed(op, w.get(), s), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(mg_grouped_linear_weights_changed(op, l.w.get(), s), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has("re-quantize them with quantize_mxfp8_weights instead")) << mg_last_error();
   DeviceArray<uint16_t> y(rows * kOut);
   y.poison();
   mg_forward_args f = sized<mg_forward_args>();
-  f.x = x.get(), f.splits = d_splits.get(), f.weight = w.get(), f.bias = b.get(), f.y = y.get();
+  f.x = l.x.get(), f.splits = l.d_splits.get(), f.weight = l.w.get(), f.bias = l.b.get(), f.y = y.get();
   EXPECT_EQ(mg_grouped_linear_forward(op, &f, /*train=*/0, s), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has("forward needs mxfp8_weights.data and .scales (prequantized_weights)")) << mg_last_error();
   f.mxfp8_data = q.data.get(), f.mxfp8_scales = q.scales.get();
@@ -311,74 +347,34 @@ TEST(CAbiMxfp8Gpu, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
 // writes into Mxfp8Weights::dequantized(_t) (every byte), and a grouped linear keeping its own
 // values (weights_changed) gives the bits of one reading the caller's through mxfp8_dequantized(_t).
 TEST(CAbiMxfp8Gpu, DequantizedWeightsThroughTheCAbiGiveTheSameBits) {
-  constexpr int kGroups = 5;
-  constexpr int64_t kIn = 256, kOut = 384;
-  const std::vector<int32_t> splits = {137, 0, 161, 1, 144};  // groups past the swap-AB bound
-  int64_t rows = 0;
-  for (int32_t n : splits) rows += (n + 31) / 32 * 32;
-  rows += 32;
-  std::mt19937_64 rng(test_seed("CAbiMxfp8Gpu.DequantizedWeightsThroughTheCAbiGiveTheSameBits"));
-  DeviceArray<int32_t> d_splits(kGroups);
-  DeviceArray<uint16_t> x(rows * kIn), w(kGroups * kOut * kIn), dy(rows * kOut);
-  d_splits.upload(splits);
-  x.upload(random_bf16(rng, x.size(), 1.0));
-  w.upload(random_bf16(rng, w.size(), 1.0 / std::sqrt(double(kIn))));
-  dy.upload(random_bf16(rng, dy.size(), 1.0));
-  Stream stream;
-  const cudaStream_t s = stream.get();
-  const CMxfp8 q(w.get(), kGroups, kOut, kIn, s);
-  DeviceArray<uint16_t> values(w.size()), values_t(w.size()), cpp(w.size()), cpp_t(w.size());
+  // Groups past the swap-AB bound.
+  CMxfp8Linear l({137, 0, 161, 1, 144}, "CAbiMxfp8Gpu.DequantizedWeightsThroughTheCAbiGiveTheSameBits");
+  constexpr int kGroups = CMxfp8Linear::kGroups;
+  constexpr int64_t kIn = CMxfp8Linear::kIn, kOut = CMxfp8Linear::kOut;
+  const cudaStream_t s = l.stream.get();
+  const CMxfp8& q = *l.q;
+  const std::size_t elements = l.w.size();
+  DeviceArray<uint16_t> values(elements), values_t(elements), cpp(elements), cpp_t(elements);
   values.poison(), values_t.poison(), cpp.poison(), cpp_t.poison();
   ok(mg_dequantize_mxfp8_weights(kGroups, kOut, kIn, q.data.get(), q.scales.get(), q.data_t.get(), q.scales_t.get(),
                                  values.get(), values_t.get(), s));
   {
     DeviceArray<uint8_t> data(q.data.size()), scales(q.scales.size()), data_t(q.data.size()), scales_t(q.scales.size());
     Mxfp8Weights out{data.get(), scales.get(), data_t.get(), scales_t.get(), cpp.get(), cpp_t.get()};
-    quantize_mxfp8_weights(DType::kBF16, w.get(), kGroups, kOut, kIn, out, s);
+    quantize_mxfp8_weights(DType::kBF16, l.w.get(), kGroups, kOut, kIn, out, s);
     MG_CUDA_CHECK(cudaStreamSynchronize(s));
   }
   EXPECT_TRUE(identical(values.download(), cpp.download())) << "dequantized";
   EXPECT_TRUE(identical(values_t.download(), cpp_t.download())) << "dequantized_t";
   EXPECT_EQ(nan_count(values.download()) + nan_count(values_t.download()), 0u) << "every value written";
 
-  mg_grouped_linear_options o;
-  mg_grouped_linear_options_init(&o);
-  o.num_groups = kGroups, o.in_features = kIn, o.out_features = kOut, o.capacity_rows = rows, o.row_align = 32;
-  o.recipe = MG_RECIPE_MXFP8, o.dequantized_weights = 1;
+  mg_grouped_linear_options o = l.options();
+  o.dequantized_weights = 1;
   mg_grouped_linear_options pre = o;
   pre.prequantized_weights = 1;
-  struct Out {
-    std::vector<uint16_t> y, dx;
-    std::vector<uint32_t> main_grad;
-  };
-  const auto run = [&](const mg_grouped_linear_options& options, bool given) {
-    mg_grouped_linear* op = nullptr;
-    ok(mg_grouped_linear_create(&options, nullptr, &op));
-    const std::unique_ptr<mg_grouped_linear, void (*)(mg_grouped_linear*)> owned(op, mg_grouped_linear_destroy);
-    if (!given) ok(mg_grouped_linear_weights_changed(op, w.get(), s));
-    DeviceArray<uint16_t> y(rows * kOut), dx(rows * kIn);
-    DeviceArray<float> main_grad(kGroups * kOut * kIn);
-    y.poison(), dx.poison();
-    memset_and_wait(main_grad.get(), 0, main_grad.size() * sizeof(float));
-    mg_forward_args f = sized<mg_forward_args>();
-    f.x = x.get(), f.splits = d_splits.get(), f.y = y.get();
-    if (given) f.mxfp8_data = q.data.get(), f.mxfp8_scales = q.scales.get(), f.mxfp8_dequantized = values.get();
-    else f.weight = w.get();
-    ok(mg_grouped_linear_forward(op, &f, /*train=*/1, s));
-    mg_backward_args bw = sized<mg_backward_args>();
-    bw.dy = dy.get(), bw.dx = dx.get(), bw.main_grad = main_grad.get();
-    if (given) {
-      bw.mxfp8_data_t = q.data_t.get(), bw.mxfp8_scales_t = q.scales_t.get();
-      bw.mxfp8_dequantized_t = values_t.get();
-    } else {
-      bw.weight = w.get();
-    }
-    ok(mg_grouped_linear_backward(op, &bw, /*delay_wgrad=*/0, s));
-    ok(mg_grouped_linear_check_device_errors(op, s));
-    return Out{y.download(), dx.download(), bits_of(main_grad.download())};
-  };
-  const Out own = run(o, false), given = run(pre, true);
+  const CMxfp8Linear::Out own = l.run(o, false), given = l.run(pre, true, values.get(), values_t.get());
   EXPECT_TRUE(identical(given.y, own.y)) << "y";
+  EXPECT_TRUE(identical(given.y_infer, own.y_infer)) << "inference y";
   EXPECT_TRUE(identical(given.dx, own.dx)) << "dx";
   EXPECT_TRUE(identical(given.main_grad, own.main_grad)) << "main_grad";
   EXPECT_TRUE(any_nonzero(own.main_grad));
