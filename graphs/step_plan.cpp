@@ -106,8 +106,11 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     if (first.fuse_weights) layer::fuse_routing_weights(ops);
     plan.kernels.push_back("moe layer: " + layer::describe(ops));
     plan.kernels.push_back("router: logits by cuBLASLt (bf16 in, fp32 out), scores + top-k one warp per token");
-    plan.kernels.push_back("dispatch: stable counting sort by expert (the group layout: splits, offsets), row gather; "
-                           "combine: fp32 sum of k rows per token");
+    plan.kernels.push_back(std::string("dispatch: stable counting sort by expert (the group layout: splits, offsets), ") +
+                           (layer::layer_gathers_fc1_input(first)
+                                ? "no row gather (fc1's quantizer reads the tokens through token_of_row)"
+                                : "row gather") +
+                           "; combine: fp32 sum of k rows per token");
   } else {
     plan.kernels.push_back("group layout: splits copied per slot, offsets by a CUB BlockScan (1 CTA x 256 threads, "
                            "device validation), read by fc1, swiglu and fc2");

@@ -115,8 +115,9 @@ struct ForwardArgs {
   // rows are gathered from ([any rows, K]): input row r is row x_rows[r] of x, for the rows that
   // hold data (a gap row reads as zero and its entry is never read). E.g. the MoE layer's tokens
   // and its dispatch's token_of_row: the quantizer reads each token where it is, and no permuted
-  // copy is written. Each entry of a data row must be a row of x (device data: not checked). Read
-  // during the call only (the slot keeps the quantized copy).
+  // copy is written. Each entry of a data row must be a row of x (device data: not checked; a
+  // negative entry reads as a row of zeros, one past x reads outside it). Read during the call only
+  // (the slot keeps the quantized copy).
   const int32_t* x_rows = nullptr;
 };
 

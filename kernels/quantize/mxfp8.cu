@@ -276,7 +276,7 @@ __device__ __forceinline__ int64_t source_row(const QuantizeArgs& a, int64_t use
 
 // source_row for the last row asked about, remembered (the contiguous walk asks about one row for a
 // whole row of tiles). Rows asked about, tile padding included, are below capacity_rows + 32 <
-// 2^31 (launch_quantize_mxfp8 checks it), so they and their source rows fit 32 bits, and no row is
+// 2^31 (quantize_activations checks it), so they and their source rows fit 32 bits, and no row is
 // 0xffffffff, the empty cache's row.
 struct RowSource {
   uint32_t row = 0xffffffffu;

@@ -94,7 +94,7 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
 // never read). E.g. x the tokens and source_rows a dispatch's token_of_row: the quantizer reads each
 // token where it is (several times, from L2, for top-k routing) and the permuted copy is never made.
 // Bit-identical to launch_quantize_mxfp8 of the gathered buffer. Every map entry of a data row must
-// be a row of x (device data: not checked).
+// be a row of x (device data: not checked; a negative entry reads as zeros).
 void launch_quantize_mxfp8_gathered(DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
                                     int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                                     const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);

@@ -78,6 +78,9 @@ TEST(MoeProgram, Mxfp8Fc1GathersTheTokensInsteadOfAPermutedCopy) {
   EXPECT_FALSE(has_buffer(MoeLayer::workspace_buffers(o), "x_perm")) << "inference gathers too";
   o.expert_parallel = 2;
   EXPECT_FALSE(layer::layer_gathers_fc1_input(o));
+  const auto window = MoeLayer::window_buffers(o);
+  EXPECT_TRUE(std::any_of(window.begin(), window.end(), [](const auto& b) { return b.name == "x_perm"; }))
+      << "with expert parallelism FC1 reads the received rows";
   EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)), "router -> dispatch -> fc1 -> swiglu -> fc2 -> combine");
 }
 

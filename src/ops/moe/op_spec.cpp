@@ -16,16 +16,16 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
   const bool keep = layer_keeps_linear_activations(o), keep_grads = keep && o.delay_wgrad;
   const bool gather = layer_gathers_fc1_input(o);
   std::vector<OpSpec> ops;
-  ops.push_back({OpKind::kRouter, "router", "", "", true, false, true, "", 0});
-  ops.push_back({OpKind::kDispatch, "dispatch", "", gather ? "" : tensor::kPermutedX, keep, false, true, "", 0});
-  if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, false, true, "", 0});
+  ops.push_back({OpKind::kRouter, "router", "", "", true, false, true, "", 0, ""});
+  ops.push_back({OpKind::kDispatch, "dispatch", "", gather ? "" : tensor::kPermutedX, keep, false, true, "", 0, ""});
+  if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, false, true, "", 0, ""});
   ops.push_back({OpKind::kLinear, "fc1", tensor::kPermutedX, "fc1_out", true, false, true, "", 1,
                  gather ? tensor::kTokenOfRow : ""});
-  ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", keep, keep_grads, true, "", 0});
+  ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", keep, keep_grads, true, "", 0, ""});
   // The combine's backward needs each row's expert output for the weight gradient (with expert
   // parallelism it keeps the copy that came back to this rank instead).
-  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, false, true, "", 2});
-  ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, keep_grads, true, "", 0});
+  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, false, true, "", 2, ""});
+  ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, keep_grads, true, "", 0, ""});
   return ops;
 }
 

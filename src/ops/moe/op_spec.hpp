@@ -15,7 +15,7 @@ namespace moegraph::layer {
 
 enum class OpKind {
   kRouter,          // logits (cuBLASLt) -> scores, top-k, weights
-  kDispatch,        // top-k -> expert-contiguous rows (splits, offsets, maps), permuted x
+  kDispatch,        // top-k -> expert-contiguous rows (splits, offsets, maps), permuted x (unless FC1 gathers)
   kAuxLoss,         // load-balancing loss from the scores and the counts
   kLinear,          // a GroupedLinear (FC1 or FC2)
   kSwiglu,          // a = silu(gate) * up
