@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -103,7 +104,11 @@ struct Mxfp8Linear {
   struct Out {
     std::vector<uint16_t> y, y_infer, dx;
     std::vector<float> main_grad;
-    bool operator==(const Out&) const = default;
+    // Bit for bit: main_grad's -0.0 and 0.0 differ here, and NaN equals NaN of the same bits.
+    bool operator==(const Out& o) const {
+      return y == o.y && y_infer == o.y_infer && dx == o.dx && main_grad.size() == o.main_grad.size() &&
+             std::memcmp(main_grad.data(), o.main_grad.data(), main_grad.size() * sizeof(float)) == 0;
+    }
   };
 
   Mxfp8Linear(const std::vector<int32_t>& host_splits, const char* seed_name) : splits(G) {
