@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/common/vector_io.cuh"
+#include "kernels/common/warp_scan.cuh"
 #include "moegraph/types.hpp"
 
 namespace moegraph::kernels {
@@ -41,23 +42,12 @@ __device__ void build_tile_prefix(const int32_t* splits, const int64_t* offsets,
     tiles[i] = static_cast<int>((units + TILE - 1) / TILE);
     sum += tiles[i];
   }
-  int inclusive = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o) inclusive += v;
-  }
+  const int inclusive = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    const int w = lane < THREADS / 32 ? warp_sums[lane] : 0;
-    int wi = w;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, wi, o);
-      if (lane >= o) wi += v;
-    }
-    if (lane < THREADS / 32) warp_sums[lane] = wi - w;
+    const int w = warp_exclusive_sum(lane < THREADS / 32 ? warp_sums[lane] : 0);
+    if (lane < THREADS / 32) warp_sums[lane] = w;
   }
   __syncthreads();
   int running = warp_sums[warp] + inclusive - sum;

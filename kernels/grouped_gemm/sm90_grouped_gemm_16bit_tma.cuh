@@ -176,6 +176,19 @@ __device__ __forceinline__ void consume(uint8_t* smem, uint64_t* full, uint64_t*
   if (prev >= 0) sm90::mbar_arrive(&empty[prev]);
 }
 
+// A consumer warpgroup with nothing to multiply in a tile (its 64-row block lies past the group's
+// data) still takes part in each of the tile's stages, as one of the stage's releasers, without MMAs:
+// the other warpgroup's MMAs then have the tensor cores alone, which is what the tail tiles of groups
+// of a few dozen rows mostly are.
+template <class Tile>
+__device__ __forceinline__ void pass_stages(uint64_t* full, uint64_t* empty, RingPos& pos, int ktiles) {
+  for (int kt = 0; kt < ktiles; ++kt) {
+    sm90::mbar_wait(&full[pos.stage], pos.phase);  // not before it is filled: never a phase early
+    sm90::mbar_arrive(&empty[pos.stage]);
+    pos.template advance<Tile::STAGES>();
+  }
+}
+
 // Accumulator layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane/4 (+8) of its 64-row
 // block; registers 4j + {0,1} are columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} of
 // the second.
@@ -429,8 +442,17 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
     const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
     const int64_t n0 = static_cast<int64_t>(nt) * BN;
     const int wg = threadIdx.x / 128 - 1;  // owns 64-row block wg of the tile
+    if (64 * wg >= tile.span_rows) {       // the block lies past the group: nothing to compute or store
+      pass_stages<Tile>(full, empty, pos, ktiles);
+      continue;
+    }
     Acc<Tile, 1> acc;
-    consume<T, Tile, false, kDgrad, 1>(smem, full, empty, pos, ktiles, wg, acc, [](uint8_t*) {});
+    if (64 * wg < tile.data_rows) {
+      consume<T, Tile, false, kDgrad, 1>(smem, full, empty, pos, ktiles, wg, acc, [](uint8_t*) {});
+    } else {  // alignment gap rows only: written as zero
+      zero_acc<Tile, 1>(acc);
+      pass_stages<Tile>(full, empty, pos, ktiles);
+    }
     finish_ragged_block<T, Tile>(staging, acc, wg, tile, n0, &tp.c, static_cast<T*>(p.c), cols,
                                  static_cast<const T*>(p.bias), p.bias_scale);
   }

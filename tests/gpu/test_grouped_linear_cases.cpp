@@ -32,6 +32,9 @@ std::vector<CaseSpec> cases() {
       {"align16_bias_scale", 8, 256, 256, DType::kBF16, 16, {}, 500, R::kSkewed, 0, true, true},
       {"align32_odd", 8, 256, 128, DType::kBF16, 32, {3, 17, 129, 0, 1, 63, 5, 77}, 0, R::kUniform, 0, true, true},
       {"align128_main_grad", 8, 128, 256, DType::kBF16, 128, {}, 900, R::kUniform, 0, true, false, true},
+      // Spans of 128 rows whose data ends in the first 64 (the second 64-row block holds gap rows
+      // only, written as zero without MMAs) or just past it, and a span of 256 whose last block is gap.
+      {"align128_short_groups", 8, 256, 192, DType::kBF16, 128, {3, 64, 129, 0, 1, 63, 65, 128}, 0, R::kUniform, 0, true, true},
       {"fp16_odd_bias_scale", 8, 256, 256, fp16, 1, {3, 17, 129, 255, 1, 63, 5, 77}, 0, R::kUniform, 0, true, true},
       {"fp16_main_grad", 16, 512, 256, fp16, 16, {}, 1500, R::kSkewed, 0, false, false, true},
       // Groups of 1, 2 and 4 row tiles beside one of 17 (two bands in the TMA kernels' raster), fixed
