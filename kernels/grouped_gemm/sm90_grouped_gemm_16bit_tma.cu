@@ -89,7 +89,7 @@ void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream
     using Tile = decltype(tile);
     t::RaggedTmaParams tp;
     tp.p = p;
-    tp.a = rows_map(plan, p.a, p.capacity_rows, dgrad ? p.n : p.k, t::BM);
+    tp.a = rows_map(plan, p.a, p.capacity_rows, dgrad ? p.n : p.k, t::kBoxRows);
     tp.b = weight_map(plan, p.w, p.num_groups, p.n, p.k, dgrad ? 64u : static_cast<uint32_t>(Tile::BN));
     tp.c = rows_map(plan, p.c, p.capacity_rows, dgrad ? p.k : p.n, t::kBoxRows);
     if constexpr (kPingPong<Tile>) MG_FAIL("ping-pong consumers are a wgrad kernel");

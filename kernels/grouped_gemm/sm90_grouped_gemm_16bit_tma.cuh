@@ -59,7 +59,7 @@ using TilePingPong = TileShape<128, 4, 2>;
 
 // Kernel parameters: the tensor maps live in parameter space (__grid_constant__) for the copy engine.
 struct RaggedTmaParams {
-  CUtensorMap a;  // [capacity_rows, red] 2-D, box {64, 128}
+  CUtensorMap a;  // [capacity_rows, red] 2-D, box {64, 64}: a 64-row block
   CUtensorMap b;  // W as [G][N][K] 3-D; fprop box {64, BN, 1}, dgrad box {64, 64, 1}
   CUtensorMap c;  // the output [capacity_rows, cols] 2-D, box {64, 64} (store_ragged_block)
   RaggedGemmParams p;
@@ -414,12 +414,14 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
       raster(t, tile_prefix, p.num_groups, tiles_n, mt, nt);
       const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
       const int n0 = nt * BN, row0 = static_cast<int>(tile.row0);
+      // A's second 64-row block only when its warpgroup multiplies it (it holds data rows).
+      const int a_blocks = tile.data_rows > 64 ? 2 : 1;
       for (int kt = 0; kt < ktiles; ++kt) {
         sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
         uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
         uint64_t* bar = &full[pos.stage];
-        sm90::mbar_arrive_expect_tx(bar, Tile::kStageBytes);
-        sm90::tma_load_2d(stage, &tp.a, bar, kt * BK, row0);
+        sm90::mbar_arrive_expect_tx(bar, Tile::kStageBytes - (2 - a_blocks) * kAtomBytes);
+        for (int a = 0; a < a_blocks; ++a) sm90::tma_load_2d(stage + a * kAtomBytes, &tp.a, bar, kt * BK, row0 + 64 * a);
         if constexpr (!kDgrad) {
           sm90::tma_load_3d(stage + kTileBytesA, &tp.b, bar, kt * BK, n0, tile.group);
         } else {
