@@ -16,8 +16,9 @@
 //   dgrad: dx = dy · W_e      A = dy (K-major box)       B = W_e (MN-major boxes [64 N][64 K])
 //   wgrad: dW_e = dy_e^T x_e  A = dy (MN-major boxes)    B = x   (MN-major boxes), over the group's rows
 // Ragged rows need no masks in the loads: a row tile that runs into the next group multiplies rows
-// whose outputs are never stored, and past capacity the copy engine reads zeros. Only wgrad, whose
-// reduction runs over the group's rows, zeroes the rows past the group in its last stage.
+// whose outputs are never stored, and past capacity the copy engine reads zeros; a 64-row block
+// with no data rows is neither loaded nor multiplied (pass_stages). Only wgrad, whose reduction
+// runs over the group's rows, zeroes the rows past the group in its last stage.
 #pragma once
 
 #include <cuda.h>
