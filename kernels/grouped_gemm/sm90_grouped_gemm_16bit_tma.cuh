@@ -177,6 +177,10 @@ __device__ __forceinline__ void consume(uint8_t* smem, uint64_t* full, uint64_t*
   if (prev >= 0) sm90::mbar_arrive(&empty[prev]);
 }
 
+// Whether 64-row block `block` of a row tile holds data rows: its consumer warpgroup multiplies it
+// and the producer loads its rows of A only then (the one test both sides make).
+__device__ __forceinline__ bool block_has_data(const RaggedTile& tile, int block) { return 64 * block < tile.data_rows; }
+
 // A consumer warpgroup with nothing to multiply in a tile (its 64-row block lies past the group's
 // data: the tile at a group's end, every tile of a group of up to 64 rows) still takes part in each
 // of the tile's stages, as one of the stage's releasers, without MMAs; the producer does not load its
@@ -416,7 +420,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
       const RaggedTile tile = locate_ragged_tile<BM>(tile_prefix, p.splits, p.offsets, p.num_groups, mt);
       const int n0 = nt * BN, row0 = static_cast<int>(tile.row0);
       // A's second 64-row block only when its warpgroup multiplies it (it holds data rows).
-      const int a_blocks = tile.data_rows > 64 ? 2 : 1;
+      const int a_blocks = block_has_data(tile, 1) ? 2 : 1;
       for (int kt = 0; kt < ktiles; ++kt) {
         sm90::mbar_wait(&empty[pos.stage], pos.phase ^ 1);
         uint8_t* stage = smem + pos.stage * Tile::kStageBytes;
@@ -450,7 +454,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_gemm_ws_kernel(const __grid
       continue;
     }
     Acc<Tile, 1> acc;
-    if (64 * wg < tile.data_rows) {
+    if (block_has_data(tile, wg)) {
       consume<T, Tile, false, kDgrad, 1>(smem, full, empty, pos, ktiles, wg, acc, [](uint8_t*) {});
     } else {  // alignment gap rows only: written as zero
       zero_acc<Tile, 1>(acc);
