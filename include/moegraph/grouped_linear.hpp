@@ -115,10 +115,11 @@ struct ForwardArgs {
   // rows are gathered from ([any rows, K]): input row r is row x_rows[r] of x, for the rows that
   // hold data (a gap row reads as zero and its entry is never read). E.g. the MoE layer's tokens
   // and its dispatch's token_of_row: the quantizer reads each token where it is, and no permuted
-  // copy is written. Each entry of a data row must be a row of x (device data: not checked; a
-  // negative entry reads as a row of zeros, one past x reads outside it). Read during the call only
-  // (the slot keeps the quantized copy).
+  // copy is written. Each entry of a data row must be a row of x: a negative entry reads as a row
+  // of zeros; one at or past x_rows_bound reads as zeros too and is reported (check_device_errors:
+  // kDeviceErrorSourceRow). Read during the call only (the slot keeps the quantized copy).
   const int32_t* x_rows = nullptr;
+  int64_t x_rows_bound = 0;  // with x_rows (required): the rows of x, 1..2^31 - 1
 };
 
 struct BackwardArgs {
@@ -184,9 +185,13 @@ class MOEGRAPH_API GroupedLinear {
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
 
-  // Synchronizes `stream`, reads the device error record that invalid splits raise, clears it, and
-  // throws moegraph::Error naming the group and value. Never call it inside capture.
+  // Synchronizes `stream`, reads the device error record that invalid device inputs raise (splits,
+  // an x_rows entry), clears it, and throws moegraph::Error naming the group or row and the value.
+  // Never call it inside capture.
   void check_device_errors(cudaStream_t stream);
+  // The same record, read and cleared without throwing (code kDeviceErrorNone: none), for a caller
+  // that reports it itself; the stream that wrote it must be synchronized. Never inside capture.
+  DeviceErrorRecord take_device_error();
 
  private:
   struct Slot;

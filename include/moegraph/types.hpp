@@ -75,5 +75,8 @@ inline constexpr int32_t kDeviceErrorPeerTokenCount = 4;  // value: num_tokens; 
 inline constexpr int32_t kDeviceErrorPeerTimeout = 5;
 inline constexpr int32_t kDeviceErrorPeerStopped = 6;
 inline constexpr int32_t kDeviceErrorExchangeStopped = 7;
+// A gathered input (ForwardArgs::x_rows): a data row's entry names no row of x (group: the grouped
+// row; value: its entry; limit: ForwardArgs::x_rows_bound). The row was read as zeros.
+inline constexpr int32_t kDeviceErrorSourceRow = 8;
 
 }  // namespace moegraph

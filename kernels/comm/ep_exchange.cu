@@ -70,7 +70,7 @@ __global__ void ep_barrier_kernel(EpBarrierParams p) {
     const uint32_t epoch = (word + 1) & kEpochMask;
     flag = epoch | (word & kEpLinkStopped);
     *p.epoch = flag;
-    if (flag & kEpLinkStopped) raise_routing_error(p.error, kDeviceErrorExchangeStopped, p.rank, epoch, 0);
+    if (flag & kEpLinkStopped) raise_device_error(p.error, kDeviceErrorExchangeStopped, p.rank, epoch, 0);
   }
   __syncthreads();
   const int d = threadIdx.x;
@@ -85,12 +85,12 @@ __global__ void ep_barrier_kernel(EpBarrierParams p) {
     const uint32_t seen = load_acquire_sys(mine);
     // A stopped peer may have skipped its stores to this rank: nothing after this barrier is sound.
     if (seen & kEpLinkStopped) {
-      raise_routing_error(p.error, kDeviceErrorPeerStopped, d, epoch, 0);
+      raise_device_error(p.error, kDeviceErrorPeerStopped, d, epoch, 0);
       break;
     }
     if (epoch_reached(seen, epoch)) return;
     if (global_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-      raise_routing_error(p.error, kDeviceErrorPeerTimeout, d, epoch, p.timeout_ns / 1000000);
+      raise_device_error(p.error, kDeviceErrorPeerTimeout, d, epoch, p.timeout_ns / 1000000);
       break;
     }
     __nanosleep(100);
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kPlanThreads) ep_plan_kernel(EpPlanParams p) {
   if (t < R) {
     const int32_t n = p.matrix[t * stride + E];
     if ((n < 0 || n > p.max_tokens) && t != p.rank)
-      raise_routing_error(p.error, kDeviceErrorPeerTokenCount, t, n, p.max_tokens);
+      raise_device_error(p.error, kDeviceErrorPeerTokenCount, t, n, p.max_tokens);
     greedy[t] = 0;
   }
   const int per_lane = (E + 31) / 32;

@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/device_error.cuh"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/quantize/mxfp8.hpp"
@@ -195,8 +196,11 @@ struct QuantizeArgs {
   const int32_t* splits = nullptr;
   int groups = 0;
   // Optional (activations, with splits): row r of the input is row source_rows[r] of x, for the
-  // rows that hold data (launch_quantize_mxfp8_gathered).
+  // rows that hold data (launch_quantize_mxfp8_gathered); an entry at or past source_bound reads as
+  // zeros and is reported to `error` (when not null).
   const int32_t* source_rows = nullptr;
+  int64_t source_bound = 0;
+  DeviceErrorRecord* error = nullptr;
   Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
   Mxfp8Colwise colwise;              // see colwise_activations
   // The column-wise layout: the activations' (one batch; tiled data, mxfp8_colwise_offset, and
@@ -267,11 +271,16 @@ __device__ __forceinline__ bool row_has_data(const QuantizeArgs& a, int64_t used
   return r - a.offsets[lo] < (split < 0 ? 0 : split > span ? span : split);
 }
 
-// The row of x that row r reads, or -1 where r holds no data (row_has_data): r itself, or with a
-// gather its source row.
+// The row of x that row r reads, or a negative row (read as zeros) where r holds no data
+// (row_has_data): r itself, or with a gather its source row. A source row past x is reported and
+// read as zeros, never outside x.
 __device__ __forceinline__ int64_t source_row(const QuantizeArgs& a, int64_t used, int64_t r) {
   if (!row_has_data(a, used, r)) return -1;
-  return a.source_rows != nullptr ? int64_t{__ldg(a.source_rows + r)} : r;
+  if (a.source_rows == nullptr) return r;
+  const int64_t s = __ldg(a.source_rows + r);
+  if (s < a.source_bound) return s;
+  if (a.error != nullptr) raise_device_error(a.error, kDeviceErrorSourceRow, static_cast<int>(r), s, a.source_bound);
+  return -1;
 }
 
 // source_row for the last row asked about, remembered (the contiguous walk asks about one row for a
@@ -593,7 +602,7 @@ void launch_dequantize_colwise(const uint8_t* data, const uint8_t* scales, void*
 }
 
 // The activations' launchers: one batch of capacity_rows, optionally gathered.
-void quantize_activations(const char* who, DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
+void quantize_activations(const char* who, DType in, const void* x, const RowGather& gather, int64_t capacity_rows,
                           int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                           const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
   MG_CHECK(cols % kMxBlock == 0, who, ": cols must be a multiple of 32, got ", cols);
@@ -609,7 +618,9 @@ void quantize_activations(const char* who, DType in, const void* x, const int32_
   a.offsets = offsets;
   a.splits = splits;
   a.groups = groups;
-  a.source_rows = source_rows;
+  a.source_rows = gather.rows;
+  a.source_bound = gather.bound;
+  a.error = gather.error;
   a.colwise_activations = true;
   check_and_quantize(who, "capacity_rows", in, a, rowwise, colwise, stream);
 }
@@ -618,18 +629,20 @@ void quantize_activations(const char* who, DType in, const void* x, const int32_
 void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64_t cols, const int64_t* offsets,
                            const int32_t* splits, int groups, const Mxfp8Rowwise* rowwise,
                            const Mxfp8Colwise* colwise, cudaStream_t stream) {
-  quantize_activations("launch_quantize_mxfp8", in, x, nullptr, capacity_rows, cols, offsets, splits, groups, rowwise,
+  quantize_activations("launch_quantize_mxfp8", in, x, {}, capacity_rows, cols, offsets, splits, groups, rowwise,
                        colwise, stream);
 }
 
-void launch_quantize_mxfp8_gathered(DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
+void launch_quantize_mxfp8_gathered(DType in, const void* x, const RowGather& gather, int64_t capacity_rows,
                                     int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                                     const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
   constexpr const char* kWho = "launch_quantize_mxfp8_gathered";
   // Without the splits a gap row would be read through its map entry, which no producer defines.
-  MG_CHECK(source_rows != nullptr && splits != nullptr, kWho, ": needs the device source rows and splits");
-  quantize_activations(kWho, in, x, source_rows, capacity_rows, cols, offsets, splits, groups, rowwise, colwise,
-                       stream);
+  MG_CHECK(gather.rows != nullptr && splits != nullptr, kWho, ": needs the device source rows and splits");
+  // Source rows fit 32 bits (RowSource remembers one as an int32).
+  MG_CHECK(gather.bound >= 1 && gather.bound < (int64_t{1} << 31), kWho, ": the rows of x must be in [1, 2^31), got ",
+           gather.bound);
+  quantize_activations(kWho, in, x, gather, capacity_rows, cols, offsets, splits, groups, rowwise, colwise, stream);
 }
 
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,

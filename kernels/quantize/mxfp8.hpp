@@ -88,14 +88,21 @@ void launch_quantize_mxfp8(DType in, const void* x, int64_t capacity_rows, int64
                            const int64_t* offsets, const int32_t* splits, int groups,
                            const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);
 
-// launch_quantize_mxfp8 with the input rows gathered: row r of the grouped input is row
-// source_rows[r] of x ([any rows, cols]) for the rows that hold data, those below offsets[groups]
-// and each group's split (splits required; the other rows read as zeros and their map entries are
-// never read). E.g. x the tokens and source_rows a dispatch's token_of_row: the quantizer reads each
-// token where it is (several times, from L2, for top-k routing) and the permuted copy is never made.
-// Bit-identical to launch_quantize_mxfp8 of the gathered buffer. Every map entry of a data row must
-// be a row of x (device data: not checked; a negative entry reads as zeros).
-void launch_quantize_mxfp8_gathered(DType in, const void* x, const int32_t* source_rows, int64_t capacity_rows,
+// Where the grouped input's rows come from: row r is row rows[r] of x ([bound, cols]).
+struct RowGather {
+  const int32_t* rows = nullptr;       // device, [capacity_rows]
+  int64_t bound = 0;                   // x's rows, 1..2^31 - 1
+  DeviceErrorRecord* error = nullptr;  // where an entry at or past `bound` is reported (null: not)
+};
+
+// launch_quantize_mxfp8 with the input rows gathered (gather.rows) for the rows that hold data,
+// those below offsets[groups] and each group's split (splits required; the other rows read as zeros
+// and their map entries are never read). E.g. x the tokens and the map a dispatch's token_of_row:
+// the quantizer reads each token where it is (several times, from L2, for top-k routing) and the
+// permuted copy is never made. Bit-identical to launch_quantize_mxfp8 of the gathered buffer. A
+// data row's entry must be a row of x: a negative one reads as zeros, one at or past the bound
+// reads as zeros and raises kDeviceErrorSourceRow (group: the row, value: the entry).
+void launch_quantize_mxfp8_gathered(DType in, const void* x, const RowGather& gather, int64_t capacity_rows,
                                     int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                                     const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);
 

@@ -143,7 +143,7 @@ __device__ void finish_layout(const DispatchParams& p, int64_t n, const int* exp
   __syncthreads();  // first_past_capacity is final
   if (tid == 0) {
     if (total > p.capacity_rows && p.error != nullptr)
-      raise_routing_error(p.error, kDeviceErrorPastCapacity, first_past_capacity, total, p.capacity_rows);
+      raise_device_error(p.error, kDeviceErrorPastCapacity, first_past_capacity, total, p.capacity_rows);
     if (p.dropped != nullptr && dropped > 0) atomicAdd(p.dropped, static_cast<unsigned long long>(dropped));
   }
 }

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads) group_offsets_kernel(
     int64_t span = 0;
     if (e < num_groups) {
       const int32_t s = splits[e];
-      if (s < 0) raise_routing_error(error, kDeviceErrorNegativeSplit, e, s, 0);
+      if (s < 0) raise_device_error(error, kDeviceErrorNegativeSplit, e, s, 0);
       else span = (static_cast<int64_t>(s) + row_align - 1) / row_align * row_align;
     }
     int64_t inclusive, block_total;
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) group_offsets_kernel(
     if (tid == 0) carry += block_total;
     __syncthreads();
   }
-  if (tid == 0 && carry > capacity) raise_routing_error(error, kDeviceErrorPastCapacity, first_past_capacity, carry, capacity);
+  if (tid == 0 && carry > capacity) raise_device_error(error, kDeviceErrorPastCapacity, first_past_capacity, carry, capacity);
 }
 
 }  // namespace

@@ -1,27 +1,16 @@
-// Device helpers shared by the routing kernels: the step's token count (a device scalar), the
-// error record, and the expert owning a permuted row.
+// Device helpers shared by the routing kernels: the step's token count (a device scalar) and
+// the expert owning a permuted row (the error record: kernels/common/device_error.cuh).
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/common/device_error.cuh"
 #include "kernels/routing/moe_routing.hpp"
 
 namespace moegraph::kernels {
 
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 8;
-
-// Records the first error only: a later one never overwrites what the host will report.
-__device__ __forceinline__ void raise_routing_error(DeviceErrorRecord* error, int code, int group, int64_t value,
-                                                    int64_t limit) {
-  if (atomicCAS(&error->code, 0, -1) == 0) {  // -1: being written; the host reads after a sync
-    error->group = group;
-    error->value = value;
-    error->limit = limit;
-    __threadfence();
-    atomicExch(&error->code, code);
-  }
-}
 
 // n = *num_tokens clamped into [0, max_tokens], identically in every kernel that reads it, so an
 // invalid count never takes a kernel outside its buffers. A non-null `error` (pass it from one
@@ -31,7 +20,7 @@ __device__ __forceinline__ int64_t load_token_count(const int32_t* num_tokens, i
                                                     DeviceErrorRecord* error = nullptr) {
   const int64_t n = *num_tokens;
   if (n >= 0 && n <= max_tokens) return n;
-  if (error != nullptr) raise_routing_error(error, kDeviceErrorTokenCount, -1, n, max_tokens);
+  if (error != nullptr) raise_device_error(error, kDeviceErrorTokenCount, -1, n, max_tokens);
   return n < 0 ? 0 : max_tokens;
 }
 

@@ -52,6 +52,9 @@ std::string describe_device_error(const DeviceErrorRecord& e, int row_align, std
       return detail::concat("rank ", e.group, "'s exchanges of this ", group, " group stopped at an earlier timeout "
                             "or a peer's stop (barrier ", e.value, " waited for nobody): results since then are lost; "
                             "rebuild the layers and the group");
+    case kDeviceErrorSourceRow:
+      return detail::concat("x_rows[", e.group, "] = ", e.value, " names no row of x (x_rows_bound ", e.limit,
+                            "); the row was read as zeros");
     default: return detail::concat("unknown device error code ", e.code);
   }
 }

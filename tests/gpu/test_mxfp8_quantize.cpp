@@ -278,8 +278,8 @@ TEST_P(Mxfp8Grouped, GatheredRowsEqualTheGatheredBuffer) {
       row.poison(), col.poison();
       const Mxfp8Rowwise r = row.rowwise();
       const Mxfp8Colwise c = col.colwise();
-      kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), d_map.get(), sh.capacity, cols, offsets.get(),
-                                              d_splits.get(), groups, has_row(which) ? &r : nullptr,
+      kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), {d_map.get(), sh.tokens + 1}, sh.capacity, cols,
+                                              offsets.get(), d_splits.get(), groups, has_row(which) ? &r : nullptr,
                                               has_col(which) ? &c : nullptr, nullptr);
       MG_CUDA_CHECK(cudaDeviceSynchronize());
       EXPECT_TRUE(same_mx(where + " row-wise", row.download(), has_row(which) ? want_row : untouched));
@@ -287,10 +287,66 @@ TEST_P(Mxfp8Grouped, GatheredRowsEqualTheGatheredBuffer) {
     }
     // Without the splits a gap row's entry would be read: refused before anything is enqueued.
     const Mxfp8Rowwise r = row.rowwise();
-    EXPECT_THROW(kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), d_map.get(), sh.capacity, cols,
-                                                         offsets.get(), nullptr, groups, &r, nullptr, nullptr),
+    EXPECT_THROW(kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), {d_map.get(), sh.tokens + 1},
+                                                         sh.capacity, cols, offsets.get(), nullptr, groups, &r, nullptr,
+                                                         nullptr),
+                 Error);
+    // Nor without the rows of x.
+    EXPECT_THROW(kernels::launch_quantize_mxfp8_gathered(dtype, d_tokens.get(), {d_map.get(), 0}, sh.capacity, cols,
+                                                         offsets.get(), d_splits.get(), groups, &r, nullptr, nullptr),
                  Error);
   }
+}
+
+// A data row whose map entry names no row of x (at or past the bound) reads as zeros, never past
+// x, and is reported: the first such row, its entry and the bound. The rest of the rows are
+// quantized as the reference quantizes the gathered buffer with that row zero. Gap rows' entries
+// (past the bound too) are never read, so they raise nothing.
+TEST_P(Mxfp8Grouped, GatheredRowPastTheSourceIsZeroAndReported) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_gathered_past_", dtype_name(dtype))));
+  const std::vector<int32_t> splits{40, 0, 70, 0, 1, 33, 0};
+  const int64_t capacity = 352, cols = 288, tokens = 37;
+  const GroupLayout l = make_layout(splits, 32, capacity);
+  const int64_t used = l.offsets.back();
+  const std::vector<double> x = mixed_values(rng, tokens, cols, dtype);
+  std::vector<int32_t> map(capacity, static_cast<int32_t>(tokens + 1000));  // gap rows: past x, never read
+  std::vector<double> gathered(capacity * cols, 0.0);
+  const std::vector<bool> data = data_rows(l);
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(tokens) - 1);
+  for (int64_t r = 0; r < capacity; ++r) {
+    if (!data[r]) continue;
+    map[r] = token(rng);
+    std::copy_n(x.begin() + map[r] * cols, cols, gathered.begin() + r * cols);
+  }
+  const int64_t bad_row = l.offsets[2] + 5, bad_entry = tokens;  // one past x
+  ASSERT_TRUE(data[bad_row]);
+  map[bad_row] = static_cast<int32_t>(bad_entry);
+  std::fill_n(gathered.begin() + bad_row * cols, cols, 0.0);
+  DeviceArray<uint16_t> d_x(x.size());
+  d_x.upload(bits_of(x, dtype));
+  DeviceArray<int32_t> d_map(map.size()), d_splits(splits.size());
+  d_map.upload(map);
+  d_splits.upload(splits);
+  DeviceArray<int64_t> offsets(l.offsets.size());
+  offsets.upload(l.offsets);
+  DeviceArray<DeviceErrorRecord> error(1);
+  testing::memset_and_wait(error.get(), 0, sizeof(DeviceErrorRecord));
+  DeviceMx row(capacity, cols), col(capacity, cols);
+  row.poison(), col.poison();
+  const Mxfp8Rowwise r = row.rowwise();
+  const Mxfp8Colwise c = col.colwise();
+  kernels::launch_quantize_mxfp8_gathered(dtype, d_x.get(), {d_map.get(), tokens, error.get()}, capacity, cols,
+                                          offsets.get(), d_splits.get(), static_cast<int>(splits.size()), &r, &c,
+                                          nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_mx("row-wise", row.download(), reference_rowwise(gathered, capacity, cols, used)));
+  EXPECT_TRUE(same_mx("column-wise", col.download(), reference_colwise(gathered, capacity, cols, used)));
+  const DeviceErrorRecord e = error.download()[0];
+  EXPECT_EQ(e.code, kDeviceErrorSourceRow);
+  EXPECT_EQ(e.group, bad_row);
+  EXPECT_EQ(e.value, bad_entry);
+  EXPECT_EQ(e.limit, tokens);
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, Mxfp8Grouped, ::testing::Values(DType::kBF16, DType::kFP16),

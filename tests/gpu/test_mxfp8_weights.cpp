@@ -126,17 +126,17 @@ struct Mxfp8Linear {
     splits.upload(host_splits);
   }
 
-  // x_in and x_rows (ForwardArgs::x_rows) stand in for x when given.
+  // x_in and x_rows (ForwardArgs::x_rows, x_in having x_rows_bound rows) stand in for x when given.
   Out run(GroupedLinear& op, const void* weight, const Mxfp8Weights& m, const void* x_in = nullptr,
-          const int32_t* x_rows = nullptr) {
+          const int32_t* x_rows = nullptr, int64_t x_rows_bound = 0) {
     const cudaStream_t s = stream.get();
     DeviceArray<uint16_t> y(rows * N), y_infer(rows * N), dx(rows * K);
     DeviceArray<float> main_grad(G * N * K);
     y.poison(), y_infer.poison(), dx.poison();
     testing::memset_and_wait(main_grad.get(), 0, main_grad.size() * 4);
     const void* in = x_in != nullptr ? x_in : x.get();
-    op.forward({in, splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m, x_rows}, s);
-    op.forward_train({in, splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m, x_rows}, s);
+    op.forward({in, splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m, x_rows, x_rows_bound}, s);
+    op.forward_train({in, splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m, x_rows, x_rows_bound}, s);
     op.backward({dy.get(), weight, b.get(), dx.get(), nullptr, nullptr, nullptr, main_grad.get(), m},
                 WgradMode::kImmediate, s);
     op.check_device_errors(s);
@@ -230,9 +230,42 @@ TEST(Mxfp8WeightsApi, GatheredInputRowsGiveTheGatheredBuffersBits) {
     EnvVar forced("MOEGRAPH_MXFP8_ROUTE", route);
     GroupedLinear op(l.options);
     op.weights_changed(l.w.get(), l.stream.get());
-    const Mxfp8Linear::Out want = l.run(op, l.w.get(), {}), got = l.run(op, l.w.get(), {}, d_tokens.get(), d_map.get());
+    const Mxfp8Linear::Out want = l.run(op, l.w.get(), {}),
+                           got = l.run(op, l.w.get(), {}, d_tokens.get(), d_map.get(), T + 1);
     EXPECT_TRUE(got == want) << route << " route: gathered rows differ from the gathered buffer";
     EXPECT_GT(nonzero(want.main_grad), want.main_grad.size() / 2) << route << ": the step computed gradients";
+  }
+  {  // x_rows without the rows of x is refused before anything is enqueued
+    GroupedLinear op(l.options);
+    op.weights_changed(l.w.get(), l.stream.get());
+    DeviceArray<uint16_t> y(l.rows * Mxfp8Linear::N);
+    EXPECT_THROW(op.forward({d_tokens.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get(), nullptr, {},
+                             d_map.get()}, l.stream.get()),
+                 Error);
+  }
+  {  // a data row's entry past x (the NaN token, with x_rows_bound T) reads as zeros and is reported
+    std::vector<int32_t> bad = map;
+    const int64_t row = layout.offsets[2] + 7;
+    ASSERT_TRUE(data[row]);
+    bad[row] = static_cast<int32_t>(T);
+    d_map.upload(bad);
+    GroupedLinear op(l.options);
+    op.weights_changed(l.w.get(), l.stream.get());
+    DeviceArray<uint16_t> y(l.rows * Mxfp8Linear::N);
+    y.poison();
+    op.forward({d_tokens.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get(), nullptr, {}, d_map.get(), T},
+               l.stream.get());
+    try {
+      op.check_device_errors(l.stream.get());
+      ADD_FAILURE() << "an x_rows entry past x was not reported";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(detail::concat("x_rows[", row, "] = ", T)), std::string::npos) << e.what();
+    }
+    // A zero row times W plus its group's bias: the bias itself, bit for bit (not the NaN token).
+    const std::vector<uint16_t> out = y.download(), bias = l.b.download();
+    for (int64_t c = 0; c < Mxfp8Linear::N; ++c)
+      ASSERT_EQ(out[row * Mxfp8Linear::N + c], bias[2 * Mxfp8Linear::N + c]) << "column " << c;
+    d_map.upload(map);
   }
   GroupedLinearOptions bf16 = l.options;
   bf16.recipe = Recipe::kBF16;

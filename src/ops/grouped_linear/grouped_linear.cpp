@@ -255,6 +255,8 @@ void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
   MG_CHECK(a.x_rows == nullptr || o.recipe == Recipe::kMXFP8,
            "ForwardArgs::x_rows (input rows gathered from x) needs the mxfp8 recipe, whose quantizer reads the "
            "rows; the ", recipe_name(o.recipe), " recipe's GEMMs read x as grouped rows");
+  MG_CHECK(a.x_rows == nullptr || (a.x_rows_bound >= 1 && a.x_rows_bound < (int64_t{1} << 31)),
+           "ForwardArgs::x_rows needs x_rows_bound, the rows of x, in [1, 2^31), got ", a.x_rows_bound);
 }
 }  // namespace
 
@@ -268,7 +270,7 @@ const int64_t* GroupedLinear::group_offsets(const ForwardArgs& args, int64_t* co
 void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
   const DeviceScope on_device(scratch_->device);
   check_forward_args(options_, args);
-  const linear::Groups groups{args.splits, group_offsets(args, scratch_->offsets, stream)};
+  const linear::Groups groups{args.splits, group_offsets(args, scratch_->offsets, stream), scratch_->error.as<DeviceErrorRecord>()};
   backend_->fprop(args, groups, -1, stream);
 }
 
@@ -300,7 +302,7 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
   if (slot.has_scale && !options_.caller_keeps_activations)
     kernels::launch_copy_used_rows(slot.own_scale, args.bias_scale, sizeof(float), slot.offsets, options_.num_groups,
                                    scratch_->sm_count * 4, stream);
-  backend_->fprop(args, {slot.splits, slot.offsets}, index, stream);
+  backend_->fprop(args, {slot.splits, slot.offsets, scratch_->error.as<DeviceErrorRecord>()}, index, stream);
   free_slots_.pop_back();
   backward_queue_.push_back(index);
 }
@@ -327,7 +329,7 @@ void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStrea
   const int index = backward_queue_.front();
   const Slot& slot = slots_[index];
   MG_CHECK(args.dbias_scale == nullptr || slot.has_scale, "dbias_scale asked for, but forward had no bias_scale");
-  const linear::Groups groups{slot.splits, slot.offsets};
+  const linear::Groups groups{slot.splits, slot.offsets, scratch_->error.as<DeviceErrorRecord>()};
   backend_->backward(args, groups, index, mode, stream);
   if (args.dbias != nullptr || args.dbias_scale != nullptr) {
     kernels::BiasGradParams p;
@@ -358,13 +360,19 @@ void GroupedLinear::backward_dw(cudaStream_t stream) {
   free_slots_.push_back(q.slot);
 }
 
+DeviceErrorRecord GroupedLinear::take_device_error() {
+  const DeviceScope on_device(scratch_->device);
+  return take_device_error_record(scratch_->error);
+}
+
 void GroupedLinear::check_device_errors(cudaStream_t stream) {
   const DeviceScope on_device(scratch_->device);
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
-  const DeviceErrorRecord record = take_device_error_record(scratch_->error);
+  const DeviceErrorRecord record = take_device_error();
   if (record.code == kDeviceErrorNone) return;
   detail::throw_error(__FILE__, __LINE__,
-                      detail::concat("invalid device splits: ", describe_device_error(record, options_.row_align)),
+                      detail::concat(record.code == kDeviceErrorSourceRow ? "invalid device inputs: " : "invalid device splits: ",
+                     describe_device_error(record, options_.row_align)),
                       ErrorKind::kDeviceSplits);
 }
 

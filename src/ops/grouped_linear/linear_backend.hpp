@@ -21,6 +21,7 @@ namespace moegraph::linear {
 struct Groups {
   const int32_t* splits = nullptr;   // [G]
   const int64_t* offsets = nullptr;  // [G + 1], aligned starts
+  DeviceErrorRecord* error = nullptr;  // where a kernel records invalid device inputs (the operator's)
 };
 
 class LinearBackend {

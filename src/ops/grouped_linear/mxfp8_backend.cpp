@@ -96,8 +96,9 @@ class Mxfp8Backend final : public LinearBackend {
     const kernels::Mxfp8Rowwise operand = operand_for(fprop_);
     const kernels::Mxfp8Colwise* saved = save_slot >= 0 ? &slots_[save_slot].x_t : nullptr;
     if (a.x_rows != nullptr)
-      kernels::launch_quantize_mxfp8_gathered(o_.dtype, a.x, a.x_rows, o_.capacity_rows, o_.in_features, g.offsets,
-                                              g.splits, o_.num_groups, &operand, saved, stream);
+      kernels::launch_quantize_mxfp8_gathered(o_.dtype, a.x, {a.x_rows, a.x_rows_bound, g.error}, o_.capacity_rows,
+                                              o_.in_features, g.offsets, g.splits, o_.num_groups, &operand, saved,
+                                              stream);
     else
       kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
                                      o_.num_groups, &operand, saved, stream);

@@ -53,6 +53,7 @@ class LinearOp final : public LayerOp {
   }
 
   void bind(TensorTable& t) override { op_ = std::make_unique<GroupedLinear>(g_, t.get(spec_.name + ".workspace")); }
+  DeviceErrorRecord take_device_error() override { return op_ ? op_->take_device_error() : DeviceErrorRecord{}; }
 
   void forward(const Phase& p, cudaStream_t stream) override {
     const TensorTable& t = *p.tensors;
@@ -61,7 +62,8 @@ class LinearOp final : public LayerOp {
     const bool gather = !spec_.gather.empty();
     ForwardArgs a{gather ? p.io->x : t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
                   scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s),
-                  t.get<int64_t>(tensor::kOffsets, s), mxfp8_, gather ? t.get<int32_t>(spec_.gather, s) : nullptr};
+                  t.get<int64_t>(tensor::kOffsets, s), mxfp8_, gather ? t.get<int32_t>(spec_.gather, s) : nullptr,
+                  gather ? o_.max_tokens : 0};  // x: the bucket's tokens
     if (p.train) op_->forward_train(a, stream);
     else op_->forward(a, stream);
   }
