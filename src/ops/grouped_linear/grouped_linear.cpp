@@ -270,7 +270,8 @@ const int64_t* GroupedLinear::group_offsets(const ForwardArgs& args, int64_t* co
 void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
   const DeviceScope on_device(scratch_->device);
   check_forward_args(options_, args);
-  const linear::Groups groups{args.splits, group_offsets(args, scratch_->offsets, stream), scratch_->error.as<DeviceErrorRecord>()};
+  const linear::Groups groups{args.splits, group_offsets(args, scratch_->offsets, stream),
+                              scratch_->error.as<DeviceErrorRecord>()};
   backend_->fprop(args, groups, -1, stream);
 }
 
@@ -370,9 +371,8 @@ void GroupedLinear::check_device_errors(cudaStream_t stream) {
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   const DeviceErrorRecord record = take_device_error();
   if (record.code == kDeviceErrorNone) return;
-  detail::throw_error(__FILE__, __LINE__,
-                      detail::concat(record.code == kDeviceErrorSourceRow ? "invalid device inputs: " : "invalid device splits: ",
-                     describe_device_error(record, options_.row_align)),
+  const char* what = record.code == kDeviceErrorSourceRow ? "invalid device inputs: " : "invalid device splits: ";
+  detail::throw_error(__FILE__, __LINE__, detail::concat(what, describe_device_error(record, options_.row_align)),
                       ErrorKind::kDeviceSplits);
 }
 
