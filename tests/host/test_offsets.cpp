@@ -48,6 +48,18 @@ TEST(HostOffsets, OverflowRaisesCodeTwoAndClampsOffsets) {
   EXPECT_NE(describe_device_error(h.error, 1).find("splits need 30 rows"), std::string::npos);
 }
 
+// The record a gathered input's bad map entry raises (kernels/quantize: launch_quantize_mxfp8_gathered)
+// reads as the row, its entry and the bound; every code has its own message.
+TEST(HostOffsets, EveryDeviceErrorCodeIsDescribed) {
+  const DeviceErrorRecord source{kDeviceErrorSourceRow, 71, 90, 90};
+  EXPECT_EQ(describe_device_error(source, 32), "x_rows[71] = 90 names no row of x (x_rows_bound 90); the row was read as zeros");
+  EXPECT_EQ(describe_device_error(DeviceErrorRecord{}, 1), "");
+  for (int32_t code = kDeviceErrorNegativeSplit; code <= kDeviceErrorSourceRow; ++code)
+    EXPECT_EQ(describe_device_error(DeviceErrorRecord{code, 1, 2, 3}, 1).find("unknown"), std::string::npos) << code;
+  EXPECT_NE(describe_device_error(DeviceErrorRecord{kDeviceErrorSourceRow + 1, 0, 0, 0}, 1).find("unknown"),
+            std::string::npos);
+}
+
 TEST(HostOffsets, AlignmentPaddingCanOverflow) {
   const std::vector<int32_t> splits{1, 1, 1};  // 3 rows of data, 384 aligned rows
   const HostOffsets h = host_group_offsets(splits, 128, 256);
