@@ -345,8 +345,8 @@ TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
 INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8Wgrad, ::testing::ValuesIn(kWgradRoutes),
                          [](const auto& info) { return std::string(info.param.name); });
 
-// A NaN scale (E8M0 0xFF) or a NaN code (0x7F, 0xFF) poisons exactly the outputs that block feeds:
-// never silently a number.
+// A NaN scale (E8M0 0xFF) or a NaN code (0x7F, 0xFF), of A or of the weights, poisons exactly the
+// outputs that block feeds: never silently a number.
 class Mxfp8GemmNaN : public ::testing::TestWithParam<Mxfp8Route> {};
 TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   std::mt19937_64 rng(5);
@@ -384,6 +384,21 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
     nan_rows += nans > 0;
   }
   EXPECT_EQ(nan_rows, 3);
+
+  // A NaN code in a weight row under a finite scale: output column 77 of group 1's rows (32-63)
+  // turns NaN as well, and nothing else does.
+  Mx b_nan = b;
+  b_nan.data[(n + 77) * k + 130] = 0x7f;  // group 1, weight row 77, K block 4
+  db.upload(b_nan.data);
+  dc.poison();
+  kernels::launch_mxfp8_ragged_gemm(fprop_plan, p, nullptr);
+  const auto got_w = dc.download();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t col = 0; col < n; ++col) {
+      const bool nan = std::isnan(from_bits(got_w[r * n + col], DType::kBF16));
+      const bool want = r == 10 || r == 40 || r == 50 || (r >= 32 && col == 77);
+      EXPECT_EQ(nan, want) << "row " << r << ", column " << col << " after a NaN weight code";
+    }
 }
 INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8GemmNaN, ::testing::ValuesIn(kRoutes),
                          [](const auto& info) { return route_name(info.param); });
