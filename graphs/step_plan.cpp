@@ -106,10 +106,7 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     if (first.fuse_weights) layer::fuse_routing_weights(ops);
     plan.kernels.push_back("moe layer: " + layer::describe(ops));
     plan.kernels.push_back("router: logits by cuBLASLt (bf16 in, fp32 out), scores + top-k one warp per token");
-    plan.kernels.push_back(std::string("dispatch: stable counting sort by expert (the group layout: splits, offsets), ") +
-                           (layer::layer_gathers_fc1_input(first)
-                                ? "no row gather (fc1's quantizer reads the tokens through token_of_row)"
-                                : "row gather") +
+    plan.kernels.push_back(layer::describe_local_dispatch(!layer::layer_gathers_fc1_input(first)) +
                            "; combine: fp32 sum of k rows per token");
   } else {
     plan.kernels.push_back("group layout: splits copied per slot, offsets by a CUB BlockScan (1 CTA x 256 threads, "

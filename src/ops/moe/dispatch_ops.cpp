@@ -19,8 +19,7 @@ class DispatchOp final : public LayerOp {
   DispatchOp(const OpSpec& spec, const MoeLayerOptions& o) : spec_(spec), o_(o), rows_(moe_layer_rows(o)) {}
   std::string name() const override { return "dispatch"; }
   std::string kernels() const override {
-    return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter), ") +
-           (spec_.out.empty() ? "no row gather (fc1 reads the tokens through token_of_row)" : "row gather") +
+    return describe_local_dispatch(!spec_.out.empty()) +
            "; backward: gather of the row-weight gradients, un-permute sum into dx";
   }
 

@@ -12,6 +12,12 @@ bool layer_gathers_fc1_input(const MoeLayerOptions& o) {
   return o.recipe == Recipe::kMXFP8 && o.expert_parallel == 1;
 }
 
+std::string describe_local_dispatch(bool gathers_rows) {
+  return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter) into "
+                     "the group layout (splits, offsets), ") +
+         (gathers_rows ? "row gather" : "no row gather (fc1's quantizer reads the tokens through token_of_row)");
+}
+
 std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
   const bool keep = layer_keeps_linear_activations(o), keep_grads = keep && o.delay_wgrad;
   const bool gather = layer_gathers_fc1_input(o);

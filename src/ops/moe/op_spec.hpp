@@ -57,6 +57,9 @@ bool layer_keeps_linear_activations(const MoeLayerOptions& options);
 // (ForwardArgs::x_rows): the mxfp8 recipe on one GPU, whose quantizer reads FC1's input once anyway.
 // With expert parallelism FC1 reads the rows received from the other ranks.
 bool layer_gathers_fc1_input(const MoeLayerOptions& options);
+// The one-GPU dispatch's kernels in words, for --plan and the operator's kernels(): whether it
+// writes the permuted rows (`gathers_rows`) or FC1 reads the tokens through token_of_row.
+std::string describe_local_dispatch(bool gathers_rows);
 
 // FC1 (layer 1: hidden -> 2 * ffn) or FC2 (layer 2: ffn -> hidden) of the experts, on
 // `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions
