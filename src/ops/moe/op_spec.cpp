@@ -13,8 +13,8 @@ bool layer_gathers_fc1_input(const MoeLayerOptions& o) {
 }
 
 std::string describe_local_dispatch(bool gathers_rows) {
-  return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter) into "
-                     "the group layout (splits, offsets), ") +
+  return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter; a "
+                     "small batch all in one block) into the group layout (splits, offsets), ") +
          (gathers_rows ? "row gather" : "no row gather (fc1's quantizer reads the tokens through token_of_row)");
 }
 
