@@ -36,6 +36,8 @@ int prepare_mxfp8_gemm(const GemmConfig& config);
 GemmConfig mxfp8_swap_ab_config(GemmPhase phase, DType out);
 int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map);
 void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
+// Its scratch for split reductions (counters and fp32 partials), 0 where no launch can split.
+std::size_t mxfp8_swap_ab_split_bytes(int groups, int64_t capacity_rows, int64_t n);
 
 // sm90_grouped_gemm_mxfp8_dequant.cu (fprop and dgrad)
 GemmConfig mxfp8_dequant_config(GemmPhase phase, DType out);

@@ -37,7 +37,8 @@ std::string GemmConfig::to_string() const {
   os << gemm_family_name(family) << " " << block_m << "x" << block_n << "x" << block_k << " stages=" << stages
      << " threads=" << threads;
   if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
-  if (family == GemmFamily::kMxfp8SwapAb) os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials";
+  if (family == GemmFamily::kMxfp8SwapAb)
+    os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials, reductions split when tiles are few";
   if (family == GemmFamily::kMxfp8Dequant) os << " e4m3 dequantized to bf16 in shared memory";
   if (family == GemmFamily::kMxfp8Staged)
     os << (dequantized_weights ? " on the weights' kept bf16 values and activations dequantized in scratch"

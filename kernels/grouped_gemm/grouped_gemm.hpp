@@ -62,8 +62,9 @@ struct Mxfp8RaggedGemmParams {
   const float* bias_scale = nullptr;  // [capacity_rows] or null
   void* c = nullptr;                  // [capacity_rows, n] bf16 or fp16
   int64_t capacity_rows = 0;          // rows of a and c (the swap-AB kernel's tensor extent)
-  // The staged route (kMxfp8Staged) only: device scratch of at least mxfp8_staging_bytes(), where
-  // the operands are dequantized to bf16 before the bf16 kernel reads them.
+  // Device scratch of at least mxfp8_staging_bytes(): the staged route (kMxfp8Staged) dequantizes
+  // the operands to bf16 there before the bf16 kernel reads them; the swap-AB route keeps the
+  // partial sums of its split reductions there (decode: fewer tiles than CTAs).
   void* staging = nullptr;
   std::size_t staging_bytes = 0;
   // The staged route only: A's bf16 values [capacity_rows, k] are already at the start of staging
@@ -171,8 +172,10 @@ struct GemmPlan {
 };
 GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
 
-// Device scratch the config's launches need (Mxfp8*Params::staging): 0 except for kMxfp8Staged.
-// Its wgrad dequantizes dy and x, [capacity_rows, n + k]. Its fprop/dgrad hold A's bf16 values
+// Device scratch the config's launches need (Mxfp8*Params::staging): 0 except for kMxfp8Staged and
+// kMxfp8SwapAb. Swap-AB: its split reductions' counters and fp32 partials (about 4.1 MiB) where the
+// problem may have a quarter as many tiles as CTAs or fewer (at most 66 tiles of 128 output columns
+// and up to 32 rows), else 0. Staged: its wgrad dequantizes dy and x, [capacity_rows, n + k]. Its fprop/dgrad hold A's bf16 values
 // [capacity_rows, k] at the start (dequantized there, or written by the quantizer: a_staged; all
 // they stage with dequantized_weights) and then the weights a run of
 // experts at a time: as many experts as the given staging_bytes hold past A (at least one). This

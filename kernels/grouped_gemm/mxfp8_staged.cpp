@@ -94,6 +94,7 @@ int prepare_mxfp8_staged(const GemmConfig& config, void** encode_tensor_map) {
 
 std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,
                                 int experts_per_run) {
+  if (config.family == GemmFamily::kMxfp8SwapAb) return mxfp8_swap_ab_split_bytes(groups, capacity_rows, n);
   if (config.family != GemmFamily::kMxfp8Staged) return 0;
   MG_CHECK(groups >= 1 && experts_per_run >= 0 && n >= 1 && k >= 1,
            "MXFP8 staging: needs groups, n and k >= 1 and experts_per_run >= 0, got ", groups, ", ", n, ", ", k,

@@ -1,5 +1,7 @@
 // The MXFP8 swap-AB kernels (sm_90a; bf16 and fp16 outputs; fprop and dgrad) and their tensor maps
 // (e4m3 bytes, 128-byte swizzle; sm90_tensor_maps.hpp).
+#include <algorithm>
+
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/kernel_setup.cuh"
 #include "kernels/grouped_gemm/gemm_families.hpp"
@@ -12,9 +14,9 @@ namespace moegraph::kernels {
 namespace {
 namespace s = mxfp8_swap_ab;
 
-template <class F>
+template <bool kSplit, class F>
 void with_kernel(const GemmConfig& config, F&& f) {
-  with_16bit_type(config.dtype, "MXFP8 swap-AB GEMM", [&](auto t) { f(s::ragged_gemm_kernel<decltype(t)>); });
+  with_16bit_type(config.dtype, "MXFP8 swap-AB GEMM", [&](auto t) { f(s::ragged_gemm_kernel<decltype(t), kSplit>); });
 }
 }  // namespace
 
@@ -25,9 +27,30 @@ GemmConfig mxfp8_swap_ab_config(GemmPhase phase, DType out) {
 
 int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map) {
   *encode_tensor_map = tensor_map_encoder();
-  int blocks = 0;
-  with_kernel(config, [&](auto kernel) { blocks = allow_smem_and_measure(kernel, s::THREADS, s::kSmemBytes); });
+  int blocks = 0, split_blocks = 0;
+  with_kernel<false>(config, [&](auto kernel) { blocks = allow_smem_and_measure(kernel, s::THREADS, s::kSmemBytes); });
+  with_kernel<true>(config,
+                    [&](auto kernel) { split_blocks = allow_smem_and_measure(kernel, s::THREADS, s::kSmemBytes); });
+  MG_CHECK(split_blocks == blocks, "the MXFP8 swap-AB kernels with and without splits differ in occupancy: ",
+           blocks, " and ", split_blocks, " CTAs per SM");
   return blocks;
+}
+
+namespace {
+// The most tiles a launch can have: a group of r rows takes ceil(r / 32) row tiles, so at most
+// (rows + 31 * min(groups, rows)) / 32 of them, each times the weight tiles.
+int64_t max_tiles(int groups, int64_t capacity_rows, int64_t n) {
+  const int64_t row_tiles = (capacity_rows + (s::BR - 1) * std::min<int64_t>(groups, capacity_rows)) / s::BR;
+  return row_tiles * ((n + s::BM - 1) / s::BM);
+}
+constexpr std::size_t kCounterBytes = (s::kSplitItemsCap * sizeof(unsigned) + 255) / 256 * 256;
+}  // namespace
+
+std::size_t mxfp8_swap_ab_split_bytes(int groups, int64_t capacity_rows, int64_t n) {
+  MG_CHECK(groups >= 1 && capacity_rows >= 0 && n >= 1, "MXFP8 swap-AB split scratch: needs groups and n >= 1 and ",
+           "capacity_rows >= 0, got ", groups, ", ", n, " and ", capacity_rows);
+  if (max_tiles(groups, capacity_rows, n) * s::kMinSplits > s::kSplitItemsCap) return 0;  // never split
+  return kCounterBytes + std::size_t{s::kSplitItemsCap} * s::kConsumerThreads * s::kPartialFloats * sizeof(float);
 }
 
 void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {
@@ -41,7 +64,22 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
   constexpr auto kBytes = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   tp.a = encode_rows_map(plan.encode_tensor_map, kBytes, 1, p.a, p.capacity_rows, p.k, s::BK, s::BR);
   tp.b = encode_grouped_map(plan.encode_tensor_map, kBytes, 1, p.b, p.num_groups, p.n, p.k, s::BK, s::BM);
-  with_kernel(plan.config, [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
+  // The split kernel where the tiles may be a quarter of the CTAs or fewer: its counters zeroed
+  // here, in the launch's own stream order (a captured graph zeroes them on every replay).
+  const std::size_t split_bytes = mxfp8_swap_ab_split_bytes(p.num_groups, p.capacity_rows, p.n);
+  if (split_bytes > 0 && max_tiles(p.num_groups, p.capacity_rows, p.n) * s::kMinSplits <= plan.grid) {
+    MG_CHECK(p.staging != nullptr && p.staging_bytes >= split_bytes, "the MXFP8 swap-AB GEMM of ", p.num_groups,
+             " groups, ", p.capacity_rows, " rows and ", p.n, " columns needs ", split_bytes,
+             " bytes of scratch (mxfp8_staging_bytes), got ", p.staging_bytes);
+    tp.split_counters = static_cast<unsigned*>(p.staging);
+    tp.split_partials = reinterpret_cast<float*>(static_cast<uint8_t*>(p.staging) + kCounterBytes);
+    MG_CUDA_CHECK(cudaMemsetAsync(tp.split_counters, 0, kCounterBytes, stream));
+    with_kernel<true>(plan.config,
+                      [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
+  } else {
+    with_kernel<false>(plan.config,
+                       [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
+  }
   MG_LAUNCH_CHECK();
 }
 

@@ -13,6 +13,16 @@
 // the producer warp's lanes, which arrive on the stage's mbarrier when their copies land. Two CTAs
 // per SM (one producer warp each, no idle producer warpgroup), so that while one CTA's consumers wait
 // on an MMA or a scale conversion, the other's issue.
+// Split reductions (the kSplit kernel): a launch with a quarter as many tiles as CTAs or fewer
+// (decode: a token's few experts, such as two of 32 tiles each with reductions of 14336) would leave
+// most SMs idle or with one ring of loads in flight, bound by the latency of those loads. There
+// each tile's reduction is cut into `splits` ranges of whole stages, one per CTA (splits = CTAs /
+// tiles, at least kMinSplits and kMinSplitStages stages each, decided on the device from the tiles
+// that exist). Every split writes its fp32 accumulators to the scratch; the last of a tile's splits
+// to arrive (a counter per tile, zeroed by the launch) sums them in split order (the same result
+// whichever arrives last) and runs the epilogue. Two splits measured no faster than one CTA a tile
+// once the launch zeroes the counters (docs/PERF.md), hence kMinSplits; the launcher takes the
+// kernel without splits wherever the tiles may be more, whose code is the same as before splits.
 // Each 32-deep block is its own MMA into a fresh partial, promoted as
 //     acc[m][r] += partial[m][r] * sb[m][kb] * sa[r][kb]
 // with two partials alternating, so block kb's MMA runs while block kb-1 is promoted.
@@ -46,12 +56,44 @@ constexpr int kScaleOffset = kTileBytesB + kTileBytesA;
 constexpr int kStageBytes = (kScaleOffset + (BM + BR) * 4 + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
 constexpr int kSmemBytes = STAGES * kStageBytes + 1024;
 constexpr int kTxBytes = kTileBytesB + kTileBytesA;  // what the TMA boxes bring per stage
+// Split reductions (mxfp8_swap_ab_split_bytes sizes their scratch on the host).
+constexpr int kSplitItemsCap = 264;    // items (a tile's split) at most: two CTAs on each of 132 SMs
+constexpr int kMinSplitStages = 4;     // a split fills the ring once at least
+constexpr int kMinSplits = 4;          // fewer: one CTA a tile
+constexpr int kPartialFloats = 4 * (BR / 8);  // a consumer thread's accumulators, J = 4
 
 struct Params {
   Mxfp8RaggedGemmParams p;
   CUtensorMap a;  // rows [capacity_rows, red] e4m3, box 32 rows x 128 bytes
   CUtensorMap b;  // weights [G, cols, red] e4m3, box 128 rows x 128 bytes
+  // The kSplit kernel's scratch: [kSplitItemsCap][kConsumerThreads][kPartialFloats] accumulators
+  // and one counter per tile, zero at the launch.
+  float* split_partials = nullptr;
+  unsigned* split_counters = nullptr;
 };
+
+// How many ranges each tile's reduction is cut into: as many as keep every CTA busy, each of
+// kMinSplitStages stages at least; 1 where that is under kMinSplits.
+__device__ __forceinline__ int split_count(int64_t tiles, int ktiles) {
+  if (tiles == 0) return 1;
+  const int64_t by_ctas = min(static_cast<int64_t>(gridDim.x), static_cast<int64_t>(kSplitItemsCap)) / tiles;
+  const int64_t splits = min(by_ctas, static_cast<int64_t>(ktiles / kMinSplitStages));
+  return splits >= kMinSplits ? static_cast<int>(splits) : 1;
+}
+
+// Item i of a launch: split i % splits of tile i / splits, over stages [kt0, kt1).
+struct Item {
+  int64_t tile;
+  int split, kt0, kt1;
+};
+__device__ __forceinline__ Item item_of(int64_t i, int splits, int ktiles) {
+  Item it;
+  it.tile = i / splits;
+  it.split = static_cast<int>(i % splits);
+  it.kt0 = it.split * ktiles / splits;
+  it.kt1 = (it.split + 1) * ktiles / splits;
+  return it;
+}
 
 // Virtual tile t: a row tile (a group's rows, 32 at a time) and a weight tile of the same group. The
 // tile prefix counts row tiles, so group g owns tiles [prefix[g], prefix[g + 1]) * tiles_n; within
@@ -76,17 +118,18 @@ __device__ __forceinline__ Tile locate(int64_t t, const int* prefix, const Mxfp8
 // The producer warp: lane 0 issues the two boxes of every stage, and every lane copies 4 weight rows'
 // and one group row's scale words (rows past the tensors read as zero scales).
 __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
-                                       const int* prefix, int64_t total, int tiles_n, int ktiles) {
+                                       const int* prefix, int64_t items, int tiles_n, int ktiles, int splits) {
   const Mxfp8RaggedGemmParams& p = tp.p;
   const int lane = threadIdx.x - kConsumerThreads;
   const int64_t red = p.k, cols = p.n, scale_ld = red / kBlock;
   if (lane == 0) sm90::prefetch_tensor_map(&tp.a), sm90::prefetch_tensor_map(&tp.b);
   int stage = 0;
   uint32_t phase = 0;
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const Tile tile = locate(t, prefix, p, tiles_n);
+  for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+    const Item it = item_of(i, splits, ktiles);
+    const Tile tile = locate(it.tile, prefix, p, tiles_n);
     const int64_t b_row0 = static_cast<int64_t>(tile.rows.group) * cols + tile.n0;
-    for (int kt = 0; kt < ktiles; ++kt) {
+    for (int kt = it.kt0; kt < it.kt1; ++kt) {
       sm90::mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* s = smem + stage * kStageBytes;
       uint64_t* bar = &full[stage];
@@ -186,21 +229,56 @@ struct Consumer {
   int wg, lane, m_local;  // m_local: this thread's weight rows are m_local and m_local + 8
 };
 
+// A split's end: its accumulators go to the scratch (slot `item`, 4J floats a thread), and the last
+// split of the tile to arrive sums every split's, in split order, into acc. Returns whether this CTA
+// was that last one. The fences make the other CTAs' stores visible before the counter says they are
+// done (the classic last-block reduction); the partials are read through L2 (ld.global.cg), since
+// this SM's L1 may hold stale lines of the scratch from an earlier launch.
+template <int J>
+__device__ __forceinline__ bool reduce_split(float (&acc)[4 * J], const Params& tp, int64_t item, int splits,
+                                             int* last) {
+  constexpr int kSlotFloats = kConsumerThreads * kPartialFloats;
+  const int tid = threadIdx.x;  // a consumer thread: < kConsumerThreads
+  const int64_t tile = item / splits;
+  float4* mine = reinterpret_cast<float4*>(tp.split_partials + item * kSlotFloats + tid * kPartialFloats);
+#pragma unroll
+  for (int j = 0; j < J; ++j) mine[j] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+  __threadfence();
+  sm90::named_barrier(1, kConsumerThreads);
+  if (tid == 0) *last = atomicAdd(&tp.split_counters[tile], 1u) == static_cast<unsigned>(splits - 1);
+  sm90::named_barrier(1, kConsumerThreads);
+  if (*last == 0) return false;
+  __threadfence();
+#pragma unroll
+  for (int i = 0; i < 4 * J; ++i) acc[i] = 0.0f;
+  const float* first = tp.split_partials + tile * splits * kSlotFloats + tid * kPartialFloats;
+  for (int q = 0; q < splits; ++q) {
+    const float4* theirs = reinterpret_cast<const float4*>(first + q * kSlotFloats);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const float4 v = __ldcg(theirs + j);
+      acc[4 * j] += v.x, acc[4 * j + 1] += v.y, acc[4 * j + 2] += v.z, acc[4 * j + 3] += v.w;
+    }
+  }
+  return true;
+}
+
 // One tile on a consumer thread, with wgmma's N = 8J: the tile's data rows all lie below 8J (the
 // caller picks the least J that covers them), so the MMAs and promotions of a group of a few rows do
 // not pay for 32. The A box still brings 32 rows; wgmma reads the first 8J of them (whole 1024-byte
 // swizzle atoms of 8 rows). Writes C[row0 + r][n0 + m] for r < span_rows: data rows from the
 // accumulators, alignment gap rows as zero; columns past `cols` are left alone.
 template <int J, class T>
-__device__ __forceinline__ void consume_tile(const Tile& tile, const Mxfp8RaggedGemmParams& p, const Consumer& me,
-                                             const uint8_t* smem, uint64_t* full, uint64_t* empty, int ktiles,
-                                             int& stage, uint32_t& phase) {
+__device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp, int64_t item, int splits,
+                                             int stages, const Consumer& me, const uint8_t* smem, uint64_t* full,
+                                             uint64_t* empty, int* last, int& stage, uint32_t& phase) {
+  const Mxfp8RaggedGemmParams& p = tp.p;
   const int64_t cols = p.n;
   float acc[4 * J];
 #pragma unroll
   for (int i = 0; i < 4 * J; ++i) acc[i] = 0.0f;
   float partial[2][4 * J];
-  for (int kt = 0; kt < ktiles; ++kt) {
+  for (; stages > 0; --stages) {
     sm90::mbar_wait(&full[stage], phase);
     const uint8_t* s = smem + stage * kStageBytes;
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
@@ -236,6 +314,7 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Mxfp8Ragged
     promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1, mid);
     if (++stage == STAGES) stage = 0, phase ^= 1;
   }
+  if (splits > 1 && !reduce_split<J>(acc, tp, item, splits, last)) return;  // another split writes C
   // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and the group rows r < 8J.
   const RaggedTile& rt = tile.rows;
   const T* bias_all = static_cast<const T*>(p.bias);
@@ -264,12 +343,13 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Mxfp8Ragged
 
 // C[r, n] for the rows of group e: tiles of 128 output columns x 32 rows; gap rows written as zero,
 // rows past the group's span and columns past `cols` left alone.
-template <class T>
+template <class T, bool kSplit>
 __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const __grid_constant__ Params tp) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  __shared__ int last_split;  // reduce_split: whether this CTA sums the tile
   uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
   // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies
@@ -278,21 +358,27 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
   const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
   const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;
   const int ktiles = static_cast<int>(p.k / BK);
+  const int splits = kSplit ? split_count(total, ktiles) : 1;
+  const int64_t items = total * splits;
 
-  if (threadIdx.x >= kConsumerThreads) return produce(tp, smem, full, empty, tile_prefix, total, tiles_n, ktiles);
+  if (threadIdx.x >= kConsumerThreads)
+    return produce(tp, smem, full, empty, tile_prefix, items, tiles_n, ktiles, splits);
   Consumer me;
   me.wg = threadIdx.x / 128, me.lane = threadIdx.x % 32;
   me.m_local = me.wg * 64 + ((threadIdx.x % 128) / 32) * 16 + me.lane / 4;
   int stage = 0;
   uint32_t phase = 0;
-  for (int64_t t = blockIdx.x; t < total; t += gridDim.x) {
-    const Tile tile = locate(t, tile_prefix, p, tiles_n);
+  for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
+    const Item it = item_of(i, splits, ktiles);
+    const Tile tile = locate(it.tile, tile_prefix, p, tiles_n);
     // The same for every thread of the CTA, so the warpgroups' wgmma shapes agree.
     const int64_t rows = tile.rows.data_rows;
-    if (rows <= 8) consume_tile<1, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
-    else if (rows <= 16) consume_tile<2, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
-    else if (rows <= 24) consume_tile<3, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
-    else consume_tile<4, T>(tile, p, me, smem, full, empty, ktiles, stage, phase);
+    const int stages = it.kt1 - it.kt0;
+    int* last = &last_split;
+    if (rows <= 8) consume_tile<1, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
+    else if (rows <= 16) consume_tile<2, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
+    else if (rows <= 24) consume_tile<3, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
+    else consume_tile<4, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
   }
 }
 

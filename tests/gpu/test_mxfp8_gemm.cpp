@@ -238,6 +238,11 @@ const GemmCase kCases[] = {
     {"g8_k512_n256_scales_far_from_one", 8, 512, 256, 32, true, 30, 60},
     // Groups of several 128-row tiles, long reductions: many tiles per CTA, chunks across tiles.
     {"g5_k1536_n384_rows300", 5, 1536, 384, 1, true, 6, 0, 300},
+    // Decode: a row or a few a group and few tiles, so the swap-AB route cuts each tile's reduction
+    // over several CTAs (8 splits of 4 stages here; 4 uneven ones of 4 and 5 stages below, with a
+    // partial column tile) and sums them in the last split to arrive.
+    {"g6_k4096_n256_rows1_split8", 6, 4096, 256, 1, true, 6, 0, 1},
+    {"g2_k2176_n520_rows5_split4", 2, 2176, 520, 1, false, 10, 0, 5},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm,
                          ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kGemmRoutes)),

@@ -159,6 +159,21 @@ TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
   EXPECT_THROW(kernels::with_environment({}), Error);
 }
 
+// The swap-AB route's scratch holds its split reductions' counters and fp32 partials where a launch
+// may have a quarter of 264 CTAs as tiles or fewer: two experts of a token, 4096 columns each (at
+// most 2 x 32 tiles), get it; a token's 6 experts of 2816 columns (6 x 22 tiles) or 8 tokens (48
+// rows: up to 48 x 22 tiles) never split and get none.
+TEST(GemmHeuristic, Mxfp8SwapAbScratchOnlyWhereTilesAreFew) {
+  const auto decode = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kMXFP8, 8, 2, 4096, 14336), {});
+  ASSERT_EQ(decode.family, GemmFamily::kMxfp8SwapAb) << decode.to_string();
+  const std::size_t split = kernels::mxfp8_staging_bytes(decode, 8, 2, 4096, 14336);
+  EXPECT_EQ(split, (264 * sizeof(unsigned) + 255) / 256 * 256 + std::size_t{264} * 256 * 16 * sizeof(float));
+  EXPECT_EQ(kernels::mxfp8_staging_bytes(decode, 64, 6, 2816, 4096), 0u);
+  EXPECT_EQ(kernels::mxfp8_staging_bytes(decode, 64, 48, 2816, 4096), 0u);
+  EXPECT_EQ(kernels::mxfp8_staging_bytes(decode, 64, 6, 512, 4096), split);  // 6 x 4 tiles
+  EXPECT_THROW(kernels::mxfp8_staging_bytes(decode, 0, 6, 2816, 4096), Error);
+}
+
 // With the weights kept dequantized (dequantized_weights) fprop and dgrad of every group past the
 // swap-AB bound take the staged route reading those values (it stages only A, so its scratch is A's
 // bf16 copy alone); swap-AB keeps the small groups, wgrad and fp16 activations are unchanged, and a
