@@ -105,7 +105,15 @@ StepPlan plan_step(const StepGraphsOptions& options) {
     std::vector<layer::OpSpec> ops = layer::moe_layer_ops(first);
     if (first.fuse_weights) layer::fuse_routing_weights(ops);
     plan.kernels.push_back("moe layer: " + layer::describe(ops));
-    plan.kernels.push_back("router: logits by cuBLASLt (bf16 in, fp32 out), scores + top-k one warp per token");
+    // One line, or one per bucket where they differ (the small-batch logits kernel).
+    std::vector<std::string> routers;
+    for (const BucketPlan& b : plan.buckets)
+      routers.push_back(layer::describe_router(bucket_layer_options(options, b.tokens)));
+    if (std::all_of(routers.begin(), routers.end(), [&](const std::string& r) { return r == routers.front(); }))
+      plan.kernels.push_back(routers.front());
+    else
+      for (std::size_t i = 0; i < routers.size(); ++i)
+        plan.kernels.push_back(detail::concat("bucket ", plan.buckets[i].tokens, " ", routers[i]));
     plan.kernels.push_back(layer::describe_local_dispatch(!layer::layer_gathers_fc1_input(first)) +
                            "; combine: fp32 sum of k rows per token");
   } else {

@@ -30,6 +30,23 @@ struct RouterTopkParams {
 };
 void launch_router_topk(const RouterTopkParams& p, cudaStream_t stream);
 
+// The logits of a small batch (at most kRouterSmallTokens tokens), straight from x: one kernel where
+// the GEMM path takes four at decode sizes (the copy of x, cuBLASLt's split-K GEMM and its
+// reduction, and the copy of the token count). For inference, which keeps no copy of x.
+inline constexpr int64_t kRouterSmallTokens = 16;
+struct RouterLogitsParams {
+  const void* x = nullptr;              // [max_tokens, hidden]; rows t < n are read
+  const void* w = nullptr;              // W_r [E, hidden]
+  DType dtype = DType::kBF16;           // of x and w: bf16 or fp16
+  const int32_t* num_tokens = nullptr;  // device scalar n
+  int32_t* tokens_out = nullptr;        // or null: receives *num_tokens (the micro-batch's own copy)
+  int64_t max_tokens = 0, hidden = 0;   // max_tokens <= kRouterSmallTokens; hidden a multiple of 8
+  int experts = 0;
+  float* logits = nullptr;              // [max_tokens, E] fp32: rows t < n written, the rest untouched
+  DeviceErrorRecord* error = nullptr;   // kDeviceErrorTokenCount (n is then clamped into [0, max_tokens])
+};
+void launch_router_logits_small(const RouterLogitsParams& p, cudaStream_t stream);
+
 // Auxiliary load-balancing loss (Switch-style, on assignments before any dropping):
 //   aux = coef * E / (k * n^2) * sum_e counts[e] * sum_{t < n} scores[t, e]   (0 when n == 0).
 // Deterministic (fixed reduction order). Writes one float.

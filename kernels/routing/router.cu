@@ -1,5 +1,5 @@
-// Router top-k, its auxiliary load-balancing loss, and its backward.
-// One warp per token: lane l holds experts l, l + 32, ... in registers (kPerLane of them, a
+// Router logits of a small batch, top-k, its auxiliary load-balancing loss, and its backward.
+// Top-k: one warp per token; lane l holds experts l, l + 32, ... in registers (kPerLane of them, a
 // compile-time count so the arrays never leave registers), so E <= 32 * kPerLane <= 1024.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -8,7 +8,9 @@
 #include <climits>
 #include <cmath>
 
+#include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
+#include "kernels/common/vector_io.cuh"
 #include "kernels/routing/moe_routing.hpp"
 #include "kernels/routing/routing_common.cuh"
 #include "moegraph/error.hpp"
@@ -32,6 +34,58 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
+}
+
+// ---- Logits of a small batch ----------------------------------------------------------------------
+// logits[t, e] = <x_t, W_r[e]> in fp32 for t < n: a block per expert, its threads over the hidden
+// dimension in 16-byte pieces, every token at once (each piece of W_r[e] is loaded once and meets
+// the same piece of each of the n rows of x); the warps' sums meet in shared memory. Each thread
+// loads a few pieces, unrolled, so the kernel costs about one memory round trip: a warp per expert
+// walking the whole row took longer than cuBLASLt's path (docs/PERF.md). Block 0 copies the token
+// count first.
+
+static_assert(kRouterSmallTokens <= kThreads, "a thread per token sums the warps' parts");
+template <class T>
+__global__ void __launch_bounds__(kThreads) router_logits_small_kernel(RouterLogitsParams p) {
+  __shared__ float warp_part[kWarps][kRouterSmallTokens];
+  const bool first = blockIdx.x == 0 && threadIdx.x == 0;
+  const int64_t n = load_token_count(p.num_tokens, p.max_tokens, first ? p.error : nullptr);
+  if (first && p.tokens_out != nullptr) *p.tokens_out = *p.num_tokens;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, e = blockIdx.x;
+  const int64_t hidden = p.hidden;
+  const T* w = static_cast<const T*>(p.w) + e * hidden;
+  const T* x = static_cast<const T*>(p.x);
+  float acc[kRouterSmallTokens];
+#pragma unroll
+  for (int t = 0; t < kRouterSmallTokens; ++t) acc[t] = 0.0f;
+#pragma unroll 4
+  for (int64_t h = 8 * threadIdx.x; h < hidden; h += 8 * kThreads) {  // 16-byte pieces
+    float wv[8];
+    load8(w + h, wv);
+#pragma unroll
+    for (int t = 0; t < kRouterSmallTokens; ++t) {
+      if (t >= n) continue;
+      float xv[8];
+      load8(x + t * hidden + h, xv);
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s = fmaf(wv[j], xv[j], s);
+      acc[t] += s;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kRouterSmallTokens; ++t) {
+    if (t >= n) break;  // n is the same for the whole block
+    const float s = warp_sum(acc[t]);
+    if (lane == 0) warp_part[warp][t] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < n) {
+    float s = 0.0f;
+#pragma unroll
+    for (int w8 = 0; w8 < kWarps; ++w8) s += warp_part[w8][threadIdx.x];
+    p.logits[threadIdx.x * p.experts + e] = s;
+  }
 }
 
 // ---- Top-k ----------------------------------------------------------------------------------------
@@ -311,6 +365,22 @@ void launch_router_topk(const RouterTopkParams& p, cudaStream_t stream) {
     case 16: return launch_topk<16>(p, stream);
     default: return launch_topk<32>(p, stream);
   }
+}
+
+void launch_router_logits_small(const RouterLogitsParams& p, cudaStream_t stream) {
+  check_router_shape(p.max_tokens, p.experts, 1);
+  MG_CHECK(p.max_tokens <= kRouterSmallTokens, "router_logits_small: at most ", kRouterSmallTokens,
+           " tokens, got max_tokens ", p.max_tokens);
+  MG_CHECK(p.hidden > 0 && p.hidden % 8 == 0, "router_logits_small: hidden must be a positive multiple of 8, got ",
+           p.hidden);
+  MG_CHECK(p.x != nullptr && p.w != nullptr && p.num_tokens != nullptr && p.logits != nullptr,
+           "router_logits_small: x, w, num_tokens and logits are required");
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.w) % 16 == 0,
+           "router_logits_small: x and w must be 16-byte aligned");
+  with_16bit_type(p.dtype, "router_logits_small", [&](auto t) {
+    router_logits_small_kernel<decltype(t)><<<p.experts, kThreads, 0, stream>>>(p);
+  });
+  MG_LAUNCH_CHECK();
 }
 
 void launch_router_aux_loss(const float* scores, const int32_t* counts, const int32_t* num_tokens,

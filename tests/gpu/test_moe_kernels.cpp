@@ -956,6 +956,61 @@ std::vector<RowsCase> rows_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, MoeRowKernels, ::testing::ValuesIn(rows_cases()),
                          [](const auto& info) { return info.param.name; });
 
+// ---- Router logits of a small batch --------------------------------------------------------------
+
+// logits[t, e] = <x_t, W_r[e]> against fp64 for t < n (fp32 accumulation: within 1e-5 of the sum of
+// |products|); rows from n on keep their poison; the token count is copied; a count past the bucket
+// is recorded and clamped.
+TEST(MoeRouterLogitsSmall, MatchesReferenceBelowNAndLeavesTheRest) {
+  std::mt19937_64 rng(test_seed("moe_router_logits_small"));
+  constexpr int64_t kMax = kernels::kRouterSmallTokens;
+  for (DType dt : {DType::kBF16, DType::kFP16}) {
+    for (const auto& [hidden, experts] : {std::pair<int64_t, int>{4096, 64}, {136, 13}}) {
+      const Mat x = random_values(rng, kMax * hidden, 1.0, dt), w = random_values(rng, experts * hidden, 0.05, dt);
+      DeviceArray<uint16_t> d_x(x.size()), d_w(w.size());
+      d_x.upload(to_device_bits(x, dt));
+      d_w.upload(to_device_bits(w, dt));
+      DeviceArray<float> d_logits(kMax * experts);
+      DeviceArray<int32_t> d_tokens(1);
+      for (int32_t n : {1, 7, static_cast<int32_t>(kMax), static_cast<int32_t>(kMax + 3)}) {
+        SCOPED_TRACE(detail::concat(dtype_name(dt), " hidden ", hidden, " experts ", experts, " n ", n));
+        d_logits.poison();
+        fill_bytes(d_tokens, kIntPoisonByte);
+        auto error = cleared_error_record();
+        DeviceArray<int32_t> d_n = device_scalar(n);
+        kernels::RouterLogitsParams p;
+        p.x = d_x.get(), p.w = d_w.get(), p.dtype = dt, p.num_tokens = d_n.get(), p.tokens_out = d_tokens.get();
+        p.max_tokens = kMax, p.hidden = hidden, p.experts = experts, p.logits = d_logits.get();
+        p.error = error.get();
+        kernels::launch_router_logits_small(p, nullptr);
+        MG_CUDA_CHECK(cudaDeviceSynchronize());
+        const int64_t used = std::min<int64_t>(n, kMax);
+        if (n > kMax) expect_error(error.download()[0], {kDeviceErrorTokenCount, -1, n, kMax});
+        else EXPECT_EQ(error.download()[0].code, 0);
+        EXPECT_EQ(d_tokens.download()[0], n);
+        const std::vector<float> got = d_logits.download();
+        int64_t bad = 0;
+        for (int64_t t = 0; t < used; ++t)
+          for (int e = 0; e < experts; ++e) {
+            double ref = 0.0, mag = 0.0;
+            for (int64_t h = 0; h < hidden; ++h) {
+              const double prod = x[t * hidden + h] * w[e * hidden + h];
+              ref += prod, mag += std::fabs(prod);
+            }
+            const double g = got[t * experts + e];
+            if (!(std::fabs(g - ref) <= 1e-5 * mag + 1e-30) && bad++ < 5)
+              ADD_FAILURE() << "logits[" << t << ", " << e << "] = " << g << ", fp64 " << ref;
+          }
+        EXPECT_EQ(bad, 0);
+        EXPECT_TRUE(all_bits("logits past n", got, used * experts, kMax * experts, kNaN));
+      }
+    }
+  }
+  kernels::RouterLogitsParams too_many;  // the bucket bound is checked before anything is enqueued
+  too_many.max_tokens = kMax + 1, too_many.hidden = 64, too_many.experts = 8;
+  EXPECT_THROW(kernels::launch_router_logits_small(too_many, nullptr), Error);
+}
+
 // ---- Copy tokens --------------------------------------------------------------------------------
 
 TEST(MoeCopyTokens, CopiesTokensBelowNAndZeroesTheRest) {

@@ -60,6 +60,10 @@ bool layer_gathers_fc1_input(const MoeLayerOptions& options);
 // The one-GPU dispatch's kernels in words, for --plan and the operator's kernels(): whether it
 // writes the permuted rows (`gathers_rows`) or FC1 reads the tokens through token_of_row.
 std::string describe_local_dispatch(bool gathers_rows);
+// Whether the router computes a bucket's logits in one kernel straight from x (inference of at most
+// 4 tokens, where it measured faster) rather than by cuBLASLt over a copy of x; and its description.
+bool router_logits_from_x(const MoeLayerOptions& o);
+std::string describe_router(const MoeLayerOptions& o);
 
 // FC1 (layer 1: hidden -> 2 * ffn) or FC2 (layer 2: ffn -> hidden) of the experts, on
 // `capacity_rows` grouped rows: the one translation of layer options into GroupedLinearOptions

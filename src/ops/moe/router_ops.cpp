@@ -1,6 +1,7 @@
-// The router (logits by cuBLASLt, then scores / top-k / weights on the device) and the auxiliary
-// load-balancing loss. The router's backward also finishes dx (dx += d_logits · W_r, on top of the
+// The router (logits by cuBLASLt, or for a small inference batch straight from x in one kernel,
+// then scores / top-k / weights on the device) and the auxiliary load-balancing loss. The router's backward also finishes dx (dx += d_logits · W_r, on top of the
 // un-permuted expert gradient the dispatch wrote) and computes dW_r, at once or queued.
+#include <cstdint>
 #include <deque>
 #include <memory>
 
@@ -18,15 +19,14 @@ namespace {
 // The router's copy of x (declare).
 constexpr const char* kX = "router.x";
 
+bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
 class RouterOp final : public LayerOp {
  public:
   RouterOp(const MoeLayerOptions& o, const MoeLayerWeights& w) : o_(o), w_(w) {}
   void set_weights(const MoeLayerWeights& w) override { w_ = w; }
   std::string name() const override { return "router"; }
-  std::string kernels() const override {
-    return "router: logits x W_r^T by cuBLASLt (bf16 in, fp32 out); scores + top-k, one warp per token; "
-           "backward: d_logits kernel, dx += d_logits W_r and dW_r by cuBLASLt";
-  }
+  std::string kernels() const override { return describe_router(o_); }
 
   void declare(TensorTable& t, bool training) override {
     const std::size_t es = dtype_size(o_.dtype);
@@ -59,12 +59,22 @@ class RouterOp final : public LayerOp {
     const TensorTable& t = *p.tensors;
     MG_CHECK(p.io->x != nullptr && p.io->num_tokens != nullptr, "MoeLayerIO needs x and num_tokens");
     int32_t* tokens = t.get<int32_t>(tensor::kTokens, p.slot);
-    // The micro-batch keeps its own token count: the caller may change num_tokens before backward.
-    MG_CUDA_CHECK(cudaMemcpyAsync(tokens, p.io->num_tokens, sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
-    void* x = t.get(kX, p.slot);
-    kernels::launch_copy_tokens(p.io->x, x, o_.hidden * dtype_size(o_.dtype), tokens, o_.max_tokens, stream);
     float* logits = t.get<float>("logits");
-    gemm_->run(logits_gemm(x, logits), stream);
+    // The micro-batch keeps its own token count: the caller may change num_tokens before backward.
+    if (router_logits_from_x(o_) && aligned16(p.io->x) && aligned16(w_.router) && o_.hidden % 8 == 0) {
+      // A small inference batch: one kernel, which also copies the token count (decode latency).
+      kernels::RouterLogitsParams l;
+      l.x = p.io->x, l.w = w_.router, l.dtype = o_.dtype;
+      l.num_tokens = p.io->num_tokens, l.tokens_out = tokens;
+      l.max_tokens = o_.max_tokens, l.hidden = o_.hidden, l.experts = o_.experts;
+      l.logits = logits, l.error = error_.as<DeviceErrorRecord>();
+      kernels::launch_router_logits_small(l, stream);
+    } else {
+      MG_CUDA_CHECK(cudaMemcpyAsync(tokens, p.io->num_tokens, sizeof(int32_t), cudaMemcpyDeviceToDevice, stream));
+      void* x = t.get(kX, p.slot);
+      kernels::launch_copy_tokens(p.io->x, x, o_.hidden * dtype_size(o_.dtype), tokens, o_.max_tokens, stream);
+      gemm_->run(logits_gemm(x, logits), stream);
+    }
     kernels::RouterTopkParams r;
     r.logits = logits;
     r.num_tokens = tokens;
