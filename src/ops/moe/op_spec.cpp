@@ -21,8 +21,8 @@ std::string describe_local_dispatch(bool gathers_rows) {
          (gathers_rows ? "row gather" : "no row gather (fc1's quantizer reads the tokens through token_of_row)");
 }
 
-// Measured on one H200 against cuBLASLt's path (docs/PERF.md, "The router's logits from x"): the
-// decode step 6-8% faster at 1 token, 1-3% at 2 and 4, even at 8 and 0.5-2% slower at 16, so the
+// Measured on one H200 against cuBLASLt's path (docs/PERF.md, "Decode with few tiles"): the
+// decode step 2-8% faster at 1 token, 1-3% at 2 and 4, even at 8 and 0.5-2% slower at 16, so the
 // kernel's bound (kRouterSmallTokens, 16) is not where it pays.
 constexpr int64_t kRouterFromXTokens = 4;
 
