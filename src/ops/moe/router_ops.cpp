@@ -1,6 +1,7 @@
 // The router (logits by cuBLASLt, or for a small inference batch straight from x in one kernel,
-// then scores / top-k / weights on the device) and the auxiliary load-balancing loss. The router's backward also finishes dx (dx += d_logits · W_r, on top of the
-// un-permuted expert gradient the dispatch wrote) and computes dW_r, at once or queued.
+// then scores / top-k / weights on the device) and the auxiliary load-balancing loss. The router's
+// backward also finishes dx (dx += d_logits · W_r, on top of the un-permuted expert gradient the
+// dispatch wrote) and computes dW_r, at once or queued.
 #include <cstdint>
 #include <deque>
 #include <memory>
