@@ -43,14 +43,19 @@ int64_t max_tiles(int groups, int64_t capacity_rows, int64_t n) {
   const int64_t row_tiles = (capacity_rows + (s::BR - 1) * std::min<int64_t>(groups, capacity_rows)) / s::BR;
   return row_tiles * ((n + s::BM - 1) / s::BM);
 }
+// The split kernel runs where every tile can have kMinSplits CTAs (of at most kSplitItemsCap).
+bool may_split(int64_t tiles, int64_t ctas) {
+  return tiles * s::kMinSplits <= std::min<int64_t>(ctas, s::kSplitItemsCap);
+}
 constexpr std::size_t kCounterBytes = (s::kSplitItemsCap * sizeof(unsigned) + 255) / 256 * 256;
+constexpr std::size_t kSplitBytes =
+    kCounterBytes + std::size_t{s::kSplitItemsCap} * s::kConsumerThreads * s::kPartialFloats * sizeof(float);
 }  // namespace
 
 std::size_t mxfp8_swap_ab_split_bytes(int groups, int64_t capacity_rows, int64_t n) {
   MG_CHECK(groups >= 1 && capacity_rows >= 0 && n >= 1, "MXFP8 swap-AB split scratch: needs groups and n >= 1 and ",
            "capacity_rows >= 0, got ", groups, ", ", n, " and ", capacity_rows);
-  if (max_tiles(groups, capacity_rows, n) * s::kMinSplits > s::kSplitItemsCap) return 0;  // never split
-  return kCounterBytes + std::size_t{s::kSplitItemsCap} * s::kConsumerThreads * s::kPartialFloats * sizeof(float);
+  return may_split(max_tiles(groups, capacity_rows, n), s::kSplitItemsCap) ? kSplitBytes : 0;
 }
 
 void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {
@@ -66,10 +71,9 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
   tp.b = encode_grouped_map(plan.encode_tensor_map, kBytes, 1, p.b, p.num_groups, p.n, p.k, s::BK, s::BM);
   // The split kernel where the tiles may be a quarter of the CTAs or fewer: its counters zeroed
   // here, in the launch's own stream order (a captured graph zeroes them on every replay).
-  const std::size_t split_bytes = mxfp8_swap_ab_split_bytes(p.num_groups, p.capacity_rows, p.n);
-  if (split_bytes > 0 && max_tiles(p.num_groups, p.capacity_rows, p.n) * s::kMinSplits <= plan.grid) {
-    MG_CHECK(p.staging != nullptr && p.staging_bytes >= split_bytes, "the MXFP8 swap-AB GEMM of ", p.num_groups,
-             " groups, ", p.capacity_rows, " rows and ", p.n, " columns needs ", split_bytes,
+  if (may_split(max_tiles(p.num_groups, p.capacity_rows, p.n), plan.grid)) {
+    MG_CHECK(p.staging != nullptr && p.staging_bytes >= kSplitBytes, "the MXFP8 swap-AB GEMM of ", p.num_groups,
+             " groups, ", p.capacity_rows, " rows and ", p.n, " columns needs ", kSplitBytes,
              " bytes of scratch (mxfp8_staging_bytes), got ", p.staging_bytes);
     tp.split_counters = static_cast<unsigned*>(p.staging);
     tp.split_partials = reinterpret_cast<float*>(static_cast<uint8_t*>(p.staging) + kCounterBytes);

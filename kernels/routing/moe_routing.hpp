@@ -32,8 +32,10 @@ void launch_router_topk(const RouterTopkParams& p, cudaStream_t stream);
 
 // The logits of a small batch (at most kRouterSmallTokens tokens), straight from x: one kernel where
 // the GEMM path takes four at decode sizes (the copy of x, cuBLASLt's split-K GEMM and its
-// reduction, and the copy of the token count). For inference, which keeps no copy of x.
-inline constexpr int64_t kRouterSmallTokens = 16;
+// reduction, and the copy of the token count). For inference, which keeps no copy of x. The bound
+// is where it measured faster than that path on one H200 (docs/PERF.md, "Decode with few tiles":
+// 2-8% at 1 token, 1-3% at 2 and 4, even at 8, slower at 16); each thread keeps a sum per token.
+inline constexpr int64_t kRouterSmallTokens = 4;
 struct RouterLogitsParams {
   const void* x = nullptr;              // [max_tokens, hidden]; rows t < n are read
   const void* w = nullptr;              // W_r [E, hidden]

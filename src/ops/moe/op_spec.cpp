@@ -21,20 +21,14 @@ std::string describe_local_dispatch(bool gathers_rows) {
          (gathers_rows ? "row gather" : "no row gather (fc1's quantizer reads the tokens through token_of_row)");
 }
 
-// Measured on one H200 against cuBLASLt's path (docs/PERF.md, "Decode with few tiles"): the
-// decode step 2-8% faster at 1 token, 1-3% at 2 and 4, even at 8 and 0.5-2% slower at 16, so the
-// kernel's bound (kRouterSmallTokens, 16) is not where it pays.
-constexpr int64_t kRouterFromXTokens = 4;
-
 bool router_logits_from_x(const MoeLayerOptions& o) {
-  static_assert(kRouterFromXTokens <= kernels::kRouterSmallTokens);
-  return !o.training && o.max_tokens <= kRouterFromXTokens;
+  return !o.training && o.max_tokens <= kernels::kRouterSmallTokens;
 }
 
 std::string describe_router(const MoeLayerOptions& o) {
   return std::string("router: logits ") +
          (router_logits_from_x(o) ? "from x in one kernel, a block per expert (fp32; up to " +
-                                        std::to_string(kRouterFromXTokens) + " tokens, aligned x)"
+                                        std::to_string(kernels::kRouterSmallTokens) + " tokens, aligned x)"
                                   : "x W_r^T by cuBLASLt (bf16 in, fp32 out)") +
          "; scores + top-k, one warp per token" +
          (o.training ? "; backward: d_logits kernel, dx += d_logits W_r and dW_r by cuBLASLt" : "");
