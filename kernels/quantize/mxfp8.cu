@@ -317,6 +317,24 @@ __device__ __forceinline__ int swizzled_unit(int row, int unit) {
   return row * kUnitsPerRow + (unit ^ ((unit >> 3) & 1) ^ (((row >> 4) & 1) << 1));
 }
 
+// The element index of row 16 * half of tile column `col`. Rows 16 * half + i follow at i *
+// kTileCols: the swizzle sees a row only through bit 4, which is `half` for all sixteen. Why it
+// is computed once: the kernel runs at its register cap, and ptxas recomputed the sixteen
+// swizzled addresses on every tile (about 90 of the 595 instructions a warp issued per tile).
+__device__ __forceinline__ int column_half_base(int col, int half) {
+  return swizzled_unit(16 * half, col / 8) * 8 + col % 8;
+}
+
+// Byte offset of rows [t.row0 + 16 * half, + 16) of column t.col0 + col in the activations'
+// column-wise data: mxfp8_colwise_offset, given that a tile's columns are one strip (its col0 is
+// the strip's start) and its rows one 32-row block, in unsigned arithmetic (no signed divisions).
+static_assert(kTileCols == kMxColwiseStrip && kTileRows == kMxBlock, "a tile is one block of one strip");
+__device__ __forceinline__ uint64_t colwise_activation_offset(const QuantizeArgs& a, const Tile& t, int col, int half) {
+  const uint64_t col0 = static_cast<uint64_t>(t.col0), width = min(static_cast<uint64_t>(a.cols) - col0, uint64_t{kTileCols});
+  return col0 * static_cast<uint64_t>(a.rows) + uint64_t{t.row_tile} * (kMxBlock * width) +
+         static_cast<uint32_t>(col * kMxBlock + half * 16);
+}
+
 // Row role: this thread's 16 elements and its neighbour lane's (thread ^ 1) form one block.
 template <class T>
 __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const Tile& t, int64_t used, int row,
@@ -341,18 +359,13 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
 }
 
 // Column role: rows [16 * half, 16 * half + 16) of tile column `col`; lane ^ 16 holds the other half.
+// `first` is the tile's element at column_half_base(col, half).
 template <class T>
 __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, const Tile& t, int64_t used,
-                                                     const uint4* tile, int col, int half) {
-  const uint16_t* elems = reinterpret_cast<const uint16_t*>(tile);
+                                                     const uint16_t* first, int col, int half) {
   uint32_t w[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = half * 16 + 2 * i;
-    const uint32_t even = elems[swizzled_unit(r, col / 8) * 8 + col % 8];
-    const uint32_t odd = elems[swizzled_unit(r + 1, col / 8) * 8 + col % 8];
-    w[i] = even | (odd << 16);
-  }
+  for (int i = 0; i < 8; ++i) w[i] = first[2 * i * kTileCols] | (uint32_t{first[(2 * i + 1) * kTileCols]} << 16);
   uint32_t m = abs_bits_max16(w);
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
   const int64_t c = t.col0 + col;
@@ -361,7 +374,7 @@ __device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, cons
   const uint4 q = encode16<T>(w, byte);
   const int64_t r0 = t.row0 + half * 16;
   // Activations: the tile's 32 x 128 codes are one contiguous run (its strip's block t.row_tile).
-  uint8_t* dst = a.colwise.data + (a.colwise_activations ? mxfp8_colwise_offset(r0, c, a.rows, a.cols)
+  uint8_t* dst = a.colwise.data + (a.colwise_activations ? colwise_activation_offset(a, t, col, half)
                                                          : (t.batch * a.cols + c) * a.rows + r0);
   if (r0 + 16 <= used) {
     *reinterpret_cast<uint4*>(dst) = q;
@@ -416,6 +429,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
   const int lane = threadIdx.x & 31;
   const int chunk_row = threadIdx.x / kChunksPerRow, chunk_col = threadIdx.x % kChunksPerRow * kChunk;
   const int col = threadIdx.x / 32 * 16 + (lane & 15), half = lane >> 4;  // column role
+  // The row role's two 16-byte units and the column role's first element in a shared tile.
+  const int row_unit0 = swizzled_unit(chunk_row, chunk_col / 8), row_unit1 = swizzled_unit(chunk_row, chunk_col / 8 + 1);
+  const int col_first = column_half_base(col, half);
 
   RowSource source;  // the contiguous walk's; the banded one asks each time
   const auto source_of = [&](const Tile& t) {
@@ -436,15 +452,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
       load_chunk(a, next_tile, source_of(next_tile), chunk_col, next_v);
     }
     if constexpr (kCol) {
-      shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8)] = v[0];
-      shared_tiles[buf][swizzled_unit(chunk_row, chunk_col / 8 + 1)] = v[1];
+      shared_tiles[buf][row_unit0] = v[0];
+      shared_tiles[buf][row_unit1] = v[1];
     }
     if constexpr (kRow) quantize_row_chunk<T>(a, tile, used, chunk_row, chunk_col, v);
     if constexpr (kCol) {
       // One barrier per tile: a thread writes buffer `buf` again two tiles later, after every
       // thread has passed the next tile's barrier, so after every read of this tile.
       __syncthreads();
-      quantize_column_half<T>(a, tile, used, shared_tiles[buf], col, half);
+      quantize_column_half<T>(a, tile, used, reinterpret_cast<const uint16_t*>(shared_tiles[buf]) + col_first, col,
+                              half);
       buf ^= 1;
     }
     tile = next_tile;
