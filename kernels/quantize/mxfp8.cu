@@ -596,14 +596,8 @@ void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int6
 
 // Tiles of 64 rows x 64 columns of y [rows, cols], grid-stride. Loads: thread t takes column t / 4
 // of the tile and 16 consecutive rows (one 16-byte vector of the tiled codes, half a block);
-// the values go through a shared tile to be stored as whole rows of y. A warp's lanes write eight
-// columns of four 16-row groups at once, and rows 16 apart share banks (a row is 16-byte aligned),
-// so column c of row r lies at column c ^ (8 * (r / 16 % 4)) (colwise_swizzle): each group's
-// columns move by a 16-byte piece, onto other banks, and a piece of eight columns stays whole for
-// the row-wise reads. Without it every shared store was a 4-way bank conflict (Nsight Compute on one
-// H200: 3.0 M conflicts in a 31 µs launch; docs/PERF.md, "MXFP8 dequantizer: whole sectors per store").
+// the values go through a shared tile to be stored as whole rows of y.
 constexpr int kColwiseTile = 64;
-__device__ __forceinline__ int colwise_swizzle(int r, int c) { return c ^ (8 * ((r >> 4) & 3)); }
 template <class Out>
 __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_colwise_kernel(const uint8_t* __restrict__ data,
                                                                            const uint8_t* __restrict__ scales,
@@ -625,9 +619,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_colwise_kernel(cons
       for (int j = 0; j < 4; ++j) {
         float v[4];
         decode4(word_of(q, j), s, v);
-        const int c = colwise_swizzle(lr, lc);  // rows lr .. lr + 15 share their 16-row group
 #pragma unroll
-        for (int i = 0; i < 4; ++i) tile[lr + 4 * j + i][c] = static_cast<Out>(v[i]);  // rounded to nearest even
+        for (int i = 0; i < 4; ++i) tile[lr + 4 * j + i][lc] = static_cast<Out>(v[i]);  // rounded to nearest even
       }
     }
     __syncthreads();
@@ -636,8 +629,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_colwise_kernel(cons
     for (int i = threadIdx.x; i < kColwiseTile * kPiecesPerRow; i += kThreads) {
       const int r = i / kPiecesPerRow, c = i % kPiecesPerRow * kPerPiece;
       if (r0 + r < used && c0 + c < cols)
-        *reinterpret_cast<uint4*>(y + (r0 + r) * cols + c0 + c) =
-            *reinterpret_cast<const uint4*>(&tile[r][colwise_swizzle(r, c)]);
+        *reinterpret_cast<uint4*>(y + (r0 + r) * cols + c0 + c) = *reinterpret_cast<const uint4*>(&tile[r][c]);
     }
     __syncthreads();
   }
