@@ -156,20 +156,21 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// 16 E4M3 bytes (element i in byte i) of a block with scale `byte` -> their values in fp32, exact
-// (or ±Inf past fp32's range; NaN for a NaN code or scale). The one decoding rule: the dequantizer
-// and the quantizer's bf16 values both use it, so they agree bit for bit.
+// Four E4M3 bytes (element i in byte i) times the scale value s (mx_scale_value) -> fp32, exact (or
+// ±Inf past fp32's range; NaN for a NaN code or scale). The one decoding rule: the dequantizers and
+// the quantizer's bf16 values all use it, so they agree bit for bit.
+__device__ __forceinline__ void decode4(uint32_t w, float s, float* v) {
+  const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
+  v[0] = lo.x * s;
+  v[1] = lo.y * s;
+  v[2] = hi.x * s;
+  v[3] = hi.y * s;
+}
+// 16 E4M3 bytes of a block with scale `byte` -> their values in fp32 (decode4).
 __device__ __forceinline__ void decode16(const uint4& q, uint32_t byte, float (&v)[16]) {
   const float s = mx_scale_value(byte);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t w = word_of(q, j);
-    const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
-    v[4 * j] = lo.x * s;
-    v[4 * j + 1] = lo.y * s;
-    v[4 * j + 2] = hi.x * s;
-    v[4 * j + 3] = hi.y * s;
-  }
+  for (int j = 0; j < 4; ++j) decode4(word_of(q, j), s, v + 4 * j);
 }
 
 // 16 fp32 values rounded to nearest even into `Out`, stored as 16-byte vectors (dst 16-byte aligned).
@@ -535,21 +536,48 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
 
 // ---- Dequantize (row-wise) --------------------------------------------------------------------
 
-// Grid-stride over the 16-element chunks of the used rows (two chunks per block). The flat
-// element index is row * cols + col and cols is a multiple of 32, so chunk i has scale i / 2.
+// Grid-stride over runs of kDequantRun elements of the used rows, a warp each. Lane l's k-th
+// 16-byte store holds the elements [k * 32 * E + l * E, + E) of its run (E = 16 / sizeof(Out): 8
+// or 4), so each store instruction of a warp writes 512 contiguous bytes, and each load 32 * E
+// contiguous codes. Why: with 16 consecutive elements a thread, stored as two 16-byte halves, every
+// store instruction wrote half of each 32-byte sector; on one H200 (Nsight Compute, bf16 out) the
+// L2 took 2.9 write sectors per DRAM byte's sector and the kernel stalled on the load-store queue
+// (lg throttle) at 0.54 of the DRAM peak (docs/PERF.md, "MXFP8 dequantizer: whole sectors per store").
+// The flat element index is row * cols + col and cols is a multiple of 32, so element e has scale
+// e / 32, and a piece (E elements, E dividing 32) lies in one block and is whole or past the end.
+constexpr int64_t kDequantRun = 32 * kChunk;
 template <class Out>
 __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_rowwise_kernel(const uint8_t* __restrict__ data,
                                                                            const uint8_t* __restrict__ scales,
                                                                            Out* __restrict__ y, int64_t rows,
                                                                            int64_t cols, const int64_t* used_rows) {
+  constexpr int E = 16 / sizeof(Out);
+  static_assert(E == 4 || E == 8, "16-bit or fp32 values");
+  using Codes = std::conditional_t<E == 8, uint2, uint32_t>;
   const int64_t used = used_rows != nullptr ? min(max(*used_rows, int64_t{0}), rows) : rows;
-  const int64_t chunks = used * cols / kChunk;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < chunks;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(data) + i);
-    float v[16];
-    decode16(q, __ldg(scales + i / 2), v);
-    store16(y + i * kChunk, v);
+  const int64_t total = used * cols;
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
+  for (int64_t run = static_cast<int64_t>(blockIdx.x) * (kThreads / 32) + threadIdx.x / 32; run * kDequantRun < total;
+       run += warps) {
+#pragma unroll
+    for (int k = 0; k < kChunk / E; ++k) {
+      const int64_t e = run * kDequantRun + (k * 32 + lane) * E;
+      if (e >= total) break;
+      const Codes q = __ldg(reinterpret_cast<const Codes*>(data + e));
+      const float s = mx_scale_value(__ldg(scales + e / kMxBlock));
+      float v[E];
+      if constexpr (E == 8) {
+        decode4(q.x, s, v);
+        decode4(q.y, s, v + 4);
+      } else {
+        decode4(q, s, v);
+      }
+      alignas(16) Out out[E];
+#pragma unroll
+      for (int i = 0; i < E; ++i) out[i] = static_cast<Out>(v[i]);
+      *reinterpret_cast<uint4*>(y + e) = *reinterpret_cast<const uint4*>(out);
+    }
   }
 }
 
@@ -557,7 +585,8 @@ template <class Out>
 void launch_dequantize(const uint8_t* data, const uint8_t* scales, void* y, int64_t rows, int64_t cols,
                        const int64_t* used_rows, cudaStream_t stream) {
   const int blocks_per_sm = resident_blocks_per_sm(dequantize_mxfp8_rowwise_kernel<Out>, kThreads);
-  const int64_t max_blocks = (rows * cols / kChunk + kThreads - 1) / kThreads;
+  constexpr int64_t kRunsPerBlock = kThreads / 32;
+  const int64_t max_blocks = ((rows * cols + kDequantRun - 1) / kDequantRun + kRunsPerBlock - 1) / kRunsPerBlock;
   dequantize_mxfp8_rowwise_kernel<Out><<<grid_blocks(max_blocks, blocks_per_sm), kThreads, 0, stream>>>(
       data, scales, static_cast<Out*>(y), rows, cols, used_rows);
   MG_LAUNCH_CHECK();
@@ -588,12 +617,10 @@ __global__ void __launch_bounds__(kThreads) dequantize_mxfp8_colwise_kernel(cons
       const float s = mx_scale_value(__ldg(scales + (r0 + lr) / kMxBlock * cols + c0 + lc));
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t w = word_of(q, j);
-        const float2 lo = decode_e4m3x2(w & 0xffffu), hi = decode_e4m3x2(w >> 16);
-        tile[lr + 4 * j][lc] = static_cast<Out>(lo.x * s);  // exact in fp32, then rounded to nearest even
-        tile[lr + 4 * j + 1][lc] = static_cast<Out>(lo.y * s);
-        tile[lr + 4 * j + 2][lc] = static_cast<Out>(hi.x * s);
-        tile[lr + 4 * j + 3][lc] = static_cast<Out>(hi.y * s);
+        float v[4];
+        decode4(word_of(q, j), s, v);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tile[lr + 4 * j + i][lc] = static_cast<Out>(v[i]);  // rounded to nearest even
       }
     }
     __syncthreads();
