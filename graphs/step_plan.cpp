@@ -134,7 +134,10 @@ StepPlan plan_step(const StepGraphsOptions& options) {
                                              "that every bucket reads") +
                            (options.layer.dequantized_weights ? "; also kept dequantized to bf16 (dequantized_weights)"
                                                               : ""));
-  plan.kernels.push_back("swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
+  plan.kernels.push_back(options.step == StepKind::kMoeLayer && layer::layer_fc2_applies_swiglu(first)
+                             ? "swiglu: forward in fc2's MXFP8 quantizer (silu(gate) * up as it reads fc1_out); "
+                               "backward 8 x 16-bit per thread, grid-stride over used rows"
+                             : "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (options.step == StepKind::kMoeLayer && layer::layer_keeps_linear_activations(first))
     plan.kernels.push_back(std::string("saved activations: x_perm and swiglu_out") +

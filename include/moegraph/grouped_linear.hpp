@@ -97,7 +97,7 @@ MOEGRAPH_API std::string recipe_can_train(const GroupedLinearOptions& options);
 // and are written as zero; rows past the last group are never written and their values never reach
 // a result, but the kernels may read them (whole tiles of rows, up to capacity_rows).
 struct ForwardArgs {
-  const void* x = nullptr;            // [capacity_rows, K]
+  const void* x = nullptr;            // [capacity_rows, K] (but see x_rows and x_swiglu)
   const int32_t* splits = nullptr;    // [G] int32, device
   const void* weight = nullptr;       // [G, N, K]
   const void* bias = nullptr;         // [G, N]; options.bias must be set
@@ -120,6 +120,14 @@ struct ForwardArgs {
   // kDeviceErrorSourceRow). Read during the call only (the slot keeps the quantized copy).
   const int32_t* x_rows = nullptr;
   int64_t x_rows_bound = 0;  // with x_rows (required): the rows of x, 1..2^31 - 1
+  // Optional; the mxfp8 recipe only, not with x_rows: x is then [capacity_rows, 2K], each row's
+  // gate (its first K values) then its up, and input row r is silu(gate) * up, times
+  // x_row_weight[r] where that is given, rounded to the dtype as kernels::launch_swiglu_forward
+  // (and its weighted form) rounds it. The quantizer computes it as it reads x, with the same
+  // bits as quantizing that SwiGLU's output, which is never written. E.g. the MoE layer's FC2
+  // reading FC1's output. Rows without data (alignment gaps, past the groups) read as zeros.
+  bool x_swiglu = false;
+  const float* x_row_weight = nullptr;  // [capacity_rows] fp32, device; with x_swiglu only
 };
 
 struct BackwardArgs {

@@ -3,6 +3,7 @@
 
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
+#include "kernels/common/swiglu_math.cuh"
 #include "kernels/common/vector_io.cuh"
 #include "kernels/elementwise/elementwise.hpp"
 #include "kernels/routing/moe_routing.hpp"
@@ -13,8 +14,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVec = 8;  // 16-byte accesses; ffn is a multiple of 16
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
 // Grid-stride over the 8-wide vectors of the used rows: the work follows the routed rows.
 // kWeighted (forward only): a = w_r * silu(gate) * up with w_r = row_weight[r].
@@ -34,7 +33,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ 
     if constexpr (!kBackward) {
       float a[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) a[j] = gate[j] * sigmoid(gate[j]) * up[j];
+      for (int j = 0; j < kVec; ++j) a[j] = swiglu_value(gate[j], up[j]);
       if constexpr (kWeighted) {
         const float w = row_weight[row];
 #pragma unroll
@@ -46,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ 
       load8(da + row * ffn + col, g);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float s = sigmoid(gate[j]);
+        const float s = swiglu_sigmoid(gate[j]);
         dup[j] = g[j] * gate[j] * s;
         dgate[j] = g[j] * up[j] * s * (1.0f + gate[j] * (1.0f - s));
       }
@@ -86,7 +85,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_weighted_backward_kernel(
         load8(da + r * ffn + col, g);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
-          const float s = sigmoid(gate[j]);
+          const float s = swiglu_sigmoid(gate[j]);
           const float silu = gate[j] * s;
           dot = fmaf(g[j], silu * up[j], dot);
           const float gw = g[j] * w;

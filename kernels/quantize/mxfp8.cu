@@ -39,6 +39,7 @@
 #include "kernels/common/device_error.cuh"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
+#include "kernels/common/swiglu_math.cuh"
 #include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/error.hpp"
 
@@ -53,6 +54,8 @@ constexpr int kThreads = 256;
 // Six resident blocks per SM (40 registers, 96 KB of double-buffered tiles): enough 16-byte loads
 // in flight to cover HBM latency.
 constexpr int kMinBlocksPerSm = 6;
+// With SwiGLU applied on the way in (QuantizeArgs::swiglu) a thread holds twice the loaded bytes.
+constexpr int kSwigluBlocksPerSm = 4;
 constexpr int kTileRows = kMxBlock;               // one column-wise block per column
 constexpr int kTileCols = 128;                    // four row-wise blocks per row
 constexpr int kChunk = 16;                        // elements per thread: two 16-byte vectors
@@ -75,6 +78,9 @@ template <>
 struct Format16<__nv_bfloat16> {
   static constexpr uint32_t kNonFinite = 0x7f80u;
   static __device__ __forceinline__ float to_float(uint32_t bits) { return __uint_as_float(bits << 16); }
+  static __device__ __forceinline__ uint32_t from_float(float v) {  // round to nearest even, as static_cast
+    return __bfloat16_as_ushort(static_cast<__nv_bfloat16>(v));
+  }
 };
 template <>
 struct Format16<__half> {
@@ -82,6 +88,7 @@ struct Format16<__half> {
   static __device__ __forceinline__ float to_float(uint32_t bits) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
   }
+  static __device__ __forceinline__ uint32_t from_float(float v) { return __half_as_ushort(static_cast<__half>(v)); }
 };
 
 // E8M0 byte of a block with finite amax: the smallest e with amax <= 448 * 2^e, clamped into
@@ -174,6 +181,7 @@ __device__ __forceinline__ void decode16(const uint4& q, uint32_t byte, float (&
 }
 
 // 16 fp32 values rounded to nearest even into `Out`, stored as 16-byte vectors (dst 16-byte aligned).
+// The weights' column-wise values use it (outside the step; trading halves there made ptxas spill).
 template <class Out>
 __device__ __forceinline__ void store16(Out* dst, const float (&v)[16]) {
   alignas(16) Out out[16];
@@ -182,6 +190,39 @@ __device__ __forceinline__ void store16(Out* dst, const float (&v)[16]) {
 #pragma unroll
   for (int j = 0; j < static_cast<int>(sizeof(out) / 16); ++j)
     reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(out)[j];
+}
+
+// The row role's bf16 values (the staged route's A), stored as whole 32-byte sectors. Lanes 2j and
+// 2j + 1 hold values [0, 16) and [16, 32) of one block; they trade halves (trade_pair_bf16, which
+// every lane of the warp must call), so that each store instruction writes whole sectors
+// (store_pair): the pair's [0, 16) from both lanes, then [16, 32). Why: with each lane storing its
+// own 16 values as two 16-byte halves, every store instruction wrote half of each sector, as the
+// row-wise dequantizer's did before its stores were made whole (docs/PERF.md, "MXFP8 dequantizer:
+// whole sectors per store"); on one H200 the quantizer of x (32768 x 2048, values and column-wise
+// codes) wrote 212 MB to DRAM in 100 us, 2.1 TB/s.
+struct PairPieces {
+  uint4 first, second;  // the pair's [0, 8) or [8, 16) (lower or upper lane), then [16, 24) or [24, 32)
+};
+__device__ __forceinline__ PairPieces trade_pair_bf16(bool upper, const float (&v)[16]) {
+  uint32_t own[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __nv_bfloat162 two = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    own[i] = *reinterpret_cast<const uint32_t*>(&two);
+  }
+  // The lower lane sends values [8, 16) and keeps [0, 8); the upper lane sends its first eight
+  // (the pair's [16, 24)) and keeps its last eight (the pair's [24, 32)).
+  uint32_t got[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) got[i] = __shfl_xor_sync(0xffffffffu, upper ? own[i] : own[4 + i], 1);
+  const uint4 kept = upper ? make_uint4(own[4], own[5], own[6], own[7]) : make_uint4(own[0], own[1], own[2], own[3]);
+  const uint4 traded = make_uint4(got[0], got[1], got[2], got[3]);
+  return upper ? PairPieces{traded, kept} : PairPieces{kept, traded};
+}
+__device__ __forceinline__ void store_pair(__nv_bfloat16* pair_first, bool upper, const PairPieces& p) {
+  uint4* dst = reinterpret_cast<uint4*>(pair_first) + (upper ? 1 : 0);
+  dst[0] = p.first;
+  dst[2] = p.second;
 }
 
 // ---- Quantize -------------------------------------------------------------------------------
@@ -202,6 +243,11 @@ struct QuantizeArgs {
   const int32_t* source_rows = nullptr;
   int64_t source_bound = 0;
   DeviceErrorRecord* error = nullptr;
+  // Optional (activations, one batch; launch_quantize_mxfp8_swiglu): x is [rows, 2 * cols], each
+  // row's gate then its up, and the input element is silu(gate) * up, times row_weight[r] where
+  // that is given, rounded to the 16-bit type (swiglu_input).
+  bool swiglu = false;
+  const float* row_weight = nullptr;
   Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
   Mxfp8Colwise colwise;              // see colwise_activations
   // The column-wise layout: the activations' (one batch; tiled data, mxfp8_colwise_offset, and
@@ -297,16 +343,62 @@ struct RowSource {
   }
 };
 
-// The 16 elements [col, col + 16) of tile row `row` as two 16-byte vectors, read from row `src` of
-// x (source_row); zeros where it is -1 or past the columns (nothing is read there).
-__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t src, int col, uint4 (&v)[2]) {
+// A thread's 16 elements [col, col + 16) of a tile row as loaded: two 16-byte vectors, or with
+// kSwiglu their gates and ups (four), which swiglu_input turns into the 16 elements once they have
+// arrived. `data`: whether the row holds data (its source row, source_row, is not -1).
+template <bool kSwiglu>
+struct Loaded {
+  uint4 v[kSwiglu ? 4 : 2];
+  bool data;
+};
+
+// Reads row `src` of x (source_row) into l; zeros where it is -1 or past the columns (nothing is
+// read there).
+template <bool kSwiglu>
+__device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t src, int col,
+                                           Loaded<kSwiglu>& l) {
   const int64_t c = t.col0 + col;
+  l.data = src >= 0;
   if (src >= 0 && c < a.cols) {
-    const uint4* src_ptr = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + src) * a.cols + c);
-    v[0] = __ldg(src_ptr);
-    v[1] = __ldg(src_ptr + 1);
+    const int64_t row_length = kSwiglu ? 2 * a.cols : a.cols;  // with kSwiglu: gate | up
+    const uint4* src_ptr = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + src) * row_length + c);
+    l.v[0] = __ldg(src_ptr);
+    l.v[1] = __ldg(src_ptr + 1);
+    if constexpr (kSwiglu) {
+      const uint4* up = src_ptr + a.cols / 8;
+      l.v[2] = __ldg(up);
+      l.v[3] = __ldg(up + 1);
+    }
   } else {
-    v[0] = v[1] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < (kSwiglu ? 4 : 2); ++i) l.v[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// The 16 input elements of a loaded chunk of grouped row `row`: as loaded, or (kSwiglu) silu(gate)
+// * up, times the row's weight where there is one, rounded to T exactly as the SwiGLU kernels round
+// what they store (swiglu_value), so that the quantized copy has the bits of quantizing their
+// output. A row without data stays zeros and its weight is not read.
+template <class T, bool kSwiglu>
+__device__ __forceinline__ void input_chunk(const QuantizeArgs& a, const Loaded<kSwiglu>& l, int64_t row,
+                                            uint4 (&v)[2]) {
+  if constexpr (!kSwiglu) {
+    v[0] = l.v[0];
+    v[1] = l.v[1];
+  } else {
+    const bool weighted = a.row_weight != nullptr && l.data;
+    const float w = weighted ? a.row_weight[row] : 1.0f;
+    uint32_t out[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t gate = word_of(l.v[i / 4], i % 4), up = word_of(l.v[2 + i / 4], i % 4);
+      float lo = swiglu_value(Format16<T>::to_float(gate & 0xffffu), Format16<T>::to_float(up & 0xffffu));
+      float hi = swiglu_value(Format16<T>::to_float(gate >> 16), Format16<T>::to_float(up >> 16));
+      if (weighted) lo *= w, hi *= w;
+      out[i] = Format16<T>::from_float(lo) | (Format16<T>::from_float(hi) << 16);
+    }
+    v[0] = make_uint4(out[0], out[1], out[2], out[3]);
+    v[1] = make_uint4(out[4], out[5], out[6], out[7]);
   }
 }
 
@@ -344,18 +436,22 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
   uint32_t m = abs_bits_max16(w);
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
   const int64_t r = t.row0 + row, c = t.col0 + col;
-  if (r >= used || c >= a.cols) return;
+  // Both lanes of a pair share r, and c is a multiple of 32 for the lower one while cols is too:
+  // a pair stores or returns together, though a warp's four rows may not.
+  const bool stores = r < used && c < a.cols;
   const uint32_t byte = block_scale_byte<T>(m);
   const int64_t at = (t.batch * a.rows + r) * a.cols + c;
   const uint4 q = encode16<T>(w, byte);
-  if (a.rowwise.data != nullptr) {  // uniform over the grid
+  if (a.rowwise.data != nullptr && stores) {  // data: uniform over the grid
     *reinterpret_cast<uint4*>(a.rowwise.data + at) = q;
     if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
   }
-  if (a.rowwise.values != nullptr) {
+  if (a.rowwise.values != nullptr) {  // uniform over the grid; the whole warp trades halves
     float values[16];
     decode16(q, byte, values);
-    store16(reinterpret_cast<__nv_bfloat16*>(a.rowwise.values) + at, values);
+    const bool upper = (threadIdx.x & 1) != 0;
+    const PairPieces pieces = trade_pair_bf16(upper, values);
+    if (stores) store_pair(reinterpret_cast<__nv_bfloat16*>(a.rowwise.values) + (at - (upper ? kChunk : 0)), upper, pieces);
   }
 }
 
@@ -406,9 +502,10 @@ struct BandedWalk {
 
 // kContiguous: the activations' walk (ContiguousWalk, one batch); else the weights' (BandedWalk,
 // `band` = kBandRowTiles). `band` is an argument, not a template constant: folding a constant in
-// makes ptxas spill 4 bytes in the bf16 row-wise kernel.
-template <class T, bool kRow, bool kCol, bool kContiguous>
-__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
+// makes ptxas spill 4 bytes in the bf16 row-wise kernel. kSwiglu (with kContiguous): the input is
+// SwiGLU of x (QuantizeArgs::swiglu), with fewer blocks per SM for the loads' registers.
+template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu>
+__global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm : kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
                                                                                    const uint32_t band) {
   // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
   __shared__ uint4 shared_tiles[kCol ? 2 : 1][kCol ? kTileRows * kUnitsPerRow : 1];
@@ -440,18 +537,20 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
     else return source_row(a, used, t.row0 + chunk_row);
   };
   Tile tile = tile_of(walk);
-  uint4 v[2];
-  load_chunk(a, tile, source_of(tile), chunk_col, v);
+  Loaded<kSwiglu> loaded;
+  load_chunk(a, tile, source_of(tile), chunk_col, loaded);
   int buf = 0;
   while (!walk.done()) {
     // The next tile's loads go out first and stay in flight while this tile is converted.
     walk.advance(col_tiles);
     Tile next_tile = tile;
-    uint4 next_v[2] = {};
+    Loaded<kSwiglu> next = {};
     if (!walk.done()) {
       next_tile = tile_of(walk);
-      load_chunk(a, next_tile, source_of(next_tile), chunk_col, next_v);
+      load_chunk(a, next_tile, source_of(next_tile), chunk_col, next);
     }
+    uint4 v[2];
+    input_chunk<T, kSwiglu>(a, loaded, tile.row0 + chunk_row, v);
     if constexpr (kCol) {
       shared_tiles[buf][row_unit0] = v[0];
       shared_tiles[buf][row_unit1] = v[1];
@@ -466,14 +565,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) quantize_mxfp8_kern
       buf ^= 1;
     }
     tile = next_tile;
-    v[0] = next_v[0];
-    v[1] = next_v[1];
+    loaded = next;
   }
 }
 
-template <class T, bool kRow, bool kCol, bool kContiguous>
+template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu = false>
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
-  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous>;
+  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous, kSwiglu>;
   const int blocks_per_sm = resident_blocks_per_sm(kernel, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
   kernel<<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
@@ -483,7 +581,8 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
 // Activations (one batch) take the contiguous walk, weights the banded one.
 template <class T, bool kRow, bool kCol>
 void launch_quantize_walk(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.colwise_activations && a.batches == 1) launch_quantize<T, kRow, kCol, true>(a, stream);
+  if (a.swiglu) launch_quantize<T, kRow, kCol, true, true>(a, stream);  // activations (checked)
+  else if (a.colwise_activations && a.batches == 1) launch_quantize<T, kRow, kCol, true>(a, stream);
   else launch_quantize<T, kRow, kCol, false>(a, stream);
 }
 
@@ -646,9 +745,12 @@ void launch_dequantize_colwise(const uint8_t* data, const uint8_t* scales, void*
 }
 
 // The activations' launchers: one batch of capacity_rows, optionally gathered.
+// `swiglu`: x is gate | up and the input SwiGLU of it (launch_quantize_mxfp8_swiglu), times
+// row_weight per row where that is not null.
 void quantize_activations(const char* who, DType in, const void* x, const RowGather& gather, int64_t capacity_rows,
                           int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
-                          const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
+                          const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream,
+                          bool swiglu = false, const float* row_weight = nullptr) {
   MG_CHECK(cols % kMxBlock == 0, who, ": cols must be a multiple of 32, got ", cols);
   MG_CHECK(offsets != nullptr && groups >= 0, who, ": needs the device offsets [groups + 1], groups = ", groups);
   MG_CHECK(capacity_rows < (int64_t{1} << 31) - kTileRows, who,
@@ -665,6 +767,8 @@ void quantize_activations(const char* who, DType in, const void* x, const RowGat
   a.source_rows = gather.rows;
   a.source_bound = gather.bound;
   a.error = gather.error;
+  a.swiglu = swiglu;
+  a.row_weight = row_weight;
   a.colwise_activations = true;
   check_and_quantize(who, "capacity_rows", in, a, rowwise, colwise, stream);
 }
@@ -687,6 +791,15 @@ void launch_quantize_mxfp8_gathered(DType in, const void* x, const RowGather& ga
   MG_CHECK(gather.bound >= 1 && gather.bound < (int64_t{1} << 31), kWho, ": the rows of x must be in [1, 2^31), got ",
            gather.bound);
   quantize_activations(kWho, in, x, gather, capacity_rows, cols, offsets, splits, groups, rowwise, colwise, stream);
+}
+
+void launch_quantize_mxfp8_swiglu(DType in, const void* gate_up, const float* row_weight, int64_t capacity_rows,
+                                  int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
+                                  const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream) {
+  // Rows of 2 * cols: offsets stay below 2^44 (check_and_quantize bounds the tiles, 32 x 128 each,
+  // below 2^31), far inside int64.
+  quantize_activations("launch_quantize_mxfp8_swiglu", in, gate_up, {}, capacity_rows, cols, offsets, splits, groups,
+                       rowwise, colwise, stream, true, row_weight);
 }
 
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,

@@ -4,15 +4,19 @@
 // buckets. The quantizer itself is checked bit for bit against the host reference. Weights kept
 // dequantized (dequantized_weights) give the same bits as the staged route that dequantizes them on
 // every call, whether the operator, the step or the caller keeps them. An operator reading its rows
-// through a map (ForwardArgs::x_rows) gives the same bits as one reading the gathered buffer.
+// through a map (ForwardArgs::x_rows) gives the same bits as one reading the gathered buffer, and
+// one applying SwiGLU as it reads (ForwardArgs::x_swiglu) the same bits as one reading its output.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "kernels/elementwise/elementwise.hpp"
+#include "kernels/routing/moe_routing.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/mxfp8_weights.hpp"
 #include "testing/data.hpp"
@@ -126,17 +130,22 @@ struct Mxfp8Linear {
     splits.upload(host_splits);
   }
 
-  // x_in and x_rows (ForwardArgs::x_rows, x_in having x_rows_bound rows) stand in for x when given.
+  // x_in and x_rows (ForwardArgs::x_rows, x_in having x_rows_bound rows) stand in for x when given;
+  // with x_swiglu x_in is gate | up [rows, 2K] (ForwardArgs::x_swiglu, x_row_weight).
   Out run(GroupedLinear& op, const void* weight, const Mxfp8Weights& m, const void* x_in = nullptr,
-          const int32_t* x_rows = nullptr, int64_t x_rows_bound = 0) {
+          const int32_t* x_rows = nullptr, int64_t x_rows_bound = 0, bool x_swiglu = false,
+          const float* x_row_weight = nullptr) {
     const cudaStream_t s = stream.get();
     DeviceArray<uint16_t> y(rows * N), y_infer(rows * N), dx(rows * K);
     DeviceArray<float> main_grad(G * N * K);
     y.poison(), y_infer.poison(), dx.poison();
     testing::memset_and_wait(main_grad.get(), 0, main_grad.size() * 4);
     const void* in = x_in != nullptr ? x_in : x.get();
-    op.forward({in, splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m, x_rows, x_rows_bound}, s);
-    op.forward_train({in, splits.get(), weight, b.get(), nullptr, y.get(), nullptr, m, x_rows, x_rows_bound}, s);
+    ForwardArgs f{in, splits.get(), weight, b.get(), nullptr, y_infer.get(), nullptr, m, x_rows, x_rows_bound};
+    f.x_swiglu = x_swiglu, f.x_row_weight = x_row_weight;
+    op.forward(f, s);
+    f.y = y.get();
+    op.forward_train(f, s);
     op.backward({dy.get(), weight, b.get(), dx.get(), nullptr, nullptr, nullptr, main_grad.get(), m},
                 WgradMode::kImmediate, s);
     op.check_device_errors(s);
@@ -274,6 +283,65 @@ TEST(Mxfp8WeightsApi, GatheredInputRowsGiveTheGatheredBuffersBits) {
   EXPECT_THROW(plain.forward({d_tokens.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get(), nullptr, {},
                               d_map.get()}, l.stream.get()),
                Error);
+}
+
+// ForwardArgs::x_swiglu: the operator applying SwiGLU to gate | up as its quantizer reads them (as
+// the MoE layer's FC2 reads FC1's output) gives the same y, inference y, dx and main_grad bits as
+// reading the SwiGLU kernels' output, unweighted and weighted, on both GEMM routes. gate | up
+// holds random values in the gap rows and past the groups, and the gap rows' weights are NaN: none
+// may be read. The bf16 recipe refuses x_swiglu; x_row_weight without it and x_swiglu with x_rows
+// are refused.
+TEST(Mxfp8WeightsApi, SwigluInputGivesTheSwigluOutputsBits) {
+  const std::vector<int32_t> host_splits{40, 0, 97, 5, 64, 31};
+  Mxfp8Linear l(host_splits, "mxfp8_swiglu_linear");
+  const int64_t K = Mxfp8Linear::K, rows = l.rows;
+  std::mt19937_64 rng(test_seed("mxfp8_swiglu_linear_gate_up"));
+  DeviceArray<uint16_t> gate_up(rows * 2 * K), h(rows * K), h_weighted(rows * K);
+  gate_up.upload(to_device_bits(random_values(rng, rows * 2 * K, 3.0, DType::kBF16), DType::kBF16));
+  const GroupLayout layout = make_layout(host_splits, 32, rows);
+  const std::vector<bool> data = data_rows(layout);
+  std::vector<float> weights(rows, std::numeric_limits<float>::quiet_NaN());
+  std::uniform_real_distribution<float> weight(0.05f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    if (data[r]) weights[r] = weight(rng);
+  DeviceArray<float> d_weights(rows);
+  d_weights.upload(weights);
+  DeviceArray<int64_t> offsets(layout.offsets.size());
+  offsets.upload(layout.offsets);
+  h.poison(), h_weighted.poison();
+  kernels::launch_swiglu_forward(DType::kBF16, gate_up.get(), h.get(), K, offsets.get(), Mxfp8Linear::G, 64,
+                                 l.stream.get());
+  kernels::launch_swiglu_weighted_forward(DType::kBF16, gate_up.get(), d_weights.get(), h_weighted.get(), K,
+                                          offsets.get(), Mxfp8Linear::G, l.stream.get());
+  for (const char* route : {"staged", "e4m3"}) {
+    EnvVar forced("MOEGRAPH_MXFP8_ROUTE", route);
+    GroupedLinear op(l.options);
+    op.weights_changed(l.w.get(), l.stream.get());
+    const Mxfp8Linear::Out want = l.run(op, l.w.get(), {}, h.get()),
+                           got = l.run(op, l.w.get(), {}, gate_up.get(), nullptr, 0, true);
+    EXPECT_TRUE(got == want) << route << " route: SwiGLU on the way in differs from the SwiGLU kernel's output";
+    EXPECT_GT(nonzero(want.main_grad), want.main_grad.size() / 2) << route << ": the step computed gradients";
+    const Mxfp8Linear::Out want_w = l.run(op, l.w.get(), {}, h_weighted.get()),
+                           got_w = l.run(op, l.w.get(), {}, gate_up.get(), nullptr, 0, true, d_weights.get());
+    EXPECT_TRUE(got_w == want_w) << route << " route: weighted SwiGLU on the way in differs";
+    EXPECT_FALSE(want_w == want) << route << ": the weights changed nothing";
+  }
+  GroupedLinear op(l.options);
+  op.weights_changed(l.w.get(), l.stream.get());
+  DeviceArray<uint16_t> y(rows * Mxfp8Linear::N);
+  ForwardArgs bad{gate_up.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get()};
+  bad.x_row_weight = d_weights.get();  // without x_swiglu
+  EXPECT_THROW(op.forward(bad, l.stream.get()), Error);
+  DeviceArray<int32_t> map(rows);
+  map.upload(std::vector<int32_t>(rows, 0));
+  bad.x_swiglu = true, bad.x_rows = map.get(), bad.x_rows_bound = rows;
+  EXPECT_THROW(op.forward(bad, l.stream.get()), Error);
+  GroupedLinearOptions bf16 = l.options;
+  bf16.recipe = Recipe::kBF16;
+  GroupedLinear plain(bf16);
+  ForwardArgs swiglu{gate_up.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get()};
+  swiglu.x_swiglu = true;
+  EXPECT_THROW(plain.forward(swiglu, l.stream.get()), Error);
 }
 
 // One grouped linear quantizing its own copies and one reading the caller's: the same y, dx and

@@ -364,10 +364,12 @@ TEST(CheckedSizes, RealisticShapesKeepTheirSizes) {
   // scales, 1/32 of that, in each expert linear), since every fprop and dgrad of this layer takes the
   // staged route, whose A the quantizer writes as bf16 values into the staging; less the dispatch's
   // permuted copy of x (163584 x 7168 x 2 bytes): FC1's quantizer reads the tokens through
-  // token_of_row.
-  const uint64_t codes = uint64_t{163584} * 7168 * 33 / 32, x_perm = uint64_t{163584} * 7168 * 2;
-  EXPECT_EQ(MoeLayer::workspace_bytes(deepseek),
-            27001083392u + uint64_t{163584} * (11264 + 9216) * 2 + (256 - 64) * 256 * 4 - 2 * codes - x_perm);
+  // token_of_row; less the SwiGLU's output (163584 x 2048 x 2 bytes): FC2's quantizer applies the
+  // SwiGLU as it reads FC1's output.
+  const uint64_t codes = uint64_t{163584} * 7168 * 33 / 32, x_perm = uint64_t{163584} * 7168 * 2,
+                 swiglu_out = uint64_t{163584} * 2048 * 2;
+  EXPECT_EQ(MoeLayer::workspace_bytes(deepseek), 27001083392u + uint64_t{163584} * (11264 + 9216) * 2 +
+                                                     (256 - 64) * 256 * 4 - 2 * codes - x_perm - swiglu_out);
 
   // Mixtral's FC1 as a GroupedLinear (N = 2 * ffn), plain and with bias and two delayed slots.
   GroupedLinearOptions fc1 = linear(4096, 28672, 16384);

@@ -66,7 +66,7 @@ TEST(MoeProgram, Mxfp8Fc1GathersTheTokensInsteadOfAPermutedCopy) {
   o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32;
   ASSERT_TRUE(layer::layer_gathers_fc1_input(o));
   EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)),
-            "router -> dispatch -> fc1(x by token_of_row) -> swiglu -> fc2 -> combine");
+            "router -> dispatch -> fc1(x by token_of_row) -> swiglu -> fc2(x = swiglu(fc1_out)) -> combine");
   const auto train = MoeLayer::workspace_buffers(o);
   EXPECT_TRUE(has_buffer(train, "d.x_perm"));
   for (const char* name : {"x_perm", "slot0.x_perm", "slot1.x_perm"}) EXPECT_FALSE(has_buffer(train, name)) << name;
@@ -81,7 +81,38 @@ TEST(MoeProgram, Mxfp8Fc1GathersTheTokensInsteadOfAPermutedCopy) {
   const auto window = MoeLayer::window_buffers(o);
   EXPECT_TRUE(std::any_of(window.begin(), window.end(), [](const auto& b) { return b.name == "x_perm"; }))
       << "with expert parallelism FC1 reads the received rows";
-  EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)), "router -> dispatch -> fc1 -> swiglu -> fc2 -> combine");
+  EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)),
+            "router -> dispatch -> fc1 -> swiglu -> fc2(x = swiglu(fc1_out)) -> combine");
+}
+
+// The mxfp8 recipe: FC2's quantizer applies the SwiGLU to FC1's output as it reads it (also with
+// expert parallelism, and with the routing weights fused in, where it weighs the rows too), so no
+// SwiGLU forward runs and swiglu_out is never declared; its gradient keeps its name. bf16 keeps the
+// SwiGLU kernel.
+TEST(MoeProgram, Mxfp8Fc2QuantizerAppliesTheSwiglu) {
+  MoeLayerOptions o = small();
+  o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32;
+  ASSERT_TRUE(layer::layer_fc2_applies_swiglu(o));
+  auto ops = layer::moe_layer_ops(o);
+  const auto named = [&](const char* name) {
+    return *std::find_if(ops.begin(), ops.end(), [&](const auto& s) { return s.name == name; });
+  };
+  EXPECT_TRUE(named("swiglu").forward_in_next);
+  EXPECT_EQ(named("fc2").swiglu_in, "fc1_out");
+  EXPECT_EQ(named("fc2").in, "swiglu_out") << "the input gradient keeps its name";
+  ASSERT_EQ(layer::fuse_routing_weights(ops), 1);
+  EXPECT_EQ(layer::describe(ops), "router -> dispatch -> fc1(x by token_of_row) -> swiglu_weighted -> "
+                                  "fc2(bias x row_weight)(x = row_weight * swiglu(fc1_out)) -> combine_unweighted");
+  for (bool training : {true, false}) {
+    o.training = training, o.wgrad_slots = training ? 2 : 1;
+    const auto buffers = MoeLayer::workspace_buffers(o);
+    EXPECT_FALSE(has_buffer(buffers, "swiglu_out")) << training;
+    EXPECT_EQ(has_buffer(buffers, "d.swiglu_out"), training);
+    EXPECT_TRUE(has_buffer(buffers, "fc1_out") || has_buffer(buffers, "slot0.fc1_out")) << training;
+  }
+  MoeLayerOptions bf16 = small();
+  EXPECT_FALSE(layer::layer_fc2_applies_swiglu(bf16));
+  for (const auto& spec : layer::moe_layer_ops(bf16)) EXPECT_FALSE(spec.forward_in_next || !spec.swiglu_in.empty());
 }
 
 // bf16 training: FC1 and FC2 keep pointers to their inputs and (delayed wgrad) output gradients,
@@ -119,8 +150,9 @@ TEST(MoeProgram, Bf16TrainingSavesTheLinearsActivationsWhereTheyAreWritten) {
   o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32, o.delay_wgrad = true;
   ASSERT_FALSE(layer::layer_keeps_linear_activations(o));
   const auto mxfp8 = MoeLayer::workspace_buffers(o);
-  for (const char* name : {"swiglu_out", "d.fc1_out", "d.expert_out"})
+  for (const char* name : {"d.swiglu_out", "d.fc1_out", "d.expert_out"})
     EXPECT_TRUE(has_buffer(mxfp8, name)) << name;
+  EXPECT_FALSE(has_buffer(mxfp8, "swiglu_out")) << "fc2's quantizer applies the SwiGLU: its output is never made";
   GroupedLinearOptions g = layer::expert_linear_options(o, 1, moe_expert_rows(o));
   g.caller_keeps_activations = true;
   std::string refusal;

@@ -257,6 +257,11 @@ void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
            "rows; the ", recipe_name(o.recipe), " recipe's GEMMs read x as grouped rows");
   MG_CHECK(a.x_rows == nullptr || (a.x_rows_bound >= 1 && a.x_rows_bound < (int64_t{1} << 31)),
            "ForwardArgs::x_rows needs x_rows_bound, the rows of x, in [1, 2^31), got ", a.x_rows_bound);
+  MG_CHECK(!a.x_swiglu || o.recipe == Recipe::kMXFP8,
+           "ForwardArgs::x_swiglu (SwiGLU applied to x as it is read) needs the mxfp8 recipe, whose quantizer reads "
+           "x; the ", recipe_name(o.recipe), " recipe's GEMMs read x as it is");
+  MG_CHECK(!a.x_swiglu || a.x_rows == nullptr, "ForwardArgs::x_swiglu and x_rows cannot be combined");
+  MG_CHECK(a.x_row_weight == nullptr || a.x_swiglu, "ForwardArgs::x_row_weight scales the SwiGLU of x: it needs x_swiglu");
 }
 }  // namespace
 

@@ -1,5 +1,5 @@
-// The mxfp8 recipe (docs/mxfp8.md): x (or the rows gathered through ForwardArgs::x_rows) and dy
-// are quantized on the fly into MXFP8 copies (row-wise for fprop and dgrad, column-wise for wgrad;
+// The mxfp8 recipe (docs/mxfp8.md): x (or the rows gathered through ForwardArgs::x_rows, or the
+// SwiGLU of x: ForwardArgs::x_swiglu) and dy are quantized on the fly into MXFP8 copies (row-wise for fprop and dgrad, column-wise for wgrad;
 // where fprop or dgrad takes the staged route, the row-wise copy is written as its bf16 values into
 // the staging instead); a slot keeps the column-wise copies instead of a 16-bit x; the weights are
 // quantized once per update into copies outside the workspace, or arrive already quantized from
@@ -95,7 +95,10 @@ class Mxfp8Backend final : public LinearBackend {
     // The saved activation is the column-wise copy, quantized in the same read as fprop's operand.
     const kernels::Mxfp8Rowwise operand = operand_for(fprop_);
     const kernels::Mxfp8Colwise* saved = save_slot >= 0 ? &slots_[save_slot].x_t : nullptr;
-    if (a.x_rows != nullptr)
+    if (a.x_swiglu)
+      kernels::launch_quantize_mxfp8_swiglu(o_.dtype, a.x, a.x_row_weight, o_.capacity_rows, o_.in_features, g.offsets,
+                                            g.splits, o_.num_groups, &operand, saved, stream);
+    else if (a.x_rows != nullptr)
       kernels::launch_quantize_mxfp8_gathered(o_.dtype, a.x, {a.x_rows, a.x_rows_bound, g.error}, o_.capacity_rows,
                                               o_.in_features, g.offsets, g.splits, o_.num_groups, &operand, saved,
                                               stream);

@@ -59,11 +59,14 @@ class LinearOp final : public LayerOp {
     const TensorTable& t = *p.tensors;
     const int s = p.slot;
     // The dispatch's group layout: planned once per micro-batch, checked there.
-    const bool gather = !spec_.gather.empty();
-    ForwardArgs a{gather ? p.io->x : t.get(spec_.in, s), t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
+    const bool gather = !spec_.gather.empty(), swiglu = !spec_.swiglu_in.empty();
+    const void* x = gather ? p.io->x : t.get(swiglu ? spec_.swiglu_in : spec_.in, s);  // gather: the bucket's tokens
+    ForwardArgs a{x, t.get<int32_t>(tensor::kSplits, s), weight_, bias_,
                   scaled_bias_ ? t.get<float>(spec_.bias_scale, s) : nullptr, t.get(spec_.out, s),
                   t.get<int64_t>(tensor::kOffsets, s), mxfp8_, gather ? t.get<int32_t>(spec_.gather, s) : nullptr,
-                  gather ? o_.max_tokens : 0};  // x: the bucket's tokens
+                  gather ? o_.max_tokens : 0};
+    a.x_swiglu = swiglu;
+    a.x_row_weight = spec_.swiglu_weight.empty() ? nullptr : t.get<float>(spec_.swiglu_weight, s);
     if (p.train) op_->forward_train(a, stream);
     else op_->forward(a, stream);
   }
@@ -115,14 +118,17 @@ class SwigluOp final : public LayerOp {
         weighted_(spec.kind == OpKind::kSwigluWeighted) {}
   std::string name() const override { return spec_.name; }
   std::string kernels() const override {
-    return weighted_ ? spec_.name + ": w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient"
-                     : spec_.name + ": silu(gate) * up, 16-byte vectors over the used rows";
+    const std::string forward = spec_.forward_in_next ? " (forward: in fc2's quantizer, as it reads fc1_out)" : "";
+    return weighted_ ? spec_.name + ": w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient" +
+                           forward
+                     : spec_.name + ": silu(gate) * up, 16-byte vectors over the used rows" + forward;
   }
 
   void declare(TensorTable& t, bool training) override {
     const std::size_t es = dtype_size(o_.dtype);
-    t.declare(spec_.out, checked_mul(spec_.out, rows_, o_.ffn, es),
-              spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
+    if (!spec_.forward_in_next)
+      t.declare(spec_.out, checked_mul(spec_.out, rows_, o_.ffn, es),
+                spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     if (!training) return;
     const std::string d_in = tensor::grad(spec_.in);
     t.declare(d_in, checked_mul(d_in, rows_, 2, o_.ffn, es), spec_.save_d_in ? Lifetime::kSaved : Lifetime::kStep);
@@ -133,6 +139,7 @@ class SwigluOp final : public LayerOp {
   void bind(TensorTable&) override { grid_ = 4 * kernels::current_sm_count(); }
 
   void forward(const Phase& p, cudaStream_t stream) override {
+    if (spec_.forward_in_next) return;  // FC2's quantizer applies it (OpSpec::swiglu_in)
     const TensorTable& t = *p.tensors;
     const int s = p.slot;
     const int64_t* offsets = t.get<int64_t>(tensor::kOffsets, s);

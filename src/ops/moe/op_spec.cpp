@@ -15,6 +15,8 @@ bool layer_gathers_fc1_input(const MoeLayerOptions& o) {
   return o.recipe == Recipe::kMXFP8 && o.expert_parallel == 1;
 }
 
+bool layer_fc2_applies_swiglu(const MoeLayerOptions& o) { return o.recipe == Recipe::kMXFP8; }
+
 std::string describe_local_dispatch(bool gathers_rows) {
   return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter; a "
                      "small batch all in one block) into the group layout (splits, offsets), ") +
@@ -47,6 +49,10 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
   // The combine's backward needs each row's expert output for the weight gradient (with expert
   // parallelism it keeps the copy that came back to this rank instead).
   ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, false, true, "", 2, ""});
+  if (layer_fc2_applies_swiglu(o)) {
+    ops[ops.size() - 2].forward_in_next = true;
+    ops.back().swiglu_in = "fc1_out";
+  }
   ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, keep_grads, true, "", 0, ""});
   return ops;
 }
@@ -60,6 +66,7 @@ int fuse_routing_weights(std::vector<OpSpec>& ops) {
       continue;
     act.kind = OpKind::kSwigluWeighted;
     act.name = "swiglu_weighted";
+    if (!fc2.swiglu_in.empty()) fc2.swiglu_weight = tensor::kRowWeight;  // FC2's quantizer weighs the rows
     fc2.bias_scale = tensor::kRowWeight;
     fc2.save_out = false;  // the weight gradient now comes from the SwiGLU side: no saved expert output
     combine.weighted = false;
@@ -76,6 +83,9 @@ std::string describe(const std::vector<OpSpec>& ops) {
     s += op.name;
     if (!op.bias_scale.empty()) s += "(bias x " + op.bias_scale + ")";
     if (!op.gather.empty()) s += "(x by " + op.gather + ")";
+    if (!op.swiglu_in.empty())
+      s += "(x = " + std::string(op.swiglu_weight.empty() ? "" : op.swiglu_weight + " * ") + "swiglu(" +
+           op.swiglu_in + "))";
   }
   return s;
 }

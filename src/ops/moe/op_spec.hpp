@@ -36,6 +36,12 @@ struct OpSpec {
   // (ForwardArgs::x_rows; `in` still names the input gradient). kDispatch with out "": makes no
   // permuted copy of x.
   std::string gather;
+  // kLinear: `in` is never made; the operator reads this tensor (FC1's output, gate | up) and its
+  // quantizer applies SwiGLU on the way in (ForwardArgs::x_swiglu), times the per-row tensor
+  // `swiglu_weight` where that is not "". kSwiglu / kSwigluWeighted with forward_in_next: no forward
+  // kernel and no `out` (it still names the gradient the next operator's backward gives).
+  std::string swiglu_in, swiglu_weight;
+  bool forward_in_next = false;
 };
 
 // The unfused layer: router, dispatch, [aux loss], FC1, SwiGLU, FC2, weighted combine.
@@ -57,6 +63,10 @@ bool layer_keeps_linear_activations(const MoeLayerOptions& options);
 // (ForwardArgs::x_rows): the mxfp8 recipe on one GPU, whose quantizer reads FC1's input once anyway.
 // With expert parallelism FC1 reads the rows received from the other ranks.
 bool layer_gathers_fc1_input(const MoeLayerOptions& options);
+// Whether FC2's quantizer applies the SwiGLU to FC1's output as it reads it, so that no SwiGLU
+// forward kernel runs and its output is never written (ForwardArgs::x_swiglu): the mxfp8 recipe,
+// whose quantizer reads FC2's input once anyway.
+bool layer_fc2_applies_swiglu(const MoeLayerOptions& options);
 // The one-GPU dispatch's kernels in words, for --plan and the operator's kernels(): whether it
 // writes the permuted rows (`gathers_rows`) or FC1 reads the tokens through token_of_row.
 std::string describe_local_dispatch(bool gathers_rows);
