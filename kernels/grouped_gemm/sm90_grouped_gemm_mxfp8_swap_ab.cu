@@ -14,9 +14,10 @@ namespace moegraph::kernels {
 namespace {
 namespace s = mxfp8_swap_ab;
 
-template <bool kSplit, class F>
+template <bool kSplit, int kStages = s::STAGES, class F>
 void with_kernel(const GemmConfig& config, F&& f) {
-  with_16bit_type(config.dtype, "MXFP8 swap-AB GEMM", [&](auto t) { f(s::ragged_gemm_kernel<decltype(t), kSplit>); });
+  with_16bit_type(config.dtype, "MXFP8 swap-AB GEMM",
+                  [&](auto t) { f(s::ragged_gemm_kernel<decltype(t), kSplit, kStages>); });
 }
 }  // namespace
 
@@ -33,6 +34,13 @@ int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map) {
                     [&](auto kernel) { split_blocks = allow_smem_and_measure(kernel, s::THREADS, s::kSmemBytes); });
   MG_CHECK(split_blocks == blocks, "the MXFP8 swap-AB kernels with and without splits differ in occupancy: ",
            blocks, " and ", split_blocks, " CTAs per SM");
+  // The launcher finds the SM count as the plan's grid / kCtasPerSm (the deep-ring kernel's grid).
+  MG_CHECK(blocks == s::kCtasPerSm, "the MXFP8 swap-AB kernel needs ", s::kCtasPerSm, " CTAs per SM, got ", blocks);
+  int deep_blocks = 0;
+  with_kernel<false, s::kDeepStages>(config, [&](auto kernel) {
+    deep_blocks = allow_smem_and_measure(kernel, s::THREADS, s::smem_bytes(s::kDeepStages));
+  });
+  MG_CHECK(deep_blocks >= 1, "the MXFP8 swap-AB deep-ring kernel cannot be resident on this device");
   return blocks;
 }
 
@@ -71,7 +79,8 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
   tp.b = encode_grouped_map(plan.encode_tensor_map, kBytes, 1, p.b, p.num_groups, p.n, p.k, s::BK, s::BM);
   // The split kernel where the tiles may be a quarter of the CTAs or fewer: its counters zeroed
   // here, in the launch's own stream order (a captured graph zeroes them on every replay).
-  if (may_split(max_tiles(p.num_groups, p.capacity_rows, p.n), plan.grid)) {
+  const int64_t tiles = max_tiles(p.num_groups, p.capacity_rows, p.n);
+  if (may_split(tiles, plan.grid)) {
     MG_CHECK(p.staging != nullptr && p.staging_bytes >= kSplitBytes, "the MXFP8 swap-AB GEMM of ", p.num_groups,
              " groups, ", p.capacity_rows, " rows and ", p.n, " columns needs ", kSplitBytes,
              " bytes of scratch (mxfp8_staging_bytes), got ", p.staging_bytes);
@@ -80,6 +89,11 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
     MG_CUDA_CHECK(cudaMemsetAsync(tp.split_counters, 0, kCounterBytes, stream));
     with_kernel<true>(plan.config,
                       [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
+  } else if (tiles <= plan.grid / s::kCtasPerSm) {
+    // At most one tile per SM: one CTA each with the deeper ring (s::kDeepStages says why).
+    with_kernel<false, s::kDeepStages>(plan.config, [&](auto kernel) {
+      kernel<<<plan.grid / s::kCtasPerSm, s::THREADS, s::smem_bytes(s::kDeepStages), stream>>>(tp);
+    });
   } else {
     with_kernel<false>(plan.config,
                        [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });

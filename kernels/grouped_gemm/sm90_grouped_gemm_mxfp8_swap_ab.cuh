@@ -31,6 +31,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/ragged_tiles.cuh"
@@ -47,6 +48,12 @@ constexpr int kBlocksPerStage = BK / kBlock;    // 4
 constexpr int BM = 128;                         // weight rows (output columns) per tile
 constexpr int BR = 32;                          // group rows per tile: wgmma's N
 constexpr int STAGES = 4;
+// The deep-ring kernel, one CTA per SM: for a launch with at most one tile per SM (a token's few
+// experts, such as the decode preset's FC1 at one token: 132 tiles), where the second CTA of the
+// two-CTA kernel idles and each SM streams its tile through one ring of STAGES. Measured on one
+// H200 (docs/PERF.md, "Decode with few tiles"): that FC1 0.036 -> 0.028 ms with 8 stages; every
+// launch with more tiles needs the two CTAs' interleaved promotions instead.
+constexpr int kDeepStages = 8;
 constexpr int kConsumerThreads = 256;           // two consumer warpgroups, 64 weight rows each
 constexpr int THREADS = kConsumerThreads + 32;  // and one producer warp after them
 constexpr int kCtasPerSm = 2;                   // two tiles' promotions interleave on every scheduler
@@ -54,7 +61,8 @@ constexpr int kTileBytesB = BM * BK;            // 16 KB of weights
 constexpr int kTileBytesA = BR * BK;            // 4 KB of rows
 constexpr int kScaleOffset = kTileBytesB + kTileBytesA;
 constexpr int kStageBytes = (kScaleOffset + (BM + BR) * 4 + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
-constexpr int kSmemBytes = STAGES * kStageBytes + 1024;
+constexpr int smem_bytes(int stages) { return stages * kStageBytes + 1024; }
+constexpr int kSmemBytes = smem_bytes(STAGES);
 constexpr int kTxBytes = kTileBytesB + kTileBytesA;  // what the TMA boxes bring per stage
 // Split reductions (mxfp8_swap_ab_split_bytes sizes their scratch on the host).
 constexpr int kSplitItemsCap = 264;    // items (a tile's split) at most: two CTAs on each of 132 SMs
@@ -117,6 +125,7 @@ __device__ __forceinline__ Tile locate(int64_t t, const int* prefix, const Mxfp8
 
 // The producer warp: lane 0 issues the two boxes of every stage, and every lane copies 4 weight rows'
 // and one group row's scale words (rows past the tensors read as zero scales).
+template <int kStages>
 __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                        const int* prefix, int64_t items, int tiles_n, int ktiles, int splits) {
   const Mxfp8RaggedGemmParams& p = tp.p;
@@ -150,7 +159,7 @@ __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_
       cp_async_4(scales + (BM + lane) * 4,
                  valid ? p.a_scales + (tile.rows.row0 + lane) * scale_ld + kt * kBlocksPerStage : p.a_scales, valid);
       cp_async_arrive_noinc(bar);
-      if (++stage == STAGES) stage = 0, phase ^= 1;
+      if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
 }
@@ -268,7 +277,7 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[4 * J], const Params& 
 // not pay for 32. The A box still brings 32 rows; wgmma reads the first 8J of them (whole 1024-byte
 // swizzle atoms of 8 rows). Writes C[row0 + r][n0 + m] for r < span_rows: data rows from the
 // accumulators, alignment gap rows as zero; columns past `cols` are left alone.
-template <int J, class T>
+template <int J, class T, int kStages>
 __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp, int64_t item, int splits,
                                              int stages, const Consumer& me, const uint8_t* smem, uint64_t* full,
                                              uint64_t* empty, int* last, int& stage, uint32_t& phase) {
@@ -312,7 +321,7 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
     sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
     sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
     promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1, mid);
-    if (++stage == STAGES) stage = 0, phase ^= 1;
+    if (++stage == kStages) stage = 0, phase ^= 1;
   }
   if (splits > 1 && !reduce_split<J>(acc, tp, item, splits, last)) return;  // another split writes C
   // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and the group rows r < 8J.
@@ -343,17 +352,19 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
 
 // C[r, n] for the rows of group e: tiles of 128 output columns x 32 rows; gap rows written as zero,
 // rows past the group's span and columns past `cols` left alone.
-template <class T, bool kSplit>
-__global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const __grid_constant__ Params tp) {
+// kStages: STAGES with two CTAs per SM, or kDeepStages with one.
+template <class T, bool kSplit, int kStages>
+__global__ void __launch_bounds__(THREADS, kStages == STAGES ? kCtasPerSm : 1)
+    ragged_gemm_kernel(const __grid_constant__ Params tp) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_prefix[kMaxGroups + 1];
   __shared__ int warp_sums[THREADS / 32];
-  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES];
+  __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
   __shared__ int last_split;  // reduce_split: whether this CTA sums the tile
   uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
   // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies
-  sm90::init_stage_barriers<STAGES>(full, 1 + 32, empty, kConsumerThreads);
+  sm90::init_stage_barriers<kStages>(full, 1 + 32, empty, kConsumerThreads);
   build_tile_prefix<THREADS, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);  // ends in a barrier
   const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
   const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;
@@ -362,7 +373,7 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
   const int64_t items = total * splits;
 
   if (threadIdx.x >= kConsumerThreads)
-    return produce(tp, smem, full, empty, tile_prefix, items, tiles_n, ktiles, splits);
+    return produce<kStages>(tp, smem, full, empty, tile_prefix, items, tiles_n, ktiles, splits);
   Consumer me;
   me.wg = threadIdx.x / 128, me.lane = threadIdx.x % 32;
   me.m_local = me.wg * 64 + ((threadIdx.x % 128) / 32) * 16 + me.lane / 4;
@@ -375,10 +386,14 @@ __global__ void __launch_bounds__(THREADS, kCtasPerSm) ragged_gemm_kernel(const 
     const int64_t rows = tile.rows.data_rows;
     const int stages = it.kt1 - it.kt0;
     int* last = &last_split;
-    if (rows <= 8) consume_tile<1, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
-    else if (rows <= 16) consume_tile<2, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
-    else if (rows <= 24) consume_tile<3, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
-    else consume_tile<4, T>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage, phase);
+    const auto consume = [&](auto j) {  // j: std::integral_constant, wgmma's N / 8
+      consume_tile<decltype(j)::value, T, kStages>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage,
+                                                   phase);
+    };
+    if (rows <= 8) consume(std::integral_constant<int, 1>{});
+    else if (rows <= 16) consume(std::integral_constant<int, 2>{});
+    else if (rows <= 24) consume(std::integral_constant<int, 3>{});
+    else consume(std::integral_constant<int, 4>{});
   }
 }
 

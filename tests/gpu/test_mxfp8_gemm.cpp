@@ -243,6 +243,10 @@ const GemmCase kCases[] = {
     // partial column tile) and sums them in the last split to arrive.
     {"g6_k4096_n256_rows1_split8", 6, 4096, 256, 1, true, 6, 0, 1},
     {"g2_k2176_n520_rows5_split4", 2, 2176, 520, 1, false, 10, 0, 5},
+    // Between a quarter of the CTAs and one tile per SM (at most 14 row tiles x 9 column tiles, the
+    // last partial: 126 on a 132-SM device): the swap-AB route's fprop takes the deep-ring kernel,
+    // one CTA per SM, its 8 stages wrapping twice over 16; dgrad (16 column tiles) the two-CTA one.
+    {"g12_k2048_n1096_rows2_deep_ring", 12, 2048, 1096, 1, true, 8, 0, 2},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm,
                          ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kGemmRoutes)),
