@@ -451,7 +451,8 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
     decode16(q, byte, values);
     const bool upper = (threadIdx.x & 1) != 0;
     const PairPieces pieces = trade_pair_bf16(upper, values);
-    if (stores) store_pair(reinterpret_cast<__nv_bfloat16*>(a.rowwise.values) + (at - (upper ? kChunk : 0)), upper, pieces);
+    __nv_bfloat16* pair_first = reinterpret_cast<__nv_bfloat16*>(a.rowwise.values) + (at - (upper ? kChunk : 0));
+    if (stores) store_pair(pair_first, upper, pieces);
   }
 }
 
@@ -505,7 +506,8 @@ struct BandedWalk {
 // makes ptxas spill 4 bytes in the bf16 row-wise kernel. kSwiglu (with kContiguous): the input is
 // SwiGLU of x (QuantizeArgs::swiglu), with fewer blocks per SM for the loads' registers.
 template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm : kMinBlocksPerSm) quantize_mxfp8_kernel(const QuantizeArgs a,
+__global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm : kMinBlocksPerSm)
+    quantize_mxfp8_kernel(const QuantizeArgs a,
                                                                                    const uint32_t band) {
   // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
   __shared__ uint4 shared_tiles[kCol ? 2 : 1][kCol ? kTileRows * kUnitsPerRow : 1];

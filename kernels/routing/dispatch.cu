@@ -334,6 +334,7 @@ __global__ void __launch_bounds__(kCopyThreads, kCopyMinBlocksPerSm)
 }  // namespace
 
 std::size_t dispatch_workspace_bytes(int64_t max_tokens, int experts, int top_k) {
+  if (max_tokens * top_k <= kSmallAssignments) return 0;  // the one-block kernel keeps its counts in shared memory
   return static_cast<std::size_t>(chunks_of(max_tokens, top_k, experts).count) * experts * sizeof(int32_t);
 }
 

@@ -98,8 +98,9 @@ struct DispatchParams {
   int32_t* workspace = nullptr;           // dispatch_workspace_bytes(max_tokens, experts, top_k)
   DeviceErrorRecord* error = nullptr;     // kDeviceErrorTokenCount
 };
-// Rows are ordered by expert, then token, then j (a stable counting sort): deterministic.
+// The chunk counts' scratch: 0 for a batch the one-block kernel takes (max_tokens * top_k <= 1024).
 std::size_t dispatch_workspace_bytes(int64_t max_tokens, int experts, int top_k);
+// Rows are ordered by expert, then token, then j (a stable counting sort): deterministic.
 void launch_dispatch(const DispatchParams& p, cudaStream_t stream);
 
 // permuted[r] = x[token_of_row[r]] for data rows, zero for alignment-gap rows, for r < offsets[E].

@@ -261,7 +261,8 @@ void check_forward_args(const GroupedLinearOptions& o, const ForwardArgs& a) {
            "ForwardArgs::x_swiglu (SwiGLU applied to x as it is read) needs the mxfp8 recipe, whose quantizer reads "
            "x; the ", recipe_name(o.recipe), " recipe's GEMMs read x as it is");
   MG_CHECK(!a.x_swiglu || a.x_rows == nullptr, "ForwardArgs::x_swiglu and x_rows cannot be combined");
-  MG_CHECK(a.x_row_weight == nullptr || a.x_swiglu, "ForwardArgs::x_row_weight scales the SwiGLU of x: it needs x_swiglu");
+  MG_CHECK(a.x_row_weight == nullptr || a.x_swiglu,
+           "ForwardArgs::x_row_weight scales the SwiGLU of x: it needs x_swiglu");
 }
 }  // namespace
 

@@ -1,9 +1,9 @@
 // The mxfp8 recipe (docs/mxfp8.md): x (or the rows gathered through ForwardArgs::x_rows, or the
-// SwiGLU of x: ForwardArgs::x_swiglu) and dy are quantized on the fly into MXFP8 copies (row-wise for fprop and dgrad, column-wise for wgrad;
-// where fprop or dgrad takes the staged route, the row-wise copy is written as its bf16 values into
-// the staging instead); a slot keeps the column-wise copies instead of a 16-bit x; the weights are
-// quantized once per update into copies outside the workspace, or arrive already quantized from
-// the caller (prequantized_weights).
+// SwiGLU of x: ForwardArgs::x_swiglu) and dy are quantized on the fly into MXFP8 copies (row-wise
+// for fprop and dgrad, column-wise for wgrad; where fprop or dgrad takes the staged route, the
+// row-wise copy is written as its bf16 values into the staging instead); a slot keeps the
+// column-wise copies instead of a 16-bit x; the weights are quantized once per update into copies
+// outside the workspace, or arrive already quantized from the caller (prequantized_weights).
 #include <algorithm>
 #include <vector>
 

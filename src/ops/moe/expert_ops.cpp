@@ -119,9 +119,10 @@ class SwigluOp final : public LayerOp {
   std::string name() const override { return spec_.name; }
   std::string kernels() const override {
     const std::string forward = spec_.forward_in_next ? " (forward: in fc2's quantizer, as it reads fc1_out)" : "";
-    return weighted_ ? spec_.name + ": w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient" +
-                           forward
-                     : spec_.name + ": silu(gate) * up, 16-byte vectors over the used rows" + forward;
+    const std::string what = weighted_
+                                 ? "w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient"
+                                 : "silu(gate) * up, 16-byte vectors over the used rows";
+    return spec_.name + ": " + what + forward;
   }
 
   void declare(TensorTable& t, bool training) override {
