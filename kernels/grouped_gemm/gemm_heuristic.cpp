@@ -38,7 +38,8 @@ std::string GemmConfig::to_string() const {
      << " threads=" << threads;
   if (family == GemmFamily::kMxfp8CpAsync) os << " per-32 scale promotion" << (ping_pong ? ", ping-pong partials" : "");
   if (family == GemmFamily::kMxfp8SwapAb)
-    os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials, reductions split when tiles are few";
+    os << " (weight rows x group rows) per-32 scale promotion, ping-pong partials, reductions split when tiles are "
+          "few, 8 stages and one CTA per SM when they are at most one per SM";
   if (family == GemmFamily::kMxfp8Dequant) os << " e4m3 dequantized to bf16 in shared memory";
   if (family == GemmFamily::kMxfp8Staged)
     os << (dequantized_weights ? " on the weights' kept bf16 values and activations dequantized in scratch"

@@ -21,6 +21,7 @@ GemmPlan prepare_gemm(const GemmConfig& config, int sm_count) {
   }
   MG_CHECK(ctas_per_sm > 0, "the grouped GEMM kernel ", config.to_string(), " cannot be resident on this device");
   plan.grid = sm_count * ctas_per_sm;
+  plan.sm_count = sm_count;
   return plan;
 }
 

@@ -168,9 +168,13 @@ GemmConfig choose_gemm_config(const GemmProblem& problem, const GemmOverrides& o
 struct GemmPlan {
   GemmConfig config;
   int grid = 0;                      // sm_count x resident CTAs per SM
+  int sm_count = 0;                  // the device's, at prepare_gemm
   void* encode_tensor_map = nullptr; // the driver's cuTensorMapEncodeTiled (TMA family)
 };
 GemmPlan prepare_gemm(const GemmConfig& config, int sm_count);
+// Whether a swap-AB launch (kMxfp8SwapAb) of this problem takes the deep-ring kernel: its tiles,
+// bounded from the capacity and the group count, are at most one per SM and too many to split.
+bool mxfp8_swap_ab_deep_ring(const GemmPlan& plan, int groups, int64_t capacity_rows, int64_t n);
 
 // Device scratch the config's launches need (Mxfp8*Params::staging): 0 except for kMxfp8Staged and
 // kMxfp8SwapAb. Swap-AB: its split reductions' counters and fp32 partials (about 4.1 MiB) where the

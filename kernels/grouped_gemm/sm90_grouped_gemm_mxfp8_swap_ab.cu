@@ -34,8 +34,6 @@ int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map) {
                     [&](auto kernel) { split_blocks = allow_smem_and_measure(kernel, s::THREADS, s::kSmemBytes); });
   MG_CHECK(split_blocks == blocks, "the MXFP8 swap-AB kernels with and without splits differ in occupancy: ",
            blocks, " and ", split_blocks, " CTAs per SM");
-  // The launcher finds the SM count as the plan's grid / kCtasPerSm (the deep-ring kernel's grid).
-  MG_CHECK(blocks == s::kCtasPerSm, "the MXFP8 swap-AB kernel needs ", s::kCtasPerSm, " CTAs per SM, got ", blocks);
   int deep_blocks = 0;
   with_kernel<false, s::kDeepStages>(config, [&](auto kernel) {
     deep_blocks = allow_smem_and_measure(kernel, s::THREADS, s::smem_bytes(s::kDeepStages));
@@ -59,6 +57,11 @@ constexpr std::size_t kCounterBytes = (s::kSplitItemsCap * sizeof(unsigned) + 25
 constexpr std::size_t kSplitBytes =
     kCounterBytes + std::size_t{s::kSplitItemsCap} * s::kConsumerThreads * s::kPartialFloats * sizeof(float);
 }  // namespace
+
+bool mxfp8_swap_ab_deep_ring(const GemmPlan& plan, int groups, int64_t capacity_rows, int64_t n) {
+  const int64_t tiles = max_tiles(groups, capacity_rows, n);
+  return !may_split(tiles, plan.grid) && tiles <= plan.sm_count;
+}
 
 std::size_t mxfp8_swap_ab_split_bytes(int groups, int64_t capacity_rows, int64_t n) {
   MG_CHECK(groups >= 1 && capacity_rows >= 0 && n >= 1, "MXFP8 swap-AB split scratch: needs groups and n >= 1 and ",
@@ -89,10 +92,10 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
     MG_CUDA_CHECK(cudaMemsetAsync(tp.split_counters, 0, kCounterBytes, stream));
     with_kernel<true>(plan.config,
                       [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
-  } else if (tiles <= plan.grid / s::kCtasPerSm) {
+  } else if (mxfp8_swap_ab_deep_ring(plan, p.num_groups, p.capacity_rows, p.n)) {
     // At most one tile per SM: one CTA each with the deeper ring (s::kDeepStages says why).
     with_kernel<false, s::kDeepStages>(plan.config, [&](auto kernel) {
-      kernel<<<plan.grid / s::kCtasPerSm, s::THREADS, s::smem_bytes(s::kDeepStages), stream>>>(tp);
+      kernel<<<plan.sm_count, s::THREADS, s::smem_bytes(s::kDeepStages), stream>>>(tp);
     });
   } else {
     with_kernel<false>(plan.config,

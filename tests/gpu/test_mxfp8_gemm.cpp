@@ -124,6 +124,12 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
   testing::Stream stream;
   const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, route, -1, 0, values);
+  if (route == Mxfp8Route::kSwapAb) {  // which swap-AB kernel the launches below take
+    const bool deep = kernels::mxfp8_swap_ab_deep_ring(fprop_plan, c.groups, capacity, c.n);
+    if (std::string(c.name).find("deep_ring") != std::string::npos && fprop_plan.sm_count >= 126)
+      EXPECT_TRUE(deep) << "the deep-ring case must take the deep-ring kernel";
+    if (c.rows_per_group >= 300) EXPECT_FALSE(deep) << "hundreds of tiles take the two-CTA kernel";
+  }
 
   const Mx a = random_mx(rng, capacity, c.k, c.spread, 127 - c.shift);
   const Mx b = random_mx(rng, c.groups * c.n, c.k, c.spread, 127 + c.shift);
@@ -244,8 +250,9 @@ const GemmCase kCases[] = {
     {"g6_k4096_n256_rows1_split8", 6, 4096, 256, 1, true, 6, 0, 1},
     {"g2_k2176_n520_rows5_split4", 2, 2176, 520, 1, false, 10, 0, 5},
     // Between a quarter of the CTAs and one tile per SM (at most 14 row tiles x 9 column tiles, the
-    // last partial: 126 on a 132-SM device): the swap-AB route's fprop takes the deep-ring kernel,
-    // one CTA per SM, its 8 stages wrapping twice over 16; dgrad (16 column tiles) the two-CTA one.
+    // last partial: 126, checked to take the deep-ring kernel on a device of 126 SMs or more): the
+    // swap-AB route's launches (the dgrad plan runs the same shape) take the deep-ring kernel, one
+    // CTA per SM, its 8 stages wrapping twice over 16.
     {"g12_k2048_n1096_rows2_deep_ring", 12, 2048, 1096, 1, true, 8, 0, 2},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm,

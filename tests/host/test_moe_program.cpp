@@ -103,13 +103,20 @@ TEST(MoeProgram, Mxfp8Fc2QuantizerAppliesTheSwiglu) {
   ASSERT_EQ(layer::fuse_routing_weights(ops), 1);
   EXPECT_EQ(layer::describe(ops), "router -> dispatch -> fc1(x by token_of_row) -> swiglu_weighted -> "
                                   "fc2(bias x row_weight)(x = row_weight * swiglu(fc1_out)) -> combine_unweighted");
-  for (bool training : {true, false}) {
-    o.training = training, o.wgrad_slots = training ? 2 : 1;
-    const auto buffers = MoeLayer::workspace_buffers(o);
-    EXPECT_FALSE(has_buffer(buffers, "swiglu_out")) << training;
-    EXPECT_EQ(has_buffer(buffers, "d.swiglu_out"), training);
-    EXPECT_TRUE(has_buffer(buffers, "fc1_out") || has_buffer(buffers, "slot0.fc1_out")) << training;
-  }
+  for (bool fused : {false, true})
+    for (bool training : {true, false}) {
+      MoeLayerOptions t = o;
+      t.fuse_weights = fused, t.training = training, t.wgrad_slots = training ? 2 : 1;
+      const auto buffers = MoeLayer::workspace_buffers(t);
+      EXPECT_FALSE(has_buffer(buffers, "swiglu_out")) << training << fused;
+      EXPECT_EQ(has_buffer(buffers, "d.swiglu_out"), training) << fused;
+    }
+  MoeLayerOptions ep = o;
+  ep.expert_parallel = 2;
+  ASSERT_TRUE(layer::layer_fc2_applies_swiglu(ep));
+  const auto ep_ops = layer::moe_layer_ops(ep);
+  EXPECT_TRUE(std::any_of(ep_ops.begin(), ep_ops.end(), [](const auto& s) { return s.swiglu_in == "fc1_out"; }))
+      << "with expert parallelism too";
   MoeLayerOptions bf16 = small();
   EXPECT_FALSE(layer::layer_fc2_applies_swiglu(bf16));
   for (const auto& spec : layer::moe_layer_ops(bf16)) EXPECT_FALSE(spec.forward_in_next || !spec.swiglu_in.empty());
