@@ -151,16 +151,33 @@ void mx_quantize_weights(const std::vector<double>& w, int groups, int64_t n, in
   }
 }
 
+namespace {
+// One element's value: e4m3 * 2^(scale - 127) as fp32, then rounded into `out`.
+double dequantized(uint8_t code, uint8_t scale, DType out) {
+  const double fp32_overflow = std::ldexp(1.0, 128);  // products have 4 significant bits: >= 2^128 is Inf
+  const double exact = e4m3_decode(code) * e8m0_decode(scale);  // NaN propagates
+  const double fp32 = std::fabs(exact) >= fp32_overflow ? std::copysign(HUGE_VAL, exact)
+                                                        : static_cast<double>(static_cast<float>(exact));
+  return out == DType::kFP32 ? fp32 : round_to(fp32, out);
+}
+}  // namespace
+
 std::vector<double> mx_dequantize_rowwise(const MxBuffer& q, int64_t cols, int64_t used_rows, DType out) {
   require(cols % kMxBlockSize == 0 && static_cast<int64_t>(q.data.size()) >= used_rows * cols, "dequantize: sizes");
-  const double fp32_overflow = std::ldexp(1.0, 128);  // products have 4 significant bits: >= 2^128 is Inf
   std::vector<double> y(used_rows * cols);
-  for (int64_t i = 0; i < used_rows * cols; ++i) {
-    const double exact = e4m3_decode(q.data[i]) * e8m0_decode(q.scales[i / kMxBlockSize]);  // NaN propagates
-    const double fp32 = std::fabs(exact) >= fp32_overflow ? std::copysign(HUGE_VAL, exact)
-                                                          : static_cast<double>(static_cast<float>(exact));
-    y[i] = out == DType::kFP32 ? fp32 : round_to(fp32, out);
-  }
+  for (int64_t i = 0; i < used_rows * cols; ++i) y[i] = dequantized(q.data[i], q.scales[i / kMxBlockSize], out);
+  return y;
+}
+
+std::vector<double> mx_dequantize_colwise(const MxBuffer& q, int64_t rows, int64_t cols, int64_t used_rows, DType out) {
+  require(rows % kMxBlockSize == 0 && used_rows >= 0 && used_rows <= rows &&
+              static_cast<int64_t>(q.data.size()) == rows * cols,
+          "dequantize column-wise: sizes");
+  std::vector<double> y(used_rows * cols);
+  for (int64_t r = 0; r < used_rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      y[r * cols + c] =
+          dequantized(q.data[mx_colwise_index(r, c, rows, cols)], q.scales[r / kMxBlockSize * cols + c], out);
   return y;
 }
 

@@ -58,5 +58,8 @@ void mx_quantize_weights(const std::vector<double>& w, int groups, int64_t n, in
 // rounded to nearest even into `out` (fp32 kept as is); NaN where the code or the scale is NaN.
 // Returns used_rows * cols values.
 std::vector<double> mx_dequantize_rowwise(const MxBuffer& q, int64_t cols, int64_t used_rows, DType out);
+// The same for the first used_rows rows of an activations' column-wise copy [rows, cols] (tiled
+// data, block-major scales), returned row-major: used_rows * cols values.
+std::vector<double> mx_dequantize_colwise(const MxBuffer& q, int64_t rows, int64_t cols, int64_t used_rows, DType out);
 
 }  // namespace moegraph::testing

@@ -90,6 +90,10 @@ struct Mxfp8WgradParams {
   float* main_grad = nullptr;            // [G, n, k] fp32, accumulated
   void* staging = nullptr;               // the staged route only, as in Mxfp8RaggedGemmParams
   std::size_t staging_bytes = 0;
+  // The staged route only: dy's bf16 values [capacity_rows, n], row-major, already made (the
+  // quantizer wrote them: Mxfp8Colwise::values), so dy_t and dy_t_scales are not read (may be null)
+  // and the staging holds x's values alone (mxfp8_staged_wgrad_bytes).
+  const void* dy_values = nullptr;
 };
 // ---- Problem -> config -> plan -> launch ---------------------------------------------------------
 enum class GemmPhase { kFprop, kDgrad, kWgrad };
@@ -189,6 +193,10 @@ bool mxfp8_swap_ab_deep_ring(const GemmPlan& plan, int groups, int64_t capacity_
 inline constexpr std::size_t kStagedWeightBytes = std::size_t{256} << 20;
 std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t capacity_rows, int64_t n, int64_t k,
                                 int experts_per_run = 0);
+// The staged wgrad's scratch: x's values [capacity_rows, k] and, unless they arrive made
+// (Mxfp8WgradParams::dy_values), dy's [capacity_rows, n]. mxfp8_staging_bytes of a staged wgrad
+// config is this without dy_values.
+std::size_t mxfp8_staged_wgrad_bytes(int64_t capacity_rows, int64_t n, int64_t k, bool dy_values);
 
 // Launches (enqueue paths: capturable). The plan's phase and family pick the kernel; the params
 // must be of that phase (RaggedGemmParams: fprop and dgrad; WgradParams: wgrad) and family

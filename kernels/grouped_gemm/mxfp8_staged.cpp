@@ -99,16 +99,19 @@ std::size_t mxfp8_staging_bytes(const GemmConfig& config, int groups, int64_t ca
   MG_CHECK(groups >= 1 && experts_per_run >= 0 && n >= 1 && k >= 1,
            "MXFP8 staging: needs groups, n and k >= 1 and experts_per_run >= 0, got ", groups, ", ", n, ", ", k,
            " and ", experts_per_run);
-  if (config.phase == GemmPhase::kWgrad) {
-    const std::size_t bytes = aligned(bytes_of(capacity_rows, n, 2)) + aligned(bytes_of(capacity_rows, k, 2));
-    MG_CHECK(bytes <= kMaxBytes, "MXFP8 staging: ", bytes, " bytes are more than 2^48");
-    return bytes;
-  }
+  if (config.phase == GemmPhase::kWgrad) return mxfp8_staged_wgrad_bytes(capacity_rows, n, k, false);
   if (config.dequantized_weights) return aligned(bytes_of(capacity_rows, k, 2));
   const int run = experts_per_run > 0 ? std::min(experts_per_run, groups)
                                       : experts_fitting(kStagedWeightBytes, groups, n, k);
   const std::size_t bytes =
       aligned(bytes_of(capacity_rows, k, 2)) + bytes_of(run, static_cast<int64_t>(aligned(bytes_of(n, k, 2))), 1);
+  MG_CHECK(bytes <= kMaxBytes, "MXFP8 staging: ", bytes, " bytes are more than 2^48");
+  return bytes;
+}
+
+std::size_t mxfp8_staged_wgrad_bytes(int64_t capacity_rows, int64_t n, int64_t k, bool dy_values) {
+  const std::size_t x_bytes = aligned(bytes_of(capacity_rows, k, 2));
+  const std::size_t bytes = x_bytes + (dy_values ? 0 : aligned(bytes_of(capacity_rows, n, 2)));
   MG_CHECK(bytes <= kMaxBytes, "MXFP8 staging: ", bytes, " bytes are more than 2^48");
   return bytes;
 }
@@ -156,15 +159,26 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
 
 void launch_mxfp8_staged_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream) {
   constexpr const char* kWho = "launch_mxfp8_wgrad (staged)";
-  check_staging(plan, p.staging, p.staging_bytes, p.num_groups, p.capacity_rows, p.n, p.k, kWho);
-  auto* dy16 = static_cast<std::byte*>(p.staging);
-  auto* x16 = dy16 + aligned(bytes_of(p.capacity_rows, p.n, 2));
-  launch_dequantize_mxfp8_colwise(p.dy_t, p.dy_t_scales, DType::kBF16, dy16, p.capacity_rows, p.n, p.offsets,
-                                  p.num_groups, stream);
+  const bool dy_made = p.dy_values != nullptr;
+  const std::size_t need = mxfp8_staged_wgrad_bytes(p.capacity_rows, p.n, p.k, dy_made);
+  MG_CHECK(p.staging != nullptr && reinterpret_cast<std::uintptr_t>(p.staging) % kAlign == 0 && p.staging_bytes >= need,
+           kWho, ": the staged route needs ", need, " bytes of 256-byte aligned device scratch (staging), got ",
+           p.staging_bytes, " bytes at ", p.staging);
+  MG_CHECK(!dy_made || reinterpret_cast<std::uintptr_t>(p.dy_values) % 16 == 0, kWho,
+           ": dy_values must be a 16-byte aligned device pointer");
+  MG_CHECK(dy_made || (p.dy_t != nullptr && p.dy_t_scales != nullptr), kWho,
+           ": needs dy_t and dy_t_scales, or dy's bf16 values (dy_values)");
+  MG_CHECK(p.x_t != nullptr && p.x_t_scales != nullptr, kWho, ": needs x_t and x_t_scales");
+  // x's values first: with dy's made, they are all the staging holds.
+  auto* x16 = static_cast<std::byte*>(p.staging);
+  auto* dy16 = x16 + aligned(bytes_of(p.capacity_rows, p.k, 2));
+  if (!dy_made)
+    launch_dequantize_mxfp8_colwise(p.dy_t, p.dy_t_scales, DType::kBF16, dy16, p.capacity_rows, p.n, p.offsets,
+                                    p.num_groups, stream);
   launch_dequantize_mxfp8_colwise(p.x_t, p.x_t_scales, DType::kBF16, x16, p.capacity_rows, p.k, p.offsets,
                                   p.num_groups, stream);
   WgradParams q;
-  q.dy = dy16, q.x = x16, q.n = p.n, q.k = p.k;
+  q.dy = dy_made ? p.dy_values : dy16, q.x = x16, q.n = p.n, q.k = p.k;
   q.splits = p.splits, q.offsets = p.offsets, q.num_groups = p.num_groups;
   q.dweight = p.dweight, q.main_grad = p.main_grad, q.capacity_rows = p.capacity_rows;
   launch_tma_wgrad(inner_plan(plan), q, stream);

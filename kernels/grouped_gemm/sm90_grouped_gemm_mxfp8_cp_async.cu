@@ -79,6 +79,8 @@ void launch_mxfp8_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStr
            "], got ", p.num_groups);
   MG_CHECK((p.dweight != nullptr) != (p.main_grad != nullptr), "MXFP8 wgrad: exactly one of dweight and main_grad");
   if (staged) return launch_mxfp8_staged_wgrad(plan, p, stream);
+  MG_CHECK(p.dy_values == nullptr, "launch_mxfp8_wgrad: ", plan.config.to_string(), " reads dy's codes (dy_t); "
+           "dy_values is read by the staged route only");
   with_kernel<true>(plan.config, [&](auto kernel) { kernel<<<plan.grid, m::THREADS, m::kSmemBytes, stream>>>(p); });
   MG_LAUNCH_CHECK();
 }

@@ -56,11 +56,20 @@ bool may_split(int64_t tiles, int64_t ctas) {
 constexpr std::size_t kCounterBytes = (s::kSplitItemsCap * sizeof(unsigned) + 255) / 256 * 256;
 constexpr std::size_t kSplitBytes =
     kCounterBytes + std::size_t{s::kSplitItemsCap} * s::kConsumerThreads * s::kPartialFloats * sizeof(float);
+
+// The kernel a launch takes, from the host bound on its tiles: split reductions where every tile
+// can have several CTAs, the deep ring where the tiles are at most one per SM (one CTA each), else
+// the two-CTA kernel. The launcher and mxfp8_swap_ab_deep_ring both ask here.
+enum class SwapAbKernel { kSplit, kDeepRing, kPlain };
+SwapAbKernel choose_kernel(const GemmPlan& plan, int groups, int64_t capacity_rows, int64_t n) {
+  const int64_t tiles = max_tiles(groups, capacity_rows, n);
+  if (may_split(tiles, plan.grid)) return SwapAbKernel::kSplit;
+  return tiles <= plan.sm_count ? SwapAbKernel::kDeepRing : SwapAbKernel::kPlain;
+}
 }  // namespace
 
 bool mxfp8_swap_ab_deep_ring(const GemmPlan& plan, int groups, int64_t capacity_rows, int64_t n) {
-  const int64_t tiles = max_tiles(groups, capacity_rows, n);
-  return !may_split(tiles, plan.grid) && tiles <= plan.sm_count;
+  return choose_kernel(plan, groups, capacity_rows, n) == SwapAbKernel::kDeepRing;
 }
 
 std::size_t mxfp8_swap_ab_split_bytes(int groups, int64_t capacity_rows, int64_t n) {
@@ -82,8 +91,8 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
   tp.b = encode_grouped_map(plan.encode_tensor_map, kBytes, 1, p.b, p.num_groups, p.n, p.k, s::BK, s::BM);
   // The split kernel where the tiles may be a quarter of the CTAs or fewer: its counters zeroed
   // here, in the launch's own stream order (a captured graph zeroes them on every replay).
-  const int64_t tiles = max_tiles(p.num_groups, p.capacity_rows, p.n);
-  if (may_split(tiles, plan.grid)) {
+  const SwapAbKernel which = choose_kernel(plan, p.num_groups, p.capacity_rows, p.n);
+  if (which == SwapAbKernel::kSplit) {
     MG_CHECK(p.staging != nullptr && p.staging_bytes >= kSplitBytes, "the MXFP8 swap-AB GEMM of ", p.num_groups,
              " groups, ", p.capacity_rows, " rows and ", p.n, " columns needs ", kSplitBytes,
              " bytes of scratch (mxfp8_staging_bytes), got ", p.staging_bytes);
@@ -92,7 +101,7 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
     MG_CUDA_CHECK(cudaMemsetAsync(tp.split_counters, 0, kCounterBytes, stream));
     with_kernel<true>(plan.config,
                       [&](auto kernel) { kernel<<<plan.grid, s::THREADS, s::kSmemBytes, stream>>>(tp); });
-  } else if (mxfp8_swap_ab_deep_ring(plan, p.num_groups, p.capacity_rows, p.n)) {
+  } else if (which == SwapAbKernel::kDeepRing) {
     // At most one tile per SM: one CTA each with the deeper ring (s::kDeepStages says why).
     with_kernel<false, s::kDeepStages>(plan.config, [&](auto kernel) {
       kernel<<<plan.sm_count, s::THREADS, s::smem_bytes(s::kDeepStages), stream>>>(tp);

@@ -56,6 +56,11 @@ constexpr int kThreads = 256;
 constexpr int kMinBlocksPerSm = 6;
 // With SwiGLU applied on the way in (QuantizeArgs::swiglu) a thread holds twice the loaded bytes.
 constexpr int kSwigluBlocksPerSm = 4;
+// Writing the activations' column-wise values (kColValues) needs more registers than the codes:
+// ptxas spilled about 70 bytes at six blocks' cap (40 registers) and 16-24 at five's (48), none at
+// four's (64). Measured on one H200 (32768 x 2048 and x 1536, both copies as values; fraction of a
+// same-size copy): six blocks 0.63-0.64, five 0.72-0.75, four 0.83-0.85.
+constexpr int kColValuesBlocksPerSm = 4;
 constexpr int kTileRows = kMxBlock;               // one column-wise block per column
 constexpr int kTileCols = 128;                    // four row-wise blocks per row
 constexpr int kChunk = 16;                        // elements per thread: two 16-byte vectors
@@ -456,21 +461,60 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
   }
 }
 
+// The activations' column-wise values (Mxfp8Colwise::values), row-major [rows, cols] bf16: what
+// launch_dequantize_mxfp8_colwise makes of the codes. The warp holds columns [16w, 16w + 16) of the
+// tile, rows 0..31: each lane writes its 16 values over the input elements it read from the shared
+// tile (no other warp reads them in this tile), then the warp stores the 32 x 16 block as whole
+// 32-byte sectors: lane pair (2q, 2q + 1) writes one row's two 16-byte units; the first store covers
+// rows 0..7 and 16..23, the second 8..15 and 24..31, so each eight-lane phase of the shared reads
+// meets four bank groups (rows below and above 16 are swizzled apart), not two.
+// Why: the staged wgrad reads dy as bf16 rows; written here, they save its pass over the codes
+// (read 1 + 1/32 bytes, write 2 per element) and the codes themselves.
+__device__ __forceinline__ void store_colwise_values(const QuantizeArgs& a, const Tile& t, int64_t used, uint4* tile,
+                                                     uint16_t* first, const uint4& q, uint32_t byte) {
+  const float s = mx_scale_value(byte);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float v[4];
+    decode4(word_of(q, j), s, v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      first[(4 * j + i) * kTileCols] = __bfloat16_as_ushort(__float2bfloat16_rn(v[i]));  // nearest even
+  }
+  __syncwarp();
+  const int lane = threadIdx.x & 31, unit = threadIdx.x / 32 * 2 + (lane & 1), q_row = lane >> 1;
+  const int64_t c = t.col0 + unit * 8;  // the warp's columns are all inside cols or all past it
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int row = (q_row & 1) * 16 + (q_row >> 1) + 8 * k;
+    const int64_t r = t.row0 + row;
+    const uint4 piece = tile[swizzled_unit(row, unit)];
+    if (r < used && c < a.cols)
+      *reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(a.colwise.values) + r * a.cols + c) = piece;
+  }
+}
+
 // Column role: rows [16 * half, 16 * half + 16) of tile column `col`; lane ^ 16 holds the other half.
-// `first` is the tile's element at column_half_base(col, half).
-template <class T>
-__device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, const Tile& t, int64_t used,
-                                                     const uint16_t* first, int col, int half) {
+// `first` is the tile's element at column_half_base(col, half) in `tile`. kValues: the activations'
+// bf16 values are written instead of the codes (a template flag: the runtime branch beside the
+// codes' stores made ptxas spill about 100 bytes at the 40-register cap).
+template <class T, bool kValues>
+__device__ __forceinline__ void quantize_column_half(const QuantizeArgs& a, const Tile& t, int64_t used, uint4* tile,
+                                                     uint16_t* first, int col, int half) {
   uint32_t w[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) w[i] = first[2 * i * kTileCols] | (uint32_t{first[(2 * i + 1) * kTileCols]} << 16);
   uint32_t m = abs_bits_max16(w);
   m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
   const int64_t c = t.col0 + col;
-  if (c >= a.cols) return;
+  if (c >= a.cols) return;  // the whole warp: cols is a multiple of 16 and a warp's columns are 16-aligned
   const uint32_t byte = block_scale_byte<T>(m);
   const uint4 q = encode16<T>(w, byte);
   const int64_t r0 = t.row0 + half * 16;
+  if constexpr (kValues) {
+    store_colwise_values(a, t, used, tile, first, q, byte);
+    return;
+  }
   // Activations: the tile's 32 x 128 codes are one contiguous run (its strip's block t.row_tile).
   uint8_t* dst = a.colwise.data + (a.colwise_activations ? colwise_activation_offset(a, t, col, half)
                                                          : (t.batch * a.cols + c) * a.rows + r0);
@@ -505,10 +549,10 @@ struct BandedWalk {
 // `band` = kBandRowTiles). `band` is an argument, not a template constant: folding a constant in
 // makes ptxas spill 4 bytes in the bf16 row-wise kernel. kSwiglu (with kContiguous): the input is
 // SwiGLU of x (QuantizeArgs::swiglu), with fewer blocks per SM for the loads' registers.
-template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu>
-__global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm : kMinBlocksPerSm)
-    quantize_mxfp8_kernel(const QuantizeArgs a,
-                                                                                   const uint32_t band) {
+template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu, bool kColValues>
+__global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm
+                                                   : kColValues ? kColValuesBlocksPerSm : kMinBlocksPerSm)
+    quantize_mxfp8_kernel(const QuantizeArgs a, const uint32_t band) {
   // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
   __shared__ uint4 shared_tiles[kCol ? 2 : 1][kCol ? kTileRows * kUnitsPerRow : 1];
   const int64_t used = a.used_rows == nullptr ? a.rows : min(max(*a.used_rows, int64_t{0}), a.rows);
@@ -562,8 +606,8 @@ __global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm : kMinB
       // One barrier per tile: a thread writes buffer `buf` again two tiles later, after every
       // thread has passed the next tile's barrier, so after every read of this tile.
       __syncthreads();
-      quantize_column_half<T>(a, tile, used, reinterpret_cast<const uint16_t*>(shared_tiles[buf]) + col_first, col,
-                              half);
+      uint16_t* const first = reinterpret_cast<uint16_t*>(shared_tiles[buf]) + col_first;
+      quantize_column_half<T, kColValues>(a, tile, used, shared_tiles[buf], first, col, half);
       buf ^= 1;
     }
     tile = next_tile;
@@ -571,26 +615,35 @@ __global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm : kMinB
   }
 }
 
-template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu = false>
+template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu = false, bool kColValues = false>
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
-  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous, kSwiglu>;
+  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous, kSwiglu, kColValues>;
   const int blocks_per_sm = resident_blocks_per_sm(kernel, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
   kernel<<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
   MG_LAUNCH_CHECK();
 }
 
-// Activations (one batch) take the contiguous walk, weights the banded one.
+// Activations (one batch) take the contiguous walk, weights the banded one. The activations'
+// column-wise values (instead of codes) have their own kernels, without SwiGLU (checked).
 template <class T, bool kRow, bool kCol>
 void launch_quantize_walk(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.swiglu) launch_quantize<T, kRow, kCol, true, true>(a, stream);  // activations (checked)
-  else if (a.colwise_activations && a.batches == 1) launch_quantize<T, kRow, kCol, true>(a, stream);
-  else launch_quantize<T, kRow, kCol, false>(a, stream);
+  if (a.swiglu) {
+    launch_quantize<T, kRow, kCol, true, true>(a, stream);  // activations (checked)
+  } else if (a.colwise_activations && a.batches == 1) {
+    if constexpr (kCol) {
+      if (a.colwise.values != nullptr) return launch_quantize<T, kRow, kCol, true, false, true>(a, stream);
+    }
+    launch_quantize<T, kRow, kCol, true>(a, stream);
+  } else {
+    launch_quantize<T, kRow, kCol, false>(a, stream);
+  }
 }
 
 template <class T>
 void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
-  const bool row = a.rowwise.data != nullptr || a.rowwise.values != nullptr, col = a.colwise.data != nullptr;
+  const bool row = a.rowwise.data != nullptr || a.rowwise.values != nullptr;
+  const bool col = a.colwise.data != nullptr || a.colwise.values != nullptr;
   if (row && col) launch_quantize_walk<T, true, true>(a, stream);
   else if (row) launch_quantize_walk<T, true, false>(a, stream);
   else launch_quantize_walk<T, false, true>(a, stream);
@@ -624,12 +677,20 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
     MG_CHECK(a.rows % kMxBlock == 0, who, ": column-wise blocks need ", rows_name, " to be a multiple of 32, got ",
              a.rows);
     MG_CHECK(a.cols % 16 == 0, who, ": the row length must be a multiple of 16, got ", a.cols);
-    MG_CHECK(colwise->data != nullptr && aligned16(colwise->data) && colwise->scales != nullptr, who,
-             ": the column-wise output needs a 16-byte aligned data pointer and a scales pointer");
-    MG_CHECK(colwise->values == nullptr || (!a.colwise_activations && aligned16(colwise->values)), who,
-             colwise->values != nullptr && a.colwise_activations
-                 ? ": the activations' column-wise copy has no bf16 values (only the weights' transposed copy)"
-                 : ": the column-wise bf16 values need a 16-byte aligned pointer");
+    // The activations' column-wise copy is its codes or its bf16 values (not both, and not under
+    // SwiGLU: see launch_quantize_walk); the weights' always carries codes, values beside them.
+    const bool codes = colwise->data != nullptr || colwise->scales != nullptr;
+    if (a.colwise_activations)
+      MG_CHECK(codes != (colwise->values != nullptr) && !(a.swiglu && !codes), who,
+               ": the column-wise output is either its codes (data and scales) or its bf16 values (values), ",
+               "not both and not neither; the SwiGLU quantizer writes codes only");
+    else
+      MG_CHECK(codes, who, ": the weights' column-wise copy needs its codes (data and scales); bf16 values are only "
+               "written beside them");
+    MG_CHECK(!codes || (colwise->data != nullptr && aligned16(colwise->data) && colwise->scales != nullptr), who,
+             ": the column-wise codes need a 16-byte aligned data pointer and a scales pointer");
+    MG_CHECK(colwise->values == nullptr || aligned16(colwise->values), who,
+             ": the column-wise bf16 values need a 16-byte aligned pointer");
     a.colwise = *colwise;
   }
   with_16bit_type(in, who, [&](auto t) { launch_quantize_layouts<decltype(t)>(a, stream); });

@@ -43,8 +43,12 @@ struct Mxfp8Rowwise {
 //   scales [rows / 32, cols] E8M0, block of rows [32j, 32j + 32) of column c at j * cols + c
 //          (block-major: a GEMM stage's scales are contiguous wherever a 32-aligned group starts).
 //          The weights' transposed copy (launch_quantize_mxfp8_weights) differs: see there.
-//   values (optional; the weights' transposed copy only) [groups, k, n] bf16: the codes' values, as
-//          Mxfp8Rowwise::values (the copy is W_e^T row-wise), written beside the codes.
+//   values (optional) bf16, each element's MXFP8 value rounded to bf16 (Mxfp8Rowwise::values):
+//          activations: [rows, cols] row-major, exactly what launch_dequantize_mxfp8_colwise(...,
+//          kBF16, ...) makes of the codes (16-byte aligned). Why: the staged wgrad reads only dy's
+//          bf16 values; written in the quantizer's pass, they save its pass over the codes. With
+//          values, data and scales may both be null: the codes are then not written.
+//          The weights' transposed copy: [groups, k, n], written beside the codes (required there).
 struct Mxfp8Colwise {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;

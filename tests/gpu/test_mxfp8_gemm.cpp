@@ -357,6 +357,32 @@ TEST_P(Mxfp8Wgrad, MatchesReferenceWrittenAndAccumulated) {
   EXPECT_TRUE(passed(all_close("mxfp8 wgrad main_grad increment", delta, ref, k, {}, mxfp8_gemm_tolerance())));
   for (int64_t i = 0; i < n * k; ++i)  // group 2 is empty: main_grad unchanged, bit for bit
     ASSERT_EQ(acc[2 * n * k + i], static_cast<float>(init[2 * n * k + i])) << "empty group's main_grad changed";
+
+  // dy's bf16 values given made (Mxfp8WgradParams::dy_values: what dy's quantizer writes for the
+  // staged route), dy's codes not given at all, in the smaller staging that then suffices: dW bit for
+  // bit that of the codes. The E4M3 kernel reads codes: it refuses them.
+  DeviceArray<uint16_t> dy_values(capacity * n);
+  dy_values.poison();
+  kernels::launch_dequantize_mxfp8_colwise(ddy.get(), ddys.get(), DType::kBF16, dy_values.get(), capacity, n,
+                                           doffsets.get(), groups, nullptr);
+  kernels::Mxfp8WgradParams pv = p;
+  pv.dy_t = nullptr, pv.dy_t_scales = nullptr, pv.dy_values = dy_values.get();
+  pv.dweight = dw.get(), pv.main_grad = nullptr;
+  if (r.route != Mxfp8Route::kStaged) {
+    EXPECT_THROW(kernels::launch_mxfp8_wgrad(wgrad_plan, pv, nullptr), Error);
+    return;
+  }
+  const std::size_t smaller = kernels::mxfp8_staged_wgrad_bytes(capacity, n, k, true);
+  EXPECT_LT(smaller, staging.bytes);
+  DeviceArray<uint8_t> x_only(smaller);
+  x_only.poison();
+  pv.staging = x_only.get(), pv.staging_bytes = smaller;
+  dw.poison();
+  kernels::launch_mxfp8_wgrad(wgrad_plan, pv, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(dw.download(), bits) << "dW from dy's values differs from dW from its codes";
+  pv.staging_bytes = smaller - 1;  // too small: refused before anything is enqueued
+  EXPECT_THROW(kernels::launch_mxfp8_wgrad(wgrad_plan, pv, nullptr), Error);
 }
 INSTANTIATE_TEST_SUITE_P(Kernels, Mxfp8Wgrad, ::testing::ValuesIn(kWgradRoutes),
                          [](const auto& info) { return std::string(info.param.name); });

@@ -17,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/elementwise/elementwise.hpp"
 #include "kernels/quantize/mxfp8.hpp"
+#include "kernels/routing/moe_routing.hpp"
 #include "kernels/routing/offsets.hpp"
 #include "testing/device_array.hpp"
 #include "testing/graph.hpp"
@@ -110,6 +112,32 @@ TEST_P(Mxfp8Grouped, GapRowsReadAsZeroWithSplits) {
   EXPECT_TRUE(same_mx("column-wise, NaN gaps masked", run.col.download(), reference_colwise(x, run.rows, cols, used)));
 }
 
+constexpr uint16_t kValuePoison = 0x5555;  // finite, unlike 0xFFFF (a bf16 NaN)
+
+// bf16 values of a [rows, cols] buffer: the first used * cols equal `want` bit for bit (NaN where it
+// is NaN, and some are: the edge blocks), at least a quarter non-zero, the rest still kValuePoison.
+void expect_bf16_values(const std::string& where, const std::vector<uint16_t>& got, const std::vector<double>& want,
+                        int64_t used, int64_t cols) {
+  std::size_t wrong = 0, nan = 0, nonzero = 0, first = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    bool ok;
+    if (static_cast<int64_t>(i) >= used * cols) {
+      ok = got[i] == kValuePoison;
+    } else if (std::isnan(want[i])) {
+      ok = std::isnan(from_bits(got[i], DType::kBF16));
+      ++nan;
+    } else {
+      ok = got[i] == to_bits(want[i], DType::kBF16);
+      nonzero += want[i] != 0.0;
+    }
+    if (!ok && wrong++ == 0) first = i;
+  }
+  EXPECT_EQ(wrong, 0u) << where << ": first at row " << first / cols << ", column " << first % cols << ": got 0x"
+                       << std::hex << got[first];
+  EXPECT_GT(nan, 0u) << where << ": the edge blocks should give NaN values";
+  EXPECT_GT(nonzero, static_cast<std::size_t>(used * cols / 4)) << where;
+}
+
 // The row-wise bf16 values (Mxfp8Rowwise::values, what the staged GEMM route reads) are the host
 // rule's values of the row-wise codes, bit for bit (NaN blocks: NaN), with or without the codes
 // and the column-wise copy beside them in the same pass; rows past offsets[G] keep the poison. The
@@ -134,33 +162,11 @@ TEST_P(Mxfp8Grouped, RowwiseValuesAreTheCodesDequantized) {
   run.set_splits(splits);
   const MxBuffer codes = reference_rowwise(x, run.rows, cols, used);
   const std::vector<double> want = mx_dequantize_rowwise(codes, cols, used, DType::kBF16);
-  constexpr uint16_t kPoison = 0x5555;  // finite, unlike 0xFFFF (a bf16 NaN)
   DeviceArray<uint16_t> values(run.rows * cols);
 
-  auto check = [&](const std::string& where) {
-    const std::vector<uint16_t> got = values.download();
-    std::size_t wrong = 0, nan = 0, nonzero = 0, first = 0;
-    for (int64_t i = 0; i < run.rows * cols; ++i) {
-      const bool in_use = i < used * cols;
-      bool ok;
-      if (!in_use) {
-        ok = got[i] == kPoison;
-      } else if (std::isnan(want[i])) {
-        ok = std::isnan(from_bits(got[i], DType::kBF16));
-        ++nan;
-      } else {
-        ok = got[i] == to_bits(want[i], DType::kBF16);
-        nonzero += want[i] != 0.0;
-      }
-      if (!ok && wrong++ == 0) first = i;
-    }
-    EXPECT_EQ(wrong, 0u) << where << ": first at row " << first / cols << ", column " << first % cols << ": got 0x"
-                         << std::hex << got[first];
-    EXPECT_GT(nan, 0u) << where << ": the edge blocks should give NaN values";
-    EXPECT_GT(nonzero, static_cast<std::size_t>(used * cols / 4)) << where;
-  };
+  auto check = [&](const std::string& where) { expect_bf16_values(where, values.download(), want, used, cols); };
   auto launch = [&](bool with_codes, bool with_colwise) {
-    values.upload(std::vector<uint16_t>(run.rows * cols, kPoison));
+    values.upload(std::vector<uint16_t>(run.rows * cols, kValuePoison));
     run.row.poison(), run.col.poison();
     Mxfp8Rowwise r = with_codes ? run.row.rowwise() : Mxfp8Rowwise{};
     r.values = values.get();
@@ -181,13 +187,141 @@ TEST_P(Mxfp8Grouped, RowwiseValuesAreTheCodesDequantized) {
   check("values alone");
   EXPECT_TRUE(same_mx("column-wise not asked for", run.col.download(), mx_buffer(run.rows, cols)));
 
-  // The activations' tiled column-wise copy has no bf16 values (only the weights' transposed copy
-  // does): refused before anything is enqueued.
-  Mxfp8Colwise with_values = run.col.colwise();
-  with_values.values = values.get();
-  EXPECT_THROW(kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(), run.splits.get(),
-                                              run.groups(), nullptr, &with_values, nullptr),
-               Error);
+}
+
+// The column-wise bf16 values (Mxfp8Colwise::values, what the staged wgrad reads of dy) are the
+// host rule's values of the column-wise codes, row-major, bit for bit (NaN blocks: NaN), alone or
+// beside the row-wise codes or values from the same read; rows past offsets[G] keep the poison.
+// Two layouts: gap rows holding NaN garbage (read as zero with the splits), empty groups, edge
+// blocks; and a last group ending at row 117, inside a 32-row block (its rows below only).
+// Asking for the column-wise codes and values together, or for values from the SwiGLU quantizer,
+// is refused before anything is enqueued.
+TEST_P(Mxfp8Grouped, ColwiseValuesAreTheCodesDequantized) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_colwise_values_", dtype_name(dtype))));
+  const GroupLayout aligned_end = make_layout({40, 0, 70, 0, 1, 33, 0}, 32, 352);
+  const GroupLayout short_end{{50, 53}, {0, 64, 117}, 160};
+  for (const GroupLayout& l : {aligned_end, short_end}) {
+    const int64_t cols = 416, used = l.offsets.back();
+    const std::string where = detail::concat("used rows ", used, ": ");
+    std::vector<double> x = grouped_values(rng, l, cols, dtype);
+    plant_edges(x, used / 32 * 32, cols, dtype, rng);
+    const std::vector<bool> data = data_rows(l);
+    std::vector<double> garbage = x;
+    for (int64_t r = 0; r < used; ++r)
+      if (!data[r]) {
+        std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, 0.0);
+        std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
+      }
+    QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
+    run.set_splits(l.splits);
+    const std::vector<double> want =
+        mx_dequantize_colwise(reference_colwise(x, run.rows, cols, used), run.rows, cols, used, DType::kBF16);
+    const MxBuffer row_codes = reference_rowwise(x, run.rows, cols, used);
+    const std::vector<double> want_row = mx_dequantize_rowwise(row_codes, cols, used, DType::kBF16);
+    DeviceArray<uint16_t> col_values(run.rows * cols), row_values(run.rows * cols);
+    auto check = [&](const std::string& what, const std::vector<uint16_t>& got, const std::vector<double>& expect) {
+      expect_bf16_values(where + what, got, expect, used, cols);
+    };
+    // rows: 0 none, 1 codes, 2 values.
+    auto launch = [&](int rows) {
+      col_values.upload(std::vector<uint16_t>(run.rows * cols, kValuePoison));
+      row_values.upload(std::vector<uint16_t>(run.rows * cols, kValuePoison));
+      run.row.poison(), run.col.poison();
+      Mxfp8Rowwise r = rows == 1 ? run.row.rowwise() : Mxfp8Rowwise{};
+      if (rows == 2) r.values = row_values.get();
+      Mxfp8Colwise c;
+      c.values = col_values.get();
+      kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(), run.splits.get(),
+                                     run.groups(), rows > 0 ? &r : nullptr, &c, nullptr);
+      MG_CUDA_CHECK(cudaDeviceSynchronize());
+    };
+
+    launch(0);
+    check("column-wise values alone", col_values.download(), want);
+    EXPECT_TRUE(same_mx(where + "column-wise codes not asked for", run.col.download(), mx_buffer(run.rows, cols)));
+    launch(1);
+    check("column-wise values beside the row-wise codes", col_values.download(), want);
+    EXPECT_TRUE(same_mx(where + "row-wise codes beside the column-wise values", run.row.download(), row_codes));
+    launch(2);
+    check("column-wise values beside the row-wise values", col_values.download(), want);
+    check("row-wise values beside the column-wise values", row_values.download(), want_row);
+
+    // The device dequantizer of the codes gives the same bits.
+    if (&l == &aligned_end) {
+      DeviceArray<uint16_t> from_codes(run.rows * cols);
+      from_codes.upload(std::vector<uint16_t>(run.rows * cols, kValuePoison));
+      run.launch(Layouts::kCol);
+      kernels::launch_dequantize_mxfp8_colwise(run.col.data.get(), run.col.scales.get(), DType::kBF16,
+                                               from_codes.get(), run.rows, cols, run.offsets.get(), run.groups(),
+                                               nullptr);
+      MG_CUDA_CHECK(cudaDeviceSynchronize());
+      launch(0);
+      EXPECT_EQ(col_values.download(), from_codes.download())
+          << where << "the quantizer's values and the dequantizer's";
+    }
+
+    Mxfp8Colwise both = run.col.colwise();
+    both.values = col_values.get();
+    EXPECT_THROW(kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(),
+                                                run.splits.get(), run.groups(), nullptr, &both, nullptr),
+                 Error);
+    Mxfp8Colwise values_only;
+    values_only.values = col_values.get();
+    DeviceArray<uint16_t> gate_up(run.rows * 2 * cols);
+    EXPECT_THROW(kernels::launch_quantize_mxfp8_swiglu(dtype, gate_up.get(), nullptr, run.rows, cols, run.offsets.get(),
+                                                       run.splits.get(), run.groups(), nullptr, &values_only, nullptr),
+                 Error);
+  }
+}
+
+// launch_quantize_mxfp8_swiglu (FC2's quantizer reading FC1's gate | up) writes the bytes of
+// quantizing the SwiGLU kernels' output, unweighted and weighted, in bf16 and fp16: both copies, the
+// padding rows' poison kept. gate | up holds random values everywhere (gap rows and padding
+// included) and the gap rows' weights are NaN: none may be read.
+TEST_P(Mxfp8Grouped, SwigluQuantizerEqualsQuantizingTheSwigluOutput) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_swiglu_quantizer_", dtype_name(dtype))));
+  const std::vector<int32_t> splits{40, 0, 70, 0, 1, 33, 0};
+  const GroupLayout l = make_layout(splits, 32, 352);
+  const int64_t cols = 160, rows = l.capacity_rows;
+  DeviceArray<uint16_t> gate_up(rows * 2 * cols), h(rows * cols);
+  gate_up.upload(to_device_bits(random_values(rng, rows * 2 * cols, 3.0, dtype), dtype));
+  const std::vector<bool> data = data_rows(l);
+  std::vector<float> weights(rows, std::numeric_limits<float>::quiet_NaN());
+  std::uniform_real_distribution<float> weight(0.05f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    if (data[r]) weights[r] = weight(rng);
+  DeviceArray<float> d_weights(rows);
+  d_weights.upload(weights);
+  DeviceArray<int64_t> offsets(l.offsets.size());
+  offsets.upload(l.offsets);
+  DeviceArray<int32_t> d_splits(splits.size());
+  d_splits.upload(splits);
+  const int groups = static_cast<int>(splits.size());
+  for (bool weighted : {false, true}) {
+    const std::string where = weighted ? "weighted" : "unweighted";
+    h.poison();
+    if (weighted)
+      kernels::launch_swiglu_weighted_forward(dtype, gate_up.get(), d_weights.get(), h.get(), cols, offsets.get(),
+                                              groups, nullptr);
+    else
+      kernels::launch_swiglu_forward(dtype, gate_up.get(), h.get(), cols, offsets.get(), groups, 64, nullptr);
+    DeviceMx want_row(rows, cols), want_col(rows, cols), got_row(rows, cols), got_col(rows, cols);
+    const Mxfp8Rowwise wr = want_row.rowwise(), gr = got_row.rowwise();
+    const Mxfp8Colwise wc = want_col.colwise(), gc = got_col.colwise();
+    kernels::launch_quantize_mxfp8(dtype, h.get(), rows, cols, offsets.get(), d_splits.get(), groups, &wr, &wc,
+                                   nullptr);
+    kernels::launch_quantize_mxfp8_swiglu(dtype, gate_up.get(), weighted ? d_weights.get() : nullptr, rows, cols,
+                                          offsets.get(), d_splits.get(), groups, &gr, &gc, nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    const MxBuffer want = want_row.download();
+    EXPECT_TRUE(same_mx(where + " row-wise", got_row.download(), want));
+    EXPECT_TRUE(same_mx(where + " column-wise", got_col.download(), want_col.download()));
+    const auto codes = static_cast<std::size_t>(std::count_if(
+        want.data.begin(), want.data.begin() + l.offsets.back() * cols, [](uint8_t b) { return b != 0; }));
+    EXPECT_GT(codes, static_cast<std::size_t>(l.offsets.back() * cols / 2)) << where << ": non-zero codes";
+  }
 }
 
 // Row-wise needs no alignment: groups of 5, 0, 37, 11, 0 rows (row_align 1) end at row 53 of 100,

@@ -187,7 +187,18 @@ TEST(Mxfp8WeightsApi, DequantizedWeightsGiveTheStagedRoutesBits) {
     const auto in_layout = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };  // buffers start 256-aligned
     const std::size_t code_bytes = static_cast<std::size_t>(l.rows) * std::max(K, N);
     const std::size_t codes = in_layout(code_bytes) + in_layout(code_bytes / 32);
-    EXPECT_EQ(own.device_bytes(), plain.device_bytes() + value_bytes - codes);
+    // The staging differs too: own's holds A's values (x [rows, K] for fprop, dy [rows, N] for dgrad)
+    // and the staged wgrad's x (dy's values come from its quantizer), so [rows, max(K, N)] bf16;
+    // plain's holds what its routes need (the wgrad's x, or the swap-AB kernel's partial sums).
+    const auto staging = [](const GroupedLinearOptions& opts) {
+      for (const auto& b : GroupedLinear::workspace_buffers(opts))
+        if (b.name == "mxfp8.staging") return b.bytes;
+      ADD_FAILURE() << "no mxfp8.staging buffer";
+      return std::size_t{0};
+    };
+    EXPECT_EQ(staging(kept), static_cast<std::size_t>(l.rows) * std::max(K, N) * 2);
+    EXPECT_EQ(own.device_bytes(),
+              plain.device_bytes() + value_bytes - codes + in_layout(staging(kept)) - in_layout(staging(o)));
     own.weights_changed(l.w.get(), s);
     EXPECT_TRUE(l.run(own, l.w.get(), {}) == l.run(given, nullptr, caller)) << "own and the caller's kept values";
     Mxfp8Weights missing = caller;

@@ -330,27 +330,33 @@ Result run_phase(const KernelShape& s, Phase phase, const std::vector<std::vecto
 // bytes read and 2 x (1 + 1/32) written per used element, the copy reads and writes half of that
 // total each, and is the faster of cudaMemcpyAsync and the roofline's copy kernel (on an H100 the
 // kernel: 2810 against 2434 GB/s). All graph-replayed; the group offsets are computed once, outside
-// the replays, so every one times the data movement alone.
+// the replays, so every one times the data movement alone. `values`: both copies as their bf16
+// values instead (what the layer's quantizer of dy writes for a staged dgrad and an immediate staged
+// wgrad): 2 + 2 bytes written per element.
 struct QuantizeTiming {
   double ms = 0;
   double copy_ms = 0;
   double bytes = 0;  // the quantizer's count, also what the copy moves
   double gbps(double t_ms) const { return bytes / t_ms / 1e6; }
 };
-QuantizeTiming run_quantize(const KernelShape& s, Buffers& b, const MxBuffers& mx, int replays, cudaStream_t stream) {
+QuantizeTiming run_quantize(const KernelShape& s, Buffers& b, const MxBuffers& mx, bool values, int replays,
+                            cudaStream_t stream) {
   auto off32 = mx.offsets32.as<int64_t>();
   DeviceBuffer row_data(mx.cap32 * s.k), row_scales(mx.cap32 * s.k / 32), col_data(mx.cap32 * s.k),
       col_scales(mx.cap32 * s.k / 32), x(mx.cap32 * s.k * 2);
   MG_CUDA_CHECK(cudaMemsetAsync(x.get(), 0x3c, x.bytes(), stream));  // 1.16 in every bf16: finite, non-zero
-  const kernels::Mxfp8Rowwise row{row_data.as<uint8_t>(), row_scales.as<uint8_t>()};
-  const kernels::Mxfp8Colwise col{col_data.as<uint8_t>(), col_scales.as<uint8_t>()};
+  DeviceBuffer row_values(values ? mx.cap32 * s.k * 2 : 0), col_values(values ? mx.cap32 * s.k * 2 : 0);
+  const kernels::Mxfp8Rowwise row = values ? kernels::Mxfp8Rowwise{nullptr, nullptr, row_values.as<uint16_t>()}
+                                           : kernels::Mxfp8Rowwise{row_data.as<uint8_t>(), row_scales.as<uint8_t>()};
+  const kernels::Mxfp8Colwise col = values ? kernels::Mxfp8Colwise{nullptr, nullptr, col_values.as<uint16_t>()}
+                                           : kernels::Mxfp8Colwise{col_data.as<uint8_t>(), col_scales.as<uint8_t>()};
   kernels::launch_group_offsets(b.splits.as<int32_t>(), s.groups, 32, mx.cap32, off32, b.error.as<DeviceErrorRecord>(),
                                 stream);
   std::vector<int64_t> offsets(s.groups + 1);
   MG_CUDA_CHECK(cudaMemcpyAsync(offsets.data(), off32, offsets.size() * 8, cudaMemcpyDeviceToHost, stream));
   MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   QuantizeTiming timing;
-  timing.bytes = static_cast<double>(offsets.back()) * s.k * (2.0 + 2 * (1 + 1.0 / 32));
+  timing.bytes = static_cast<double>(offsets.back()) * s.k * (values ? 6.0 : 2.0 + 2 * (1 + 1.0 / 32));
 
   auto replayed = [&](auto work) { return replayed_median(stream, work, replays); };
   timing.ms = replayed([&] {
@@ -498,11 +504,14 @@ int run_kernel_bench(const KernelBenchOptions& options) {
       active /= routings.size();
       if (mx_shape && routing == Routing::kUniform) {
         MG_CUDA_CHECK(cudaMemcpy(b.splits.get(), routings[0].data(), s.groups * 4, cudaMemcpyHostToDevice));
-        const QuantizeTiming q = run_quantize(s, b, mx, replays, stream);
-        q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), fmt(q.ms, 3), fmt(q.gbps(q.ms), 0),
-                     fmt(q.gbps(q.ms) / roof.copy_gbps, 2), fmt(q.copy_ms, 3), fmt(q.copy_ms / q.ms, 2)});
-        out["quantize"].push_back(
-            {{"shape", s.name}, {"ms", q.ms}, {"bytes", q.bytes}, {"same_size_copy_ms", q.copy_ms}});
+        for (bool values : {false, true}) {
+          const QuantizeTiming q = run_quantize(s, b, mx, values, replays, stream);
+          q_table.add({s.name, std::to_string(s.rows) + " x " + std::to_string(s.k), values ? "values" : "codes",
+                       fmt(q.ms, 3), fmt(q.gbps(q.ms), 0), fmt(q.gbps(q.ms) / roof.copy_gbps, 2), fmt(q.copy_ms, 3),
+                       fmt(q.copy_ms / q.ms, 2)});
+          out["quantize"].push_back({{"shape", s.name}, {"copies", values ? "values" : "codes"}, {"ms", q.ms},
+                                     {"bytes", q.bytes}, {"same_size_copy_ms", q.copy_ms}});
+        }
       }
       for (Phase phase : {Phase::kFprop, Phase::kDgrad, Phase::kWgrad, Phase::kWgradMainGrad}) {
         const Result r = run_phase(s, phase, routings, b, grid, sets, replays, stream);
@@ -559,9 +568,12 @@ int run_kernel_bench(const KernelBenchOptions& options) {
   mx_table.print({"shape", "routing", "phase", "route", "bf16 ms", "bf16 of roofline", "mxfp8 ms", "mxfp8 floor ms",
                   "mxfp8 of roofline", "mxfp8 speed-up", "dq ms", "dq speed-up"});
   std::printf("\nMXFP8 quantize of bf16 x into the row-wise and column-wise copies (one read), uniform routing; "
-              "same-size copy: the faster of cudaMemcpyAsync and the copy kernel over the same bytes (half read, half "
-              "written), graph-replayed like the quantizer; of same-size copy = its time / the quantizer's\n");
-  q_table.print({"shape", "x", "ms", "GB/s moved", "of copy bandwidth", "same-size copy ms", "of same-size copy"});
+              "copies: their codes, or both as bf16 values (the staged routes' operands, as the layer's quantizer of "
+              "dy writes them for an immediate wgrad); same-size copy: the faster of cudaMemcpyAsync and the copy "
+              "kernel over the same bytes (half read, half written), graph-replayed like the quantizer; of same-size "
+              "copy = its time / the quantizer's\n");
+  q_table.print({"shape", "x", "copies", "ms", "GB/s moved", "of copy bandwidth", "same-size copy ms",
+                 "of same-size copy"});
   cudaStreamDestroy(stream);
   if (!options.json_path.empty()) {
     write_json_results(out, options.json_path, 1);

@@ -1,7 +1,8 @@
 // The mxfp8 recipe (docs/mxfp8.md): x (or the rows gathered through ForwardArgs::x_rows, or the
 // SwiGLU of x: ForwardArgs::x_swiglu) and dy are quantized on the fly into MXFP8 copies (row-wise
 // for fprop and dgrad, column-wise for wgrad; where fprop or dgrad takes the staged route, the
-// row-wise copy is written as its bf16 values into the staging instead); a slot keeps the
+// row-wise copy is written as its bf16 values into the staging instead, and where an immediate
+// wgrad takes it, dy's column-wise copy is its bf16 values: dy_values_); a slot keeps the
 // column-wise copies instead of a 16-bit x; the weights are quantized once per update into copies
 // outside the workspace, or arrive already quantized from the caller (prequantized_weights).
 #include <algorithm>
@@ -26,7 +27,8 @@ class Mxfp8Backend final : public LinearBackend {
         fprop_config_(gemm_config(o, kernels::GemmPhase::kFprop)),
         dgrad_config_(gemm_config(o, kernels::GemmPhase::kDgrad)),
         wgrad_config_(gemm_config(o, kernels::GemmPhase::kWgrad)),
-        wgrad_main_grad_config_(gemm_config(o, kernels::GemmPhase::kWgrad, true)) {}
+        wgrad_main_grad_config_(gemm_config(o, kernels::GemmPhase::kWgrad, true)),
+        dy_values_(trains_ && !o.delay_wgrad && staged(wgrad_config_) && staged(wgrad_main_grad_config_)) {}
 
   void lay_out_scratch(LayoutWalker& walk) override {
     // The row-wise codes of x (fprop) or dy (dgrad), for the GEMM routes that read codes; a staged
@@ -39,7 +41,7 @@ class Mxfp8Backend final : public LinearBackend {
                   walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
     // A forward-only operator (row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
-    if (trains_ && !o_.delay_wgrad) dy_t_ = colwise(walk, "mxfp8.dy_t", o_.out_features);
+    if (trains_ && !o_.delay_wgrad) dy_t_ = dy_copy(walk, "mxfp8.");
     // The staged route's bf16 operands: one buffer for every phase (they run one after another). It
     // also carries A's values from the quantizer to the GEMM that reads them next (operand_for).
     staging_bytes_ = staging_bytes();
@@ -49,7 +51,7 @@ class Mxfp8Backend final : public LinearBackend {
     if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
     if (!trains_) return;
     slots_[slot].x_t = colwise(walk, prefix + "x_t", o_.in_features);
-    if (o_.delay_wgrad) slots_[slot].dy_t = colwise(walk, prefix + "dy_t", o_.out_features);
+    if (o_.delay_wgrad) slots_[slot].dy_t = dy_copy(walk, prefix);
   }
 
   void prepare(int sm_count) override {
@@ -73,7 +75,8 @@ class Mxfp8Backend final : public LinearBackend {
   }
   std::string describe() const override {
     return describe_gemm_configs(fprop_.config, dgrad_.config, wgrad_config_, wgrad_main_grad_config_) +
-           " | quantize: row-wise (codes, or bf16 values for a staged GEMM) + column-wise from one read" +
+           " | quantize: row-wise (codes, or bf16 values for a staged GEMM) + column-wise (codes" +
+           (dy_values_ ? "; dy's as bf16 values for the staged wgrad" : "") + ") from one read" +
            (o_.prequantized_weights ? " | weights: the caller's MXFP8" : " | weights: own MXFP8 copies") +
            (o_.dequantized_weights ? ", also kept dequantized to bf16" : "");
   }
@@ -163,10 +166,17 @@ class Mxfp8Backend final : public LinearBackend {
     return {walk.take<uint8_t>(name, o_.capacity_rows, cols),
             walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
   }
+  // What wgrad reads of dy: its column-wise codes, or (dy_values_) its bf16 values alone.
+  kernels::Mxfp8Colwise dy_copy(LayoutWalker& walk, const std::string& prefix) {
+    if (!dy_values_) return colwise(walk, prefix + "dy_t", o_.out_features);
+    return {nullptr, nullptr,
+            walk.take<uint16_t>(prefix + "dy_values", o_.capacity_rows, o_.out_features, sizeof(uint16_t))};
+  }
   void wgrad(const kernels::Mxfp8Colwise& dy_t, const kernels::Mxfp8Colwise& x_t, Groups g, void* dweight,
              float* main_grad, cudaStream_t stream) {
     kernels::Mxfp8WgradParams p;
-    p.dy_t = dy_t.data, p.dy_t_scales = dy_t.scales, p.x_t = x_t.data, p.x_t_scales = x_t.scales;
+    p.dy_t = dy_t.data, p.dy_t_scales = dy_t.scales, p.dy_values = dy_t.values, p.x_t = x_t.data;
+    p.x_t_scales = x_t.scales;
     p.n = o_.out_features, p.k = o_.in_features, p.capacity_rows = o_.capacity_rows;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.dweight = dweight, p.main_grad = main_grad;
@@ -181,6 +191,7 @@ class Mxfp8Backend final : public LinearBackend {
     std::size_t bytes = kernels::mxfp8_staging_bytes(fprop_config_, g, rows, n, k);
     if (!trains_) return bytes;
     bytes = std::max(bytes, kernels::mxfp8_staging_bytes(dgrad_config_, g, rows, k, n));
+    if (dy_values_) return std::max(bytes, kernels::mxfp8_staged_wgrad_bytes(rows, n, k, true));
     for (const auto* wgrad : {&wgrad_config_, &wgrad_main_grad_config_})
       bytes = std::max(bytes, kernels::mxfp8_staging_bytes(*wgrad, g, rows, n, k));
     return bytes;
@@ -188,13 +199,13 @@ class Mxfp8Backend final : public LinearBackend {
 
   struct Slot {
     kernels::Mxfp8Colwise x_t;   // [K, capacity_rows], scales [capacity_rows / 32, K]
-    kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad)
+    kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N], or values (delayed wgrad)
   };
   GroupedLinearOptions o_;
   bool trains_;  // mxfp8_can_train: forward_train may run (GroupedLinear refuses it otherwise)
   std::vector<Slot> slots_;
   kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]: codes, for the routes that read them
-  kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy
+  kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy (dy_copy)
   void* staging_ = nullptr;        // the staged route's bf16 operands (kernels::mxfp8_staging_bytes)
   std::size_t staging_bytes_ = 0;
   // The quantized weights live outside the workspace: they persist across steps until the weights change.
@@ -204,6 +215,13 @@ class Mxfp8Backend final : public LinearBackend {
   Mxfp8Weights own_;                   // views of those buffers
   bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
   kernels::GemmConfig fprop_config_, dgrad_config_, wgrad_config_, wgrad_main_grad_config_;
+  // Immediate wgrad on the staged route (both plans): dy's column-wise copy is its bf16 values,
+  // written by dy's quantizer (kernels::Mxfp8Colwise::values) instead of codes the wgrad would
+  // dequantize into its staging: 2 bytes per element instead of 1 + 1/32, while the staging no
+  // longer holds dy's values (2), so the workspace shrinks. A delayed wgrad keeps codes in its slots:
+  // values there would cost 31/32 of a byte per element in every slot and would take the saved
+  // tensors from about half of bf16's to about two thirds (Qwen3-like, two slots; docs/PERF.md).
+  bool dy_values_;
   kernels::GemmPlan fprop_, dgrad_;
   WgradPlans wgrad_;
 };
