@@ -219,8 +219,9 @@ class Mxfp8Backend final : public LinearBackend {
   // written by dy's quantizer (kernels::Mxfp8Colwise::values) instead of codes the wgrad would
   // dequantize into its staging: 2 bytes per element instead of 1 + 1/32, while the staging no
   // longer holds dy's values (2), so the workspace shrinks. A delayed wgrad keeps codes in its slots:
-  // values there would cost 31/32 of a byte per element in every slot and would take the saved
-  // tensors from about half of bf16's to about two thirds (Qwen3-like, two slots; docs/PERF.md).
+  // values there cost 31/32 of a byte per element in every slot; measured on the Qwen3-like and
+  // Mixtral-like presets (two slots), the saved tensors went from 0.52 of bf16's to 0.79-0.83 and
+  // the arena grew 4-10% (docs/PERF.md, "MXFP8: dy's quantizer writes the staged wgrad's dy").
   bool dy_values_;
   kernels::GemmPlan fprop_, dgrad_;
   WgradPlans wgrad_;
