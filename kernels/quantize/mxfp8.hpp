@@ -46,8 +46,8 @@ struct Mxfp8Rowwise {
 //   values (optional) bf16, each element's MXFP8 value rounded to bf16 (Mxfp8Rowwise::values):
 //          activations: [rows, cols] row-major, exactly what launch_dequantize_mxfp8_colwise(...,
 //          kBF16, ...) makes of the codes (16-byte aligned). Why: the staged wgrad reads only dy's
-//          bf16 values; written in the quantizer's pass, they save its pass over the codes. With
-//          values, data and scales may both be null: the codes are then not written.
+//          bf16 values; written in the quantizer's pass, they save its pass over the codes. An
+//          activation's copy is its codes or its values: with values, data and scales are null.
 //          The weights' transposed copy: [groups, k, n], written beside the codes (required there).
 struct Mxfp8Colwise {
   uint8_t* data = nullptr;

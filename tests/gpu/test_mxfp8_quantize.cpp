@@ -635,6 +635,50 @@ TEST(Mxfp8Dequantize, ColumnWiseCopyBackToRowMajorMatchesReference) {
   }
 }
 
+// The column-wise values' kernel where each block walks several tiles (the double-buffered shared
+// tile that the column role overwrites with values in place, then the next tiles): 2080 tiles of 32 x
+// 128 against at most 4 blocks per SM. Values alone and beside the row-wise values equal the device
+// dequantizer's reading of the codes (itself checked against the host rule above) bit for bit, gap
+// rows hold NaN garbage (read as zero with the splits), and the rows past offsets[G] keep the poison.
+TEST(Mxfp8ColwiseValues, ManyTilesPerBlockEqualTheDequantizedCodes) {
+  std::mt19937_64 rng(test_seed("mxfp8_colwise_values_many_tiles"));
+  const std::vector<int32_t> splits{700, 0, 1500, 3, 1900};
+  const GroupLayout l = make_layout(splits, 32, 4224);
+  const int64_t cols = 2048, used = l.offsets.back();
+  int device = 0, sms = 0;
+  MG_CUDA_CHECK(cudaGetDevice(&device));
+  MG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  ASSERT_GT((used + 31) / 32 * (cols / 128), 2 * 4 * sms) << "fewer than two tiles per block";
+  std::vector<double> x = grouped_values(rng, l, cols, DType::kBF16);
+  const std::vector<bool> data = data_rows(l);
+  for (int64_t r = 0; r < used; ++r)
+    if (!data[r]) std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, kNaN);
+  QuantizeRun run(DType::kBF16, l.capacity_rows, cols, x, l.offsets);
+  run.set_splits(l.splits);
+  const int64_t elements = run.rows * cols;
+  DeviceArray<uint16_t> want(elements), got(elements), row_values(elements);
+  want.upload(std::vector<uint16_t>(elements, kValuePoison));
+  run.launch(Layouts::kCol);
+  kernels::launch_dequantize_mxfp8_colwise(run.col.data.get(), run.col.scales.get(), DType::kBF16, want.get(),
+                                           run.rows, cols, run.offsets.get(), run.groups(), nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> expected = want.download();
+  std::size_t nonzero = 0;
+  for (int64_t i = 0; i < used * cols; ++i) nonzero += (expected[i] & 0x7fffu) != 0;
+  EXPECT_GT(nonzero, static_cast<std::size_t>(used * cols / 2)) << "the codes' values should be mostly non-zero";
+  for (bool with_rows : {false, true}) {
+    got.upload(std::vector<uint16_t>(elements, kValuePoison));
+    Mxfp8Rowwise r;
+    r.values = row_values.get();
+    Mxfp8Colwise c;
+    c.values = got.get();
+    kernels::launch_quantize_mxfp8(DType::kBF16, run.x.get(), run.rows, cols, run.offsets.get(), run.splits.get(),
+                                   run.groups(), with_rows ? &r : nullptr, &c, nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_EQ(got.download(), expected) << (with_rows ? "beside the row-wise values" : "alone");
+  }
+}
+
 // ---- Graph capture -------------------------------------------------------------------------------
 
 // offsets (row_align 32) -> quantize both copies -> dequantize the row-wise one, captured once under

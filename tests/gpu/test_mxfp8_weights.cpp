@@ -221,6 +221,23 @@ TEST(Mxfp8WeightsApi, DequantizedWeightsGiveTheStagedRoutesBits) {
   EXPECT_GT(nonzero(a.main_grad), a.main_grad.size() / 2) << "the step computed gradients";
 }
 
+// An immediate wgrad on the staged route reads dy's bf16 values written by dy's quantizer
+// (Mxfp8Colwise::values); an operator with delay_wgrad keeps dy's codes in its slot and its wgrad
+// dequantizes them. Run immediately, both give the same y, dx and main_grad bits.
+TEST(Mxfp8WeightsApi, ImmediateWgradFromDyValuesGivesTheCodesBits) {
+  Mxfp8Linear l({140, 0, 97, 5, 64, 131}, "mxfp8_dy_values_linear");
+  GroupedLinearOptions delayed = l.options;
+  delayed.delay_wgrad = true;
+  GroupedLinear values(l.options), codes(delayed);
+  EXPECT_NE(values.describe().find("dy's as bf16 values"), std::string::npos) << values.describe();
+  EXPECT_EQ(codes.describe().find("dy's as bf16 values"), std::string::npos) << codes.describe();
+  values.weights_changed(l.w.get(), l.stream.get());
+  codes.weights_changed(l.w.get(), l.stream.get());
+  const Mxfp8Linear::Out a = l.run(values, l.w.get(), {}), b = l.run(codes, l.w.get(), {});
+  EXPECT_TRUE(a == b) << "dy's values and dy's codes give different results";
+  EXPECT_GT(nonzero(a.main_grad), a.main_grad.size() / 2) << "the step computed gradients";
+}
+
 // ForwardArgs::x_rows: the operator reading its rows from tokens through a map (as the MoE layer's
 // FC1 reads the dispatch's token_of_row) gives the same y, inference y, dx and main_grad bits as
 // reading the gathered buffer, on both GEMM routes. The gap rows' map entries name a NaN token that

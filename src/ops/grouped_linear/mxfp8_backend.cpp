@@ -51,7 +51,7 @@ class Mxfp8Backend final : public LinearBackend {
     if (static_cast<int>(slots_.size()) <= slot) slots_.resize(slot + 1);
     if (!trains_) return;
     slots_[slot].x_t = colwise(walk, prefix + "x_t", o_.in_features);
-    if (o_.delay_wgrad) slots_[slot].dy_t = dy_copy(walk, prefix);
+    if (o_.delay_wgrad) slots_[slot].dy_t = colwise(walk, prefix + "dy_t", o_.out_features);  // codes (dy_values_)
   }
 
   void prepare(int sm_count) override {
@@ -166,7 +166,7 @@ class Mxfp8Backend final : public LinearBackend {
     return {walk.take<uint8_t>(name, o_.capacity_rows, cols),
             walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
   }
-  // What wgrad reads of dy: its column-wise codes, or (dy_values_) its bf16 values alone.
+  // What an immediate wgrad reads of dy: its column-wise codes, or (dy_values_) its bf16 values alone.
   kernels::Mxfp8Colwise dy_copy(LayoutWalker& walk, const std::string& prefix) {
     if (!dy_values_) return colwise(walk, prefix + "dy_t", o_.out_features);
     return {nullptr, nullptr,
@@ -199,7 +199,7 @@ class Mxfp8Backend final : public LinearBackend {
 
   struct Slot {
     kernels::Mxfp8Colwise x_t;   // [K, capacity_rows], scales [capacity_rows / 32, K]
-    kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N], or values (delayed wgrad)
+    kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad: codes)
   };
   GroupedLinearOptions o_;
   bool trains_;  // mxfp8_can_train: forward_train may run (GroupedLinear refuses it otherwise)
@@ -218,7 +218,8 @@ class Mxfp8Backend final : public LinearBackend {
   // Immediate wgrad on the staged route (both plans): dy's column-wise copy is its bf16 values,
   // written by dy's quantizer (kernels::Mxfp8Colwise::values) instead of codes the wgrad would
   // dequantize into its staging: 2 bytes per element instead of 1 + 1/32, while the staging no
-  // longer holds dy's values (2), so the workspace shrinks. A delayed wgrad keeps codes in its slots:
+  // longer holds dy's values (2), so the workspace shrinks where the wgrad sized the staging (else it
+  // grows by 31/32 of a byte per element of dy). A delayed wgrad keeps codes in its slots:
   // values there cost 31/32 of a byte per element in every slot; measured on the Qwen3-like and
   // Mixtral-like presets (two slots), the saved tensors went from 0.52 of bf16's to 0.79-0.83 and
   // the arena grew 4-10% (docs/PERF.md, "MXFP8: dy's quantizer writes the staged wgrad's dy").
