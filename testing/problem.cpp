@@ -41,6 +41,7 @@ Problem::Problem(const CaseSpec& sp, uint64_t seed) : spec(sp), rng(seed) {
   o.wgrad_slots = spec.wgrad_slots;
   o.delay_wgrad = spec.delay_wgrad;
   o.caller_keeps_activations = spec.caller_keeps_activations;
+  o.forward_only = spec.forward_only;
   o.reference_kernels = spec.reference_kernels;
   o.tile_n = spec.tile_n;
   o.pipeline = spec.pipeline;

@@ -30,6 +30,7 @@ struct CaseSpec {
   bool bias = false, scale = false, main_grad = false, delay_wgrad = false;
   int wgrad_slots = 1;
   bool caller_keeps_activations = false;  // bf16: the operator keeps pointers to x, s and dy, no copies
+  bool forward_only = false;              // the operator serves forward() only (no slots)
   bool reference_kernels = false;  // the WMMA reference kernels instead of wgmma
   int tile_n = 0;                  // wgmma tile width (0: the heuristic's choice)
   GemmPipeline pipeline = GemmPipeline::kAuto;  // 16-bit wgmma operand loads

@@ -55,6 +55,12 @@ struct GroupedLinearOptions {
   // MoE layer's producers write them where wgrad reads them). Refused with the mxfp8 recipe, whose
   // slots keep quantized copies that it must make anyway.
   bool caller_keeps_activations = false;
+  // The operator serves forward() only (e.g. an inference server's layer): no forward_train
+  // contexts (its slots: the saved x or its MXFP8 copies, splits, offsets, the bias scale) and no
+  // training scratch (dy's copies, the bias-gradient partials) are laid out, so the workspace holds
+  // what forward reads and writes. forward_train is refused (recipe_can_train says why), and so
+  // are delay_wgrad and caller_keeps_activations, which only training uses.
+  bool forward_only = false;
   // Kernel choices, normally left to the GEMM heuristic (tuning and differential tests); where left
   // open, MOEGRAPH_TILE_N / MOEGRAPH_GEMM_PIPELINE may force them.
   bool reference_kernels = false;  // the simple WMMA reference kernels (bf16 recipe only)

@@ -144,6 +144,10 @@ typedef struct {
                                   dequantized to bf16 (4 bytes more per weight element), made by
                                   weights_changed, or the caller's (mxfp8_dequantized*) with
                                   prequantized_weights; fprop and dgrad then run near the bf16 speed */
+  /* Appended after dequantized_weights (an older struct_size leaves it at 0). */
+  int64_t forward_only;        /* bool: the operator serves mg_grouped_linear_forward only and lays out no
+                                  training contexts (a smaller workspace); forward_train is refused, and
+                                  delay_wgrad must be 0 */
 } mg_grouped_linear_options;
 
 /* Device pointers; every row buffer has capacity_rows rows (moegraph/grouped_linear.hpp). */

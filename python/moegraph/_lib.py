@@ -42,7 +42,7 @@ class GroupedLinearOptions(_Sized):
     _fields_ = [("struct_size", c_size_t), ("num_groups", c_int), ("in_features", c_int64),
                 ("out_features", c_int64), ("capacity_rows", c_int64), ("row_align", c_int), ("dtype", c_int),
                 ("bias", c_int), ("wgrad_slots", c_int), ("delay_wgrad", c_int), ("recipe", c_int),
-                ("prequantized_weights", c_int), ("dequantized_weights", c_int64)]
+                ("prequantized_weights", c_int), ("dequantized_weights", c_int64), ("forward_only", c_int64)]
 
 
 # The four arrays of MXFP8 weights (moegraph.h, "MXFP8 weights"), under a prefix.

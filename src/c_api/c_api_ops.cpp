@@ -111,6 +111,7 @@ moegraph::GroupedLinearOptions linear_options_of(const mg_grouped_linear_options
   opts.recipe = recipe_of(o.recipe);
   opts.prequantized_weights = o.prequantized_weights != 0;
   opts.dequantized_weights = o.dequantized_weights != 0;
+  opts.forward_only = o.forward_only != 0;
   moegraph::validate(opts);
   return opts;
 }

@@ -191,6 +191,7 @@ void fuzz_grouped_linear(const uint8_t* data, size_t size) {
   c.recipe = o.recipe == MG_RECIPE_MXFP8 ? moegraph::Recipe::kMXFP8 : moegraph::Recipe::kBF16;
   c.prequantized_weights = o.prequantized_weights != 0;
   c.dequantized_weights = o.dequantized_weights != 0;
+  c.forward_only = o.forward_only != 0;
   // The C++ API refuses bad options in validate() and layouts too large to size in workspace_bytes().
   std::size_t bytes = 0;
   try {

@@ -170,5 +170,41 @@ TEST(Mxfp8Reference, UnquantizedGemmsFailTheCheck) {
   EXPECT_EQ(checked, 3);
 }
 
+// A forward_only operator (what an inference layer builds): forward() gives the bits of the same
+// operator built to train, in a smaller workspace, in both recipes (mxfp8 at row_align 32, where a
+// training operator keeps column-wise copies and a wgrad staging); forward_train is refused with
+// the reason.
+TEST(GroupedLinearForwardOnly, ForwardMatchesATrainingOperatorInLessMemory) {
+  const CaseSpec specs[] = {
+      {"forward_only_bf16", 8, 256, 384, DType::kBF16, 1, {}, 900, Routing::kSkewed, 32, true, true},
+      mxfp8({"forward_only_mxfp8", 8, 256, 384, DType::kBF16, 32, {}, 900, Routing::kSkewed, 32, true, true}),
+  };
+  for (CaseSpec spec : specs) {
+    SCOPED_TRACE(spec.name);
+    spec.wgrad_slots = 2;
+    Problem trains(spec, test_seed(spec.name));
+    spec.forward_only = true;
+    Problem serves(spec, test_seed(spec.name));  // same seed: the same routing, data and weights
+    ASSERT_EQ(serves.layout.splits, trains.layout.splits);
+    EXPECT_LT(serves.op->device_bytes(), trains.op->device_bytes());
+    cudaStream_t stream = nullptr;
+    for (Problem* p : {&trains, &serves}) {
+      p->poison_outputs();
+      p->op->forward(p->forward_args(), stream);
+      p->op->check_device_errors(stream);
+    }
+    expect_matches_reference(serves, OutputSet::kForward, "forward_only");
+    EXPECT_TRUE(serves.d_y.download() == trains.d_y.download()) << "forward_only's y differs from a training operator's";
+    try {
+      serves.op->forward_train(serves.forward_args(), stream);
+      ADD_FAILURE() << "forward_train on a forward_only operator must be refused";
+    } catch (const Error& e) {
+      EXPECT_NE(e.message().find("forward_train: the operator was built forward_only"), std::string::npos)
+          << e.message();
+    }
+    EXPECT_EQ(serves.op->pending_backwards(), 0);
+  }
+}
+
 }  // namespace
 }  // namespace moegraph::test

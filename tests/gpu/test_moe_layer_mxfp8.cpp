@@ -79,10 +79,11 @@ TEST(MoeLayerMxfp8, InferenceAtRowAlign1And16MatchesReference) {
     const LayerCase c{"mxfp8_serving", 16, 3, 256, 384, 80, true, false, true, 0.0, 0.0, false, align, true, false};
     MoeLayerOptions o = options_of(c, Recipe::kMXFP8);
     o.training = false, o.wgrad_slots = 1;
-    // No column-wise copy (x_t, dy_t or dy's values) in either expert linear; the same linears at
-    // row_align 32 keep x's.
+    // No column-wise copy (x_t, dy_t or dy's values) in either expert linear; the same linears of a
+    // training layer at row_align 32 keep x's (an inference layer's, forward_only, keep none at any
+    // row_align: MoeProgram.InferenceLinearsAreForwardOnly).
     MoeLayerOptions aligned = o;
-    aligned.row_align = 32;
+    aligned.row_align = 32, aligned.training = true;
     const auto copies = [](const MoeLayerOptions& opts) {
       int n = 0;
       for (int fc : {1, 2})

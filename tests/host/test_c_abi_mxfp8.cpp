@@ -41,6 +41,8 @@ TEST(CAbiMxfp8, OptionsDefaultToWeightsQuantizedByTheOperator) {
   EXPECT_EQ(m.dequantized_weights, 0);
   EXPECT_FALSE(GroupedLinearOptions{}.dequantized_weights);
   EXPECT_FALSE(MoeLayerOptions{}.dequantized_weights);
+  EXPECT_EQ(g.forward_only, 0);
+  EXPECT_FALSE(GroupedLinearOptions{}.forward_only);
 }
 
 TEST(CAbiMxfp8, WeightBytesFollowTheCppApi) {

@@ -350,8 +350,12 @@ TEST(CheckedSizes, RealisticShapesKeepTheirSizes) {
   EXPECT_EQ(bytes, 4027648768u + mixtral_counts - kept(8192));
   mixtral.training = false;
   // Plus the router's copy of x (8192 x 4096 x 2 bytes), which inference keeps too since the logits
-  // GEMM stopped reading the caller's x past row n.
-  EXPECT_EQ(MoeLayer::workspace_bytes(mixtral), 2282556160u + uint64_t{8192} * 4096 * 2 + mixtral_counts);
+  // GEMM stopped reading the caller's x past row n; less each expert linear's slot, which a
+  // forward_only linear does not lay out: its copy of x (16384 rows x 4096, and x 14336, 2 bytes
+  // each) and its splits and offsets (256 bytes each after alignment).
+  const uint64_t slots = uint64_t{16384} * (4096 + 14336) * 2 + 2 * 2 * 256;
+  EXPECT_EQ(MoeLayer::workspace_bytes(mixtral),
+            2282556160u + uint64_t{8192} * 4096 * 2 + mixtral_counts - slots);
 
   // DeepSeek-V3-like: 256 experts of 2048 over hidden 7168, top 8, MXFP8, biases, two delayed slots.
   MoeLayerOptions deepseek = moe(256, 7168, 2048, 8, 16384);

@@ -173,6 +173,61 @@ TEST(MoeProgram, Bf16TrainingSavesTheLinearsActivationsWhereTheyAreWritten) {
   EXPECT_FALSE(layer::layer_keeps_linear_activations(o));
 }
 
+// A layer built for inference builds its expert linears forward_only: they lay out no slots (x or
+// its MXFP8 column-wise copies, splits, offsets, bias scale) and no training scratch, in either
+// recipe, at any row_align (mxfp8 at 32 used to keep x_t, dy_t and a wgrad staging), so the
+// linears' workspaces are smaller than the training layer's single-slot ones; the operator itself
+// refuses to train, with the reason, and the combinations only training uses.
+TEST(MoeProgram, InferenceLinearsAreForwardOnly) {
+  const auto slot_buffers = [](const GroupedLinearOptions& g) {
+    std::vector<std::string> names;
+    for (const auto& b : GroupedLinear::workspace_buffers(g))
+      if (b.name.rfind("slot", 0) == 0 || b.name.find("dy") != std::string::npos ||
+          b.name.find("x_t") != std::string::npos || b.name.find("bias_grad") != std::string::npos)
+        names.push_back(b.name);
+    return names;
+  };
+  for (Recipe recipe : {Recipe::kBF16, Recipe::kMXFP8})
+    for (int align : {1, 32, 128}) {
+      MoeLayerOptions o = small();
+      o.recipe = recipe, o.hidden = 128, o.ffn = 128, o.row_align = align, o.bias = true;
+      o.training = false, o.wgrad_slots = 1;
+      MoeLayerOptions trains = o;
+      trains.training = true, trains.delay_wgrad = false;
+      const bool can_train = recipe == Recipe::kBF16 || align >= 32;
+      for (int fc : {1, 2}) {
+        SCOPED_TRACE(detail::concat(recipe_name(recipe), " row_align ", align, " fc", fc));
+        const GroupedLinearOptions g = layer::expert_linear_options(o, fc, moe_expert_rows(o));
+        EXPECT_TRUE(g.forward_only);
+        EXPECT_EQ(slot_buffers(g), std::vector<std::string>{});
+        EXPECT_NE(recipe_can_train(g).find("built forward_only"), std::string::npos) << recipe_can_train(g);
+        if (!can_train) continue;
+        const GroupedLinearOptions t = layer::expert_linear_options(trains, fc, moe_expert_rows(trains));
+        EXPECT_FALSE(t.forward_only);
+        EXPECT_FALSE(slot_buffers(t).empty());
+        EXPECT_LT(GroupedLinear::workspace_bytes(g), GroupedLinear::workspace_bytes(t));
+      }
+      if (can_train) {
+        EXPECT_LT(MoeLayer::workspace_bytes(o), MoeLayer::workspace_bytes(trains));
+      }
+    }
+  GroupedLinearOptions g;
+  g.num_groups = 4, g.in_features = 128, g.out_features = 128, g.capacity_rows = 128, g.forward_only = true;
+  for (int which : {0, 1}) {
+    GroupedLinearOptions bad = g;
+    (which == 0 ? bad.delay_wgrad : bad.caller_keeps_activations) = true;
+    std::string refusal;
+    try {
+      validate(bad);
+    } catch (const Error& e) {
+      refusal = e.message();
+    }
+    EXPECT_NE(refusal.find("forward_only cannot be combined with delay_wgrad or caller_keeps_activations"),
+              std::string::npos)
+        << refusal;
+  }
+}
+
 TEST(MoeProgram, RowsHoldDroplessRoutingWithPadding) {
   MoeLayerOptions o = small();
   EXPECT_EQ(moe_layer_rows(o), 64 * 2);

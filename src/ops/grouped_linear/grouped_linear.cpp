@@ -97,6 +97,7 @@ std::string recipe_can_implement(const GroupedLinearOptions& o) {
 }
 
 std::string recipe_can_train(const GroupedLinearOptions& o) {
+  if (o.forward_only) return "the operator was built forward_only (it keeps no forward_train contexts)";
   switch (o.recipe) {
     case Recipe::kBF16: return {};  // trains wherever it runs
     case Recipe::kMXFP8: return linear::mxfp8_can_train(o);
@@ -147,6 +148,8 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(!o.caller_keeps_activations || o.recipe == Recipe::kBF16,
            "caller_keeps_activations needs the bf16 recipe (the mxfp8 recipe saves quantized copies), got recipe ",
            recipe_name(o.recipe));
+  MG_CHECK(!o.forward_only || (!o.delay_wgrad && !o.caller_keeps_activations),
+           "forward_only cannot be combined with delay_wgrad or caller_keeps_activations (both are for training)");
   const std::string recipe = recipe_can_implement(o);
   MG_CHECK(recipe.empty(), recipe);
 }
@@ -155,12 +158,13 @@ void GroupedLinear::lay_out(const GroupedLinearOptions& o, LayoutWalker& walk, l
                             std::vector<Slot>& slots, Scratch& scratch) {
   const int64_t g = o.num_groups;
   scratch.offsets = walk.take<int64_t>("offsets", g + 1, sizeof(int64_t));
-  if (o.bias)
+  if (o.bias && !o.forward_only)
     scratch.bias_partials = walk.take<float>(
         "bias_grad_partials", kernels::bias_grad_workspace_floats(o.capacity_rows, g, o.out_features), sizeof(float));
   backend.lay_out_scratch(walk);
-  slots.assign(o.wgrad_slots, Slot{});
-  for (int s = 0; s < o.wgrad_slots; ++s) {
+  const int slot_count = o.forward_only ? 0 : o.wgrad_slots;  // forward() saves nothing
+  slots.assign(slot_count, Slot{});
+  for (int s = 0; s < slot_count; ++s) {
     const std::string prefix = detail::concat("slot", s, ".");
     backend.lay_out_slot(walk, s, prefix);
     slots[s].own_splits = walk.take<int32_t>(prefix + "splits", g, sizeof(int32_t));
@@ -218,7 +222,7 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& options, void* workspac
   LayoutWalker walk(static_cast<std::byte*>(workspace));
   lay_out(options_, walk, *backend_, slots_, *scratch_);
   backend_->prepare(scratch_->sm_count);
-  for (int s = options_.wgrad_slots - 1; s >= 0; --s) free_slots_.push_back(s);  // hand out slot 0 first
+  for (int s = static_cast<int>(slots_.size()) - 1; s >= 0; --s) free_slots_.push_back(s);  // slot 0 first
   scratch_->error = DeviceBuffer(sizeof(DeviceErrorRecord));
   zero_now(scratch_->error.get(), sizeof(DeviceErrorRecord));
   if (const char* env = std::getenv("MOEGRAPH_PRINT_CONFIG"); env != nullptr && env[0] == '1')
@@ -231,7 +235,8 @@ std::string GroupedLinear::describe() const {
   const auto& o = options_;
   return detail::concat("GroupedLinear G=", o.num_groups, " K=", o.in_features, " N=", o.out_features,
                         " dtype=", dtype_name(o.dtype), " recipe=", recipe_name(o.recipe),
-                        " capacity_rows=", o.capacity_rows, " row_align=", o.row_align, " slots=", o.wgrad_slots,
+                        " capacity_rows=", o.capacity_rows, " row_align=", o.row_align,
+                        o.forward_only ? std::string(" forward-only") : detail::concat(" slots=", o.wgrad_slots),
                         " | ", backend_->describe(), " | persistent over ", scratch_->sm_count, " SMs");
 }
 

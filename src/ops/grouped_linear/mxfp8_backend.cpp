@@ -23,7 +23,7 @@ class Mxfp8Backend final : public LinearBackend {
   // The GEMM configs are chosen once (no GPU): the scratch layout and set-up both follow them.
   explicit Mxfp8Backend(const GroupedLinearOptions& o)
       : o_(o),
-        trains_(mxfp8_can_train(o).empty()),
+        trains_(recipe_can_train(o).empty()),
         fprop_config_(gemm_config(o, kernels::GemmPhase::kFprop)),
         dgrad_config_(gemm_config(o, kernels::GemmPhase::kDgrad)),
         wgrad_config_(gemm_config(o, kernels::GemmPhase::kWgrad)),
@@ -39,7 +39,7 @@ class Mxfp8Backend final : public LinearBackend {
     if (widest > 0)
       operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows, widest),
                   walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
-    // A forward-only operator (row_align under 32) keeps no column-wise copies.
+    // An operator that cannot train (forward_only, or row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (trains_ && !o_.delay_wgrad) dy_t_ = dy_copy(walk, "mxfp8.");
     // The staged route's bf16 operands: one buffer for every phase (they run one after another). It
@@ -202,7 +202,7 @@ class Mxfp8Backend final : public LinearBackend {
     kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad: codes)
   };
   GroupedLinearOptions o_;
-  bool trains_;  // mxfp8_can_train: forward_train may run (GroupedLinear refuses it otherwise)
+  bool trains_;  // recipe_can_train: forward_train may run (GroupedLinear refuses it otherwise)
   std::vector<Slot> slots_;
   kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]: codes, for the routes that read them
   kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy (dy_copy)

@@ -189,6 +189,7 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, 
   g.bias = o.bias;
   g.wgrad_slots = o.training ? o.wgrad_slots : 1;
   g.delay_wgrad = o.training && o.delay_wgrad;
+  g.forward_only = !o.training;  // an inference layer's linears lay out no training contexts
   g.recipe = o.recipe;
   g.prequantized_weights = o.prequantized_weights;
   g.dequantized_weights = o.dequantized_weights;
