@@ -147,6 +147,12 @@ struct BackwardArgs {
   float* main_grad = nullptr;      // [G, N, K] fp32 accumulated into (an empty group: unchanged)
   // options.prequantized_weights: W as MXFP8; dx reads data_t and scales_t (`weight` may be null).
   Mxfp8Weights mxfp8_weights;
+  // Optional; the mxfp8 recipe only, N a multiple of 256, no bias gradients: dy is then da
+  // [capacity_rows, N / 2], the gradient of a = silu(gate) * up, and this is the [capacity_rows, N]
+  // gate | up that a was made of (e.g. FC1's output, which FC2 read with ForwardArgs::x_swiglu).
+  // The output gradient is dgate | dup, computed by dy's quantizer as it reads, with the bits of
+  // kernels::launch_swiglu_backward's output, which is never written. Read during the call only.
+  const void* dy_swiglu_gate_up = nullptr;
 };
 
 class MOEGRAPH_API GroupedLinear {

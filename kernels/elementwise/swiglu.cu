@@ -45,9 +45,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_kernel(const T* __restrict__ 
       load8(da + row * ffn + col, g);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        const float s = swiglu_sigmoid(gate[j]);
-        dup[j] = g[j] * gate[j] * s;
-        dgate[j] = g[j] * up[j] * s * (1.0f + gate[j] * (1.0f - s));
+        dup[j] = swiglu_grad_up(gate[j], g[j]);
+        dgate[j] = swiglu_grad_gate(gate[j], up[j], g[j]);
       }
       store8(out + row * 2 * ffn + col, dgate);
       store8(out + row * 2 * ffn + ffn + col, dup);

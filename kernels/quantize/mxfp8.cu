@@ -54,8 +54,13 @@ constexpr int kThreads = 256;
 // Six resident blocks per SM (40 registers, 96 KB of double-buffered tiles): enough 16-byte loads
 // in flight to cover HBM latency.
 constexpr int kMinBlocksPerSm = 6;
-// With SwiGLU applied on the way in (QuantizeArgs::swiglu) a thread holds twice the loaded bytes.
+// With SwiGLU applied on the way in (Input::kSwiglu) a thread holds twice the loaded bytes.
 constexpr int kSwigluBlocksPerSm = 4;
+// With the SwiGLU's input gradient computed on the way in (Input::kSwigluGrad) a thread loads three
+// chunks (gate, up, da) and makes two tiles' elements from them: ptxas spilled 12-80 bytes at three
+// blocks' cap (80 registers), none at two's (128), which keep as many bytes in flight per SM (96 a
+// thread) as six blocks of the plain kernel (32 a thread).
+constexpr int kSwigluGradBlocksPerSm = 2;
 // Writing the activations' column-wise values (kColValues) needs more registers than the codes:
 // ptxas spilled about 70 bytes at six blocks' cap (40 registers) and 16-24 at five's (48), none at
 // four's (64). Measured on one H200 (32768 x 2048 and x 1536, both copies as values; fraction of a
@@ -232,6 +237,13 @@ __device__ __forceinline__ void store_pair(__nv_bfloat16* pair_first, bool upper
 
 // ---- Quantize -------------------------------------------------------------------------------
 
+// What the quantizer reads as its input element (QuantizeArgs::x and its companions).
+enum class Input {
+  kPlain,       // x itself
+  kSwiglu,      // silu(gate) * up of x = gate | up (launch_quantize_mxfp8_swiglu)
+  kSwigluGrad,  // dgate | dup of x = gate | up and da (launch_quantize_mxfp8_swiglu_grad)
+};
+
 struct QuantizeArgs {
   const uint16_t* x = nullptr;       // [batches, rows, cols] bf16 or fp16 bits
   int64_t rows = 0, cols = 0;        // rows: the capacity (stride of batches and of column-wise data)
@@ -248,11 +260,14 @@ struct QuantizeArgs {
   const int32_t* source_rows = nullptr;
   int64_t source_bound = 0;
   DeviceErrorRecord* error = nullptr;
-  // Optional (activations, one batch; launch_quantize_mxfp8_swiglu): x is [rows, 2 * cols], each
+  // Activations, one batch: kSwiglu (launch_quantize_mxfp8_swiglu): x is [rows, 2 * cols], each
   // row's gate then its up, and the input element is silu(gate) * up, times row_weight[r] where
-  // that is given, rounded to the 16-bit type (swiglu_input).
-  bool swiglu = false;
+  // that is given, rounded to the 16-bit type (input_chunk). kSwigluGrad
+  // (launch_quantize_mxfp8_swiglu_grad): x is [rows, cols], gate | up, da is [rows, cols / 2], and
+  // the input is dgate | dup, rounded as the SwiGLU backward kernel rounds it.
+  Input input = Input::kPlain;
   const float* row_weight = nullptr;
+  const uint16_t* da = nullptr;
   Mxfp8Rowwise rowwise;              // [batches, rows, cols] and [batches, rows, cols / 32]
   Mxfp8Colwise colwise;              // see colwise_activations
   // The column-wise layout: the activations' (one batch; tiled data, mxfp8_colwise_offset, and
@@ -348,35 +363,52 @@ struct RowSource {
   }
 };
 
-// A thread's 16 elements [col, col + 16) of a tile row as loaded: two 16-byte vectors, or with
-// kSwiglu their gates and ups (four), which swiglu_input turns into the 16 elements once they have
-// arrived. `data`: whether the row holds data (its source row, source_row, is not -1).
-template <bool kSwiglu>
+// A thread's 16 elements [col, col + 16) of a tile row as loaded: two 16-byte vectors; with
+// kSwiglu their gates and ups (four), with kSwigluGrad their gates, ups and da (six; a tile of the
+// up half loads no ups), which input_chunk turns into the 16 elements once they have arrived.
+// `data`: whether the row holds data (its source row, source_row, is not -1).
+template <Input kInput>
 struct Loaded {
-  uint4 v[kSwiglu ? 4 : 2];
+  static constexpr int kVectors = kInput == Input::kPlain ? 2 : kInput == Input::kSwiglu ? 4 : 6;
+  uint4 v[kVectors];
   bool data;
 };
 
 // Reads row `src` of x (source_row) into l; zeros where it is -1 or past the columns (nothing is
 // read there).
-template <bool kSwiglu>
+template <Input kInput>
 __device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t, int64_t src, int col,
-                                           Loaded<kSwiglu>& l) {
+                                           Loaded<kInput>& l) {
   const int64_t c = t.col0 + col;
   l.data = src >= 0;
   if (src >= 0 && c < a.cols) {
-    const int64_t row_length = kSwiglu ? 2 * a.cols : a.cols;  // with kSwiglu: gate | up
-    const uint4* src_ptr = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + src) * row_length + c);
-    l.v[0] = __ldg(src_ptr);
-    l.v[1] = __ldg(src_ptr + 1);
-    if constexpr (kSwiglu) {
-      const uint4* up = src_ptr + a.cols / 8;
-      l.v[2] = __ldg(up);
-      l.v[3] = __ldg(up + 1);
+    if constexpr (kInput == Input::kSwigluGrad) {
+      // The walk's tiles are the gate half's (c < cols / 2); column c of gate, up and da makes
+      // element c of dgate and element cols / 2 + c of dup (swiglu_grad_chunks).
+      const int64_t half = a.cols / 2;
+      const uint4* gate = reinterpret_cast<const uint4*>(a.x + src * a.cols + c);
+      const uint4* da = reinterpret_cast<const uint4*>(a.da + src * half + c);
+      l.v[0] = __ldg(gate);
+      l.v[1] = __ldg(gate + 1);
+      l.v[2] = __ldg(gate + half / 8);
+      l.v[3] = __ldg(gate + half / 8 + 1);
+      l.v[4] = __ldg(da);
+      l.v[5] = __ldg(da + 1);
+    } else {
+      constexpr bool kSwiglu = kInput == Input::kSwiglu;
+      const int64_t row_length = kSwiglu ? 2 * a.cols : a.cols;  // with kSwiglu: gate | up
+      const uint4* src_ptr = reinterpret_cast<const uint4*>(a.x + (t.batch * a.rows + src) * row_length + c);
+      l.v[0] = __ldg(src_ptr);
+      l.v[1] = __ldg(src_ptr + 1);
+      if constexpr (kSwiglu) {
+        const uint4* up = src_ptr + a.cols / 8;
+        l.v[2] = __ldg(up);
+        l.v[3] = __ldg(up + 1);
+      }
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < (kSwiglu ? 4 : 2); ++i) l.v[i] = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = 0; i < Loaded<kInput>::kVectors; ++i) l.v[i] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -384,10 +416,11 @@ __device__ __forceinline__ void load_chunk(const QuantizeArgs& a, const Tile& t,
 // * up, times the row's weight where there is one, rounded to T exactly as the SwiGLU kernels round
 // what they store (swiglu_value), so that the quantized copy has the bits of quantizing their
 // output. A row without data stays zeros and its weight is not read.
-template <class T, bool kSwiglu>
-__device__ __forceinline__ void input_chunk(const QuantizeArgs& a, const Loaded<kSwiglu>& l, int64_t row,
+template <class T, Input kInput>
+__device__ __forceinline__ void input_chunk(const QuantizeArgs& a, const Loaded<kInput>& l, int64_t row,
                                             uint4 (&v)[2]) {
-  if constexpr (!kSwiglu) {
+  static_assert(kInput != Input::kSwigluGrad, "two chunks from one load: swiglu_grad_chunks");
+  if constexpr (kInput == Input::kPlain) {
     v[0] = l.v[0];
     v[1] = l.v[1];
   } else {
@@ -405,6 +438,30 @@ __device__ __forceinline__ void input_chunk(const QuantizeArgs& a, const Loaded<
     v[0] = make_uint4(out[0], out[1], out[2], out[3]);
     v[1] = make_uint4(out[4], out[5], out[6], out[7]);
   }
+}
+
+// kSwigluGrad: the 16 elements of dgate and the 16 of dup that one loaded chunk of gate, up and da
+// makes, rounded to T exactly as the SwiGLU backward kernel rounds what it stores (swiglu_math.cuh),
+// so the quantized copies have the bits of quantizing its output. Rows without data stay zeros.
+template <class T>
+__device__ __forceinline__ void swiglu_grad_chunks(const Loaded<Input::kSwigluGrad>& l, uint4 (&dgate)[2],
+                                                   uint4 (&dup)[2]) {
+  uint32_t g[8], u[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t gate = word_of(l.v[i / 4], i % 4), up = word_of(l.v[2 + i / 4], i % 4);
+    const uint32_t da = word_of(l.v[4 + i / 4], i % 4);
+    const float g_lo = Format16<T>::to_float(gate & 0xffffu), g_hi = Format16<T>::to_float(gate >> 16);
+    const float u_lo = Format16<T>::to_float(up & 0xffffu), u_hi = Format16<T>::to_float(up >> 16);
+    const float d_lo = Format16<T>::to_float(da & 0xffffu), d_hi = Format16<T>::to_float(da >> 16);
+    g[i] = Format16<T>::from_float(swiglu_grad_gate(g_lo, u_lo, d_lo)) |
+           (Format16<T>::from_float(swiglu_grad_gate(g_hi, u_hi, d_hi)) << 16);
+    u[i] = Format16<T>::from_float(swiglu_grad_up(g_lo, d_lo)) | (Format16<T>::from_float(swiglu_grad_up(g_hi, d_hi)) << 16);
+  }
+  dgate[0] = make_uint4(g[0], g[1], g[2], g[3]);
+  dgate[1] = make_uint4(g[4], g[5], g[6], g[7]);
+  dup[0] = make_uint4(u[0], u[1], u[2], u[3]);
+  dup[1] = make_uint4(u[4], u[5], u[6], u[7]);
 }
 
 // Shared tile (kTileRows, kTileCols) of 16-bit elements as 16-byte units. Flipping bit 0 of the
@@ -547,17 +604,26 @@ struct BandedWalk {
 
 // kContiguous: the activations' walk (ContiguousWalk, one batch); else the weights' (BandedWalk,
 // `band` = kBandRowTiles). `band` is an argument, not a template constant: folding a constant in
-// makes ptxas spill 4 bytes in the bf16 row-wise kernel. kSwiglu (with kContiguous): the input is
-// SwiGLU of x (QuantizeArgs::swiglu), with fewer blocks per SM for the loads' registers.
-template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu, bool kColValues>
-__global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm
-                                                   : kColValues ? kColValuesBlocksPerSm : kMinBlocksPerSm)
+// makes ptxas spill 4 bytes in the bf16 row-wise kernel. kInput other than kPlain (with
+// kContiguous): the input is made from x as it is read (Input), with fewer blocks per SM for the
+// loads' registers.
+template <Input kInput, bool kColValues>
+constexpr int quantize_blocks_per_sm() {
+  if constexpr (kInput == Input::kSwigluGrad) return kSwigluGradBlocksPerSm;
+  if constexpr (kInput == Input::kSwiglu) return kSwigluBlocksPerSm;
+  return kColValues ? kColValuesBlocksPerSm : kMinBlocksPerSm;
+}
+template <class T, bool kRow, bool kCol, bool kContiguous, Input kInput, bool kColValues>
+__global__ void __launch_bounds__(kThreads, quantize_blocks_per_sm<kInput, kColValues>())
     quantize_mxfp8_kernel(const QuantizeArgs a, const uint32_t band) {
   // Column role's transpose, double-buffered: (kTileRows, kTileCols) elements, swizzled units.
   __shared__ uint4 shared_tiles[kCol ? 2 : 1][kCol ? kTileRows * kUnitsPerRow : 1];
   const int64_t used = a.used_rows == nullptr ? a.rows : min(max(*a.used_rows, int64_t{0}), a.rows);
   const uint32_t row_tiles = static_cast<uint32_t>((used + kTileRows - 1) / kTileRows);
-  const uint32_t col_tiles = static_cast<uint32_t>((a.cols + kTileCols - 1) / kTileCols);
+  // kSwigluGrad walks the gate half's tiles: each one's load also makes the up half's tile
+  // (swiglu_grad_chunks), so the sigmoid of a gate and the loads of gate and da serve both.
+  constexpr bool kPaired = kInput == Input::kSwigluGrad;
+  const uint32_t col_tiles = static_cast<uint32_t>((a.cols + kTileCols - 1) / kTileCols) / (kPaired ? 2 : 1);
   const uint32_t total = row_tiles * col_tiles * static_cast<uint32_t>(a.batches);
   using Walk = std::conditional_t<kContiguous, ContiguousWalk, BandedWalk>;
   Walk walk = [&]() -> Walk {
@@ -583,41 +649,53 @@ __global__ void __launch_bounds__(kThreads, kSwiglu ? kSwigluBlocksPerSm
     else return source_row(a, used, t.row0 + chunk_row);
   };
   Tile tile = tile_of(walk);
-  Loaded<kSwiglu> loaded;
+  Loaded<kInput> loaded;
   load_chunk(a, tile, source_of(tile), chunk_col, loaded);
   int buf = 0;
   while (!walk.done()) {
     // The next tile's loads go out first and stay in flight while this tile is converted.
     walk.advance(col_tiles);
     Tile next_tile = tile;
-    Loaded<kSwiglu> next = {};
+    Loaded<kInput> next = {};
     if (!walk.done()) {
       next_tile = tile_of(walk);
       load_chunk(a, next_tile, source_of(next_tile), chunk_col, next);
     }
-    uint4 v[2];
-    input_chunk<T, kSwiglu>(a, loaded, tile.row0 + chunk_row, v);
-    if constexpr (kCol) {
-      shared_tiles[buf][row_unit0] = v[0];
-      shared_tiles[buf][row_unit1] = v[1];
-    }
-    if constexpr (kRow) quantize_row_chunk<T>(a, tile, used, chunk_row, chunk_col, v);
-    if constexpr (kCol) {
-      // One barrier per tile: a thread writes buffer `buf` again two tiles later, after every
-      // thread has passed the next tile's barrier, so after every read of this tile.
-      __syncthreads();
-      uint16_t* const first = reinterpret_cast<uint16_t*>(shared_tiles[buf]) + col_first;
-      quantize_column_half<T, kColValues>(a, tile, used, shared_tiles[buf], first, col, half);
-      buf ^= 1;
+    const auto quantize_tile = [&](const Tile& t, const uint4 (&v)[2]) {
+      if constexpr (kCol) {
+        shared_tiles[buf][row_unit0] = v[0];
+        shared_tiles[buf][row_unit1] = v[1];
+      }
+      if constexpr (kRow) quantize_row_chunk<T>(a, t, used, chunk_row, chunk_col, v);
+      if constexpr (kCol) {
+        // One barrier per tile: a thread writes buffer `buf` again two tiles later, after every
+        // thread has passed the next tile's barrier, so after every read of this tile.
+        __syncthreads();
+        uint16_t* const first = reinterpret_cast<uint16_t*>(shared_tiles[buf]) + col_first;
+        quantize_column_half<T, kColValues>(a, t, used, shared_tiles[buf], first, col, half);
+        buf ^= 1;
+      }
+    };
+    if constexpr (kPaired) {
+      uint4 dgate[2], dup[2];
+      swiglu_grad_chunks<T>(loaded, dgate, dup);
+      quantize_tile(tile, dgate);
+      Tile up = tile;
+      up.col0 += a.cols / 2;
+      quantize_tile(up, dup);
+    } else {
+      uint4 v[2];
+      input_chunk<T, kInput>(a, loaded, tile.row0 + chunk_row, v);
+      quantize_tile(tile, v);
     }
     tile = next_tile;
     loaded = next;
   }
 }
 
-template <class T, bool kRow, bool kCol, bool kContiguous, bool kSwiglu = false, bool kColValues = false>
+template <class T, bool kRow, bool kCol, bool kContiguous, Input kInput = Input::kPlain, bool kColValues = false>
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
-  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous, kSwiglu, kColValues>;
+  const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous, kInput, kColValues>;
   const int blocks_per_sm = resident_blocks_per_sm(kernel, kThreads);
   const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
   kernel<<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
@@ -625,16 +703,22 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
 }
 
 // Activations (one batch) take the contiguous walk, weights the banded one. The activations'
-// column-wise values (instead of codes) have their own kernels, without SwiGLU (checked).
+// column-wise values (instead of codes) have their own kernels, without kSwiglu (checked).
+template <class T, bool kRow, bool kCol, Input kInput>
+void launch_quantize_activations(const QuantizeArgs& a, cudaStream_t stream) {
+  if constexpr (kCol && kInput != Input::kSwiglu) {
+    if (a.colwise.values != nullptr) return launch_quantize<T, kRow, kCol, true, kInput, true>(a, stream);
+  }
+  launch_quantize<T, kRow, kCol, true, kInput>(a, stream);
+}
 template <class T, bool kRow, bool kCol>
 void launch_quantize_walk(const QuantizeArgs& a, cudaStream_t stream) {
-  if (a.swiglu) {
-    launch_quantize<T, kRow, kCol, true, true>(a, stream);  // activations (checked)
+  if (a.input == Input::kSwiglu) {
+    launch_quantize_activations<T, kRow, kCol, Input::kSwiglu>(a, stream);  // activations (checked)
+  } else if (a.input == Input::kSwigluGrad) {
+    launch_quantize_activations<T, kRow, kCol, Input::kSwigluGrad>(a, stream);
   } else if (a.colwise_activations && a.batches == 1) {
-    if constexpr (kCol) {
-      if (a.colwise.values != nullptr) return launch_quantize<T, kRow, kCol, true, false, true>(a, stream);
-    }
-    launch_quantize<T, kRow, kCol, true>(a, stream);
+    launch_quantize_activations<T, kRow, kCol, Input::kPlain>(a, stream);
   } else {
     launch_quantize<T, kRow, kCol, false>(a, stream);
   }
@@ -678,10 +762,10 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
              a.rows);
     MG_CHECK(a.cols % 16 == 0, who, ": the row length must be a multiple of 16, got ", a.cols);
     // The activations' column-wise copy is its codes or its bf16 values (not both, and not under
-    // SwiGLU: see launch_quantize_walk); the weights' always carries codes, values beside them.
+    // kSwiglu: see launch_quantize_walk); the weights' always carries codes, values beside them.
     const bool codes = colwise->data != nullptr || colwise->scales != nullptr;
     if (a.colwise_activations)
-      MG_CHECK(codes != (colwise->values != nullptr) && !(a.swiglu && !codes), who,
+      MG_CHECK(codes != (colwise->values != nullptr) && !(a.input == Input::kSwiglu && !codes), who,
                ": the column-wise output is either its codes (data and scales) or its bf16 values (values), ",
                "not both and not neither; the SwiGLU quantizer writes codes only");
     else
@@ -807,13 +891,12 @@ void launch_dequantize_colwise(const uint8_t* data, const uint8_t* scales, void*
   MG_LAUNCH_CHECK();
 }
 
-// The activations' launchers: one batch of capacity_rows, optionally gathered.
-// `swiglu`: x is gate | up and the input SwiGLU of it (launch_quantize_mxfp8_swiglu), times
-// row_weight per row where that is not null.
+// The activations' launchers: one batch of capacity_rows, optionally gathered, or made as it is
+// read (`input`, with row_weight for kSwiglu and da for kSwigluGrad: QuantizeArgs).
 void quantize_activations(const char* who, DType in, const void* x, const RowGather& gather, int64_t capacity_rows,
                           int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                           const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream,
-                          bool swiglu = false, const float* row_weight = nullptr) {
+                          Input input = Input::kPlain, const float* row_weight = nullptr, const void* da = nullptr) {
   MG_CHECK(cols % kMxBlock == 0, who, ": cols must be a multiple of 32, got ", cols);
   MG_CHECK(offsets != nullptr && groups >= 0, who, ": needs the device offsets [groups + 1], groups = ", groups);
   MG_CHECK(capacity_rows < (int64_t{1} << 31) - kTileRows, who,
@@ -830,8 +913,9 @@ void quantize_activations(const char* who, DType in, const void* x, const RowGat
   a.source_rows = gather.rows;
   a.source_bound = gather.bound;
   a.error = gather.error;
-  a.swiglu = swiglu;
+  a.input = input;
   a.row_weight = row_weight;
+  a.da = static_cast<const uint16_t*>(da);
   a.colwise_activations = true;
   check_and_quantize(who, "capacity_rows", in, a, rowwise, colwise, stream);
 }
@@ -862,7 +946,22 @@ void launch_quantize_mxfp8_swiglu(DType in, const void* gate_up, const float* ro
   // Rows of 2 * cols: offsets stay below 2^44 (check_and_quantize bounds the tiles, 32 x 128 each,
   // below 2^31), far inside int64.
   quantize_activations("launch_quantize_mxfp8_swiglu", in, gate_up, {}, capacity_rows, cols, offsets, splits, groups,
-                       rowwise, colwise, stream, true, row_weight);
+                       rowwise, colwise, stream, Input::kSwiglu, row_weight);
+}
+
+void launch_quantize_mxfp8_swiglu_grad(DType in, const void* gate_up, const void* da, int64_t capacity_rows,
+                                       int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
+                                       const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
+                                       cudaStream_t stream) {
+  constexpr const char* kWho = "launch_quantize_mxfp8_swiglu_grad";
+  // Each 128-column tile must lie in one half: the gate's gradient or the up's.
+  MG_CHECK(cols > 0 && cols % (2 * kTileCols) == 0, kWho, ": cols (2 * ffn) must be a positive multiple of ",
+           2 * kTileCols, ", got ", cols);
+  MG_CHECK(da != nullptr && aligned16(da), kWho, ": da must be a 16-byte aligned device pointer");
+  // Without the splits a gap row would be computed from whatever gate_up and da hold there.
+  MG_CHECK(splits != nullptr, kWho, ": needs the device splits");
+  quantize_activations(kWho, in, gate_up, {}, capacity_rows, cols, offsets, splits, groups, rowwise, colwise, stream,
+                       Input::kSwigluGrad, nullptr, da);
 }
 
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,

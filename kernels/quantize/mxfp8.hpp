@@ -119,6 +119,19 @@ void launch_quantize_mxfp8_swiglu(DType in, const void* gate_up, const float* ro
                                   int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                                   const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);
 
+// launch_quantize_mxfp8 of the SwiGLU's input gradient, for a = silu(gate) * up where gate_up is
+// [capacity_rows, cols], each row's gate (cols / 2 columns) then its up (e.g. FC1's output), and da
+// [capacity_rows, cols / 2] is a's gradient: the input is dgate | dup, computed as the quantizer reads
+// and rounded to `in` exactly as launch_swiglu_backward computes and rounds it, so the copies are
+// bit-identical to quantizing its output, which is never written (3 reads of 2 bytes per element of
+// a instead of 3 reads and 2 writes by the SwiGLU backward, then 2 reads by the quantizer).
+// cols is a multiple of 256 (each 32 x 128 tile lies in one half); splits are required (rows
+// without data read as zeros; their gate, up and da are not read); da is 16-byte aligned.
+void launch_quantize_mxfp8_swiglu_grad(DType in, const void* gate_up, const void* da, int64_t capacity_rows,
+                                       int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
+                                       const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
+                                       cudaStream_t stream);
+
 // Quantizes grouped weights w [groups, n, k] (bf16 or fp16), all rows of every expert:
 //   rowwise: blocks along K (what fprop reads):  data [groups, n, k], scales [groups, n, k / 32]
 //   colwise: blocks along N, each expert stored transposed (what dgrad reads, W_e^T):

@@ -30,6 +30,8 @@ const LayerCase kMxfp8Cases[] = {
     {"mxfp8_top2_bias_align32", 8, 2, 256, 128, 96, true, false, true, 0.0, 0.0, false, 32, true, false},
     {"mxfp8_e64_top4_align128_delay", 64, 4, 256, 384, 64, false, true, true, 0.01, 0.0, false, 128, false, true},
     {"mxfp8_fused_capacity_align32", 16, 3, 512, 256, 80, true, false, false, 0.001, 0.75, true, 32, true, true},
+    // No bias, no fused weights, immediate wgrad: FC1's quantizer computes the SwiGLU's backward.
+    {"mxfp8_swiglu_grad_align32", 16, 2, 256, 256, 96, false, false, true, 0.0, 0.0, false, 32, false, false},
 };
 
 class MoeLayerMxfp8Case : public ::testing::TestWithParam<LayerCase> {};

@@ -324,6 +324,98 @@ TEST_P(Mxfp8Grouped, SwigluQuantizerEqualsQuantizingTheSwigluOutput) {
   }
 }
 
+// The quantizer that computes the SwiGLU's backward as it reads (FC1's output gradient) equals
+// quantizing the SwiGLU backward kernel's output bit for bit, in bf16 and fp16, with each output
+// set: codes both ways, bf16 values both ways, row-wise codes alone, column-wise values alone; rows
+// past the used ones keep their poison. Gap rows of gate | up and da hold NaN, which a read would
+// carry into a block. Three layouts: 32-aligned groups (cols 512: two 128-column tiles in each
+// half), used rows ending inside a 32-row block (cols 256), and 16000 rows of 1024 columns, so that
+// every block of the persistent grid walks several pairs of tiles (its prefetch and both shared
+// buffers in use).
+TEST_P(Mxfp8Grouped, SwigluGradQuantizerEqualsQuantizingTheSwigluBackward) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_swiglu_grad_quantizer_", dtype_name(dtype))));
+  const GroupLayout aligned_end = make_layout({40, 0, 70, 0, 1, 33, 0}, 32, 352);
+  const GroupLayout short_end{{50, 53}, {0, 64, 117}, 160};
+  const GroupLayout many_tiles = make_layout({9000, 0, 7000}, 32, 16384);
+  for (const GroupLayout& l : {aligned_end, short_end, many_tiles}) {
+    const int64_t cols = &l == &aligned_end ? 512 : &l == &short_end ? 256 : 1024;
+    const int64_t ffn = cols / 2, rows = l.capacity_rows;
+    const int64_t used = l.offsets.back();
+    const std::string where = detail::concat("used rows ", used, ", cols ", cols, ": ");
+    std::vector<double> gate_up = random_values(rng, rows * cols, 3.0, dtype);
+    std::vector<double> da = random_values(rng, rows * ffn, 1.0, dtype);
+    const std::vector<bool> data = data_rows(l);
+    for (int64_t r = 0; r < rows; ++r)
+      if (r >= used || !data[r]) {
+        std::fill(gate_up.begin() + r * cols, gate_up.begin() + (r + 1) * cols, kNaN);
+        std::fill(da.begin() + r * ffn, da.begin() + (r + 1) * ffn, kNaN);
+      }
+    DeviceArray<uint16_t> d_gate_up(rows * cols), d_da(rows * ffn), dh(rows * cols);
+    d_gate_up.upload(to_device_bits(gate_up, dtype));
+    d_da.upload(to_device_bits(da, dtype));
+    DeviceArray<int64_t> offsets(l.offsets.size());
+    offsets.upload(l.offsets);
+    DeviceArray<int32_t> splits(l.splits.size());
+    splits.upload(l.splits);
+    const int groups = static_cast<int>(l.splits.size());
+    dh.poison();
+    kernels::launch_swiglu_backward(dtype, d_gate_up.get(), d_da.get(), dh.get(), ffn, offsets.get(), groups, 64,
+                                    nullptr);
+
+    // sets: 0 codes both ways, 1 values both ways, 2 row-wise codes alone, 3 column-wise values alone.
+    for (int set = 0; set < 4; ++set) {
+      DeviceMx want_row(rows, cols), want_col(rows, cols), got_row(rows, cols), got_col(rows, cols);
+      DeviceArray<uint16_t> want_rv(rows * cols), want_cv(rows * cols), got_rv(rows * cols), got_cv(rows * cols);
+      for (auto* values : {&want_rv, &want_cv, &got_rv, &got_cv})
+        values->upload(std::vector<uint16_t>(rows * cols, kValuePoison));
+      const bool row = set != 3, col = set != 2, as_values = set == 1 || set == 3;
+      const auto outputs = [&](DeviceMx& r, DeviceMx& c, DeviceArray<uint16_t>& rv, DeviceArray<uint16_t>& cv) {
+        Mxfp8Rowwise rw = as_values ? Mxfp8Rowwise{nullptr, nullptr, rv.get()} : r.rowwise();
+        Mxfp8Colwise cw = as_values ? Mxfp8Colwise{nullptr, nullptr, cv.get()} : c.colwise();
+        return std::make_pair(rw, cw);
+      };
+      const auto [wr, wc] = outputs(want_row, want_col, want_rv, want_cv);
+      const auto [gr, gc] = outputs(got_row, got_col, got_rv, got_cv);
+      kernels::launch_quantize_mxfp8(dtype, dh.get(), rows, cols, offsets.get(), splits.get(), groups,
+                                     row ? &wr : nullptr, col ? &wc : nullptr, nullptr);
+      kernels::launch_quantize_mxfp8_swiglu_grad(dtype, d_gate_up.get(), d_da.get(), rows, cols, offsets.get(),
+                                                 splits.get(), groups, row ? &gr : nullptr, col ? &gc : nullptr,
+                                                 nullptr);
+      MG_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::string what = where + detail::concat("set ", set);
+      EXPECT_TRUE(same_mx(what + " row-wise codes", got_row.download(), want_row.download()));
+      EXPECT_TRUE(same_mx(what + " column-wise codes", got_col.download(), want_col.download()));
+      EXPECT_TRUE(got_rv.download() == want_rv.download()) << what << ": row-wise values differ";
+      EXPECT_TRUE(got_cv.download() == want_cv.download()) << what << ": column-wise values differ";
+      if (set == 0) {  // the check can fail: the codes are mostly non-zero
+        const MxBuffer codes = want_row.download();
+        const auto nonzero = std::count_if(codes.data.begin(), codes.data.begin() + used * cols,
+                                           [](uint8_t b) { return b != 0; });
+        EXPECT_GT(nonzero, used * cols / 2) << what;
+      }
+      if (set == 1) {
+        const std::vector<uint16_t> v = want_cv.download();
+        EXPECT_GT(std::count_if(v.begin(), v.begin() + used * cols, [](uint16_t b) { return b != kValuePoison && b != 0; }),
+                  used * cols / 2)
+            << what << ": column-wise values written";
+      }
+    }
+  }
+  // Refusals: a half row that is not a whole number of tiles, no splits.
+  DeviceArray<uint16_t> x(64 * 384), da(64 * 192);
+  DeviceArray<int64_t> offsets(2);
+  DeviceArray<int32_t> splits(1);
+  DeviceMx out(64, 384);
+  const Mxfp8Rowwise rw = out.rowwise();
+  EXPECT_THROW(kernels::launch_quantize_mxfp8_swiglu_grad(dtype, x.get(), da.get(), 64, 384, offsets.get(),
+                                                          splits.get(), 1, &rw, nullptr, nullptr),
+               Error);
+  EXPECT_THROW(kernels::launch_quantize_mxfp8_swiglu_grad(dtype, x.get(), da.get(), 64, 256, offsets.get(), nullptr,
+                                                          1, &rw, nullptr, nullptr),
+               Error);
+}
+
 // Row-wise needs no alignment: groups of 5, 0, 37, 11, 0 rows (row_align 1) end at row 53 of 100,
 // in the middle of a 32-row tile. Column-wise with one group of 53 rows: the last block of each
 // column is short (rows 32..52) and rows 53..63 of it keep the poison.

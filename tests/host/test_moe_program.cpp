@@ -66,7 +66,8 @@ TEST(MoeProgram, Mxfp8Fc1GathersTheTokensInsteadOfAPermutedCopy) {
   o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32;
   ASSERT_TRUE(layer::layer_gathers_fc1_input(o));
   EXPECT_EQ(layer::describe(layer::moe_layer_ops(o)),
-            "router -> dispatch -> fc1(x by token_of_row) -> swiglu -> fc2(x = swiglu(fc1_out)) -> combine");
+            "router -> dispatch -> fc1(x by token_of_row)(dy = swiglu'(fc1_out) d.swiglu_out) -> swiglu -> "
+            "fc2(x = swiglu(fc1_out)) -> combine");
   const auto train = MoeLayer::workspace_buffers(o);
   EXPECT_TRUE(has_buffer(train, "d.x_perm"));
   for (const char* name : {"x_perm", "slot0.x_perm", "slot1.x_perm"}) EXPECT_FALSE(has_buffer(train, name)) << name;
@@ -157,9 +158,9 @@ TEST(MoeProgram, Bf16TrainingSavesTheLinearsActivationsWhereTheyAreWritten) {
   o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32, o.delay_wgrad = true;
   ASSERT_FALSE(layer::layer_keeps_linear_activations(o));
   const auto mxfp8 = MoeLayer::workspace_buffers(o);
-  for (const char* name : {"d.swiglu_out", "d.fc1_out", "d.expert_out"})
-    EXPECT_TRUE(has_buffer(mxfp8, name)) << name;
+  for (const char* name : {"d.swiglu_out", "d.expert_out"}) EXPECT_TRUE(has_buffer(mxfp8, name)) << name;
   EXPECT_FALSE(has_buffer(mxfp8, "swiglu_out")) << "fc2's quantizer applies the SwiGLU: its output is never made";
+  EXPECT_FALSE(has_buffer(mxfp8, "d.fc1_out")) << "fc1's quantizer applies the SwiGLU's backward";
   GroupedLinearOptions g = layer::expert_linear_options(o, 1, moe_expert_rows(o));
   g.caller_keeps_activations = true;
   std::string refusal;
@@ -171,6 +172,52 @@ TEST(MoeProgram, Bf16TrainingSavesTheLinearsActivationsWhereTheyAreWritten) {
   EXPECT_NE(refusal.find("caller_keeps_activations needs the bf16 recipe"), std::string::npos) << refusal;
   o.recipe = Recipe::kBF16, o.training = false;
   EXPECT_FALSE(layer::layer_keeps_linear_activations(o));
+}
+
+// The mxfp8 recipe, training: FC1's output-gradient quantizer computes the SwiGLU's backward from
+// fc1_out and d.swiglu_out as it reads them, so no SwiGLU backward runs and d.fc1_out is never
+// declared (with expert parallelism too). Not with a bias (FC1's bias gradient reads d.fc1_out), nor
+// with the routing weights fused into the SwiGLU (its backward reduces each row's weight gradient),
+// nor in bf16; inference has no backward.
+TEST(MoeProgram, Mxfp8Fc1QuantizerAppliesTheSwigluBackward) {
+  MoeLayerOptions o = small();
+  o.recipe = Recipe::kMXFP8, o.hidden = 128, o.ffn = 128, o.row_align = 32;
+  const auto named = [](const std::vector<layer::OpSpec>& ops, const char* name) {
+    return *std::find_if(ops.begin(), ops.end(), [&](const auto& s) { return s.name == name; });
+  };
+  for (int ep : {1, 2}) {
+    MoeLayerOptions t = o;
+    t.expert_parallel = ep;
+    ASSERT_TRUE(layer::layer_fc1_applies_swiglu_grad(t));
+    const auto ops = layer::moe_layer_ops(t);
+    EXPECT_TRUE(named(ops, "swiglu").backward_in_prev);
+    EXPECT_EQ(named(ops, "fc1").dy_swiglu_of, "swiglu_out");
+    EXPECT_EQ(named(ops, "fc1").out, "fc1_out");
+    EXPECT_TRUE(named(ops, "fc1").save_out) << "backward reads fc1_out";
+  }
+  const auto buffers = MoeLayer::workspace_buffers(o);
+  EXPECT_FALSE(has_buffer(buffers, "d.fc1_out"));
+  EXPECT_TRUE(has_buffer(buffers, "d.swiglu_out"));
+  EXPECT_TRUE(has_buffer(buffers, "slot0.fc1_out"));
+
+  // Where it does not apply, the SwiGLU's backward runs and writes d.fc1_out.
+  MoeLayerOptions bias = o, fused = o, bf16 = o, serving = o;
+  bias.bias = true;
+  fused.fuse_weights = true;
+  bf16.recipe = Recipe::kBF16;
+  serving.training = false, serving.wgrad_slots = 1;
+  for (const MoeLayerOptions* other : {&bias, &fused, &bf16}) {
+    EXPECT_FALSE(layer::layer_fc1_applies_swiglu_grad(*other));
+    auto ops = layer::moe_layer_ops(*other);
+    if (other->fuse_weights) layer::fuse_routing_weights(ops);
+    for (const auto& spec : ops) EXPECT_TRUE(spec.dy_swiglu_of.empty() && !spec.backward_in_prev) << spec.name;
+    EXPECT_TRUE(has_buffer(MoeLayer::workspace_buffers(*other), "d.fc1_out"));
+  }
+  EXPECT_FALSE(layer::layer_fc1_applies_swiglu_grad(serving));
+  // The fusion pass undoes it where it weighs the rows into the SwiGLU.
+  auto ops = layer::moe_layer_ops(o);
+  ASSERT_EQ(layer::fuse_routing_weights(ops), 1);
+  for (const auto& spec : ops) EXPECT_TRUE(spec.dy_swiglu_of.empty() && !spec.backward_in_prev) << spec.name;
 }
 
 // A layer built for inference builds its expert linears forward_only: they lay out no slots (x or

@@ -338,6 +338,16 @@ void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStrea
   MG_CHECK(args.dbias_scale == nullptr || args.bias != nullptr, "dbias_scale needs the bias");
   MG_CHECK(mode == WgradMode::kImmediate || options_.delay_wgrad,
            "a delayed wgrad needs options.delay_wgrad (room to save dy)");
+  if (args.dy_swiglu_gate_up != nullptr) {
+    MG_CHECK(options_.recipe == Recipe::kMXFP8,
+             "BackwardArgs::dy_swiglu_gate_up (dy made from the SwiGLU's gradient as it is read) needs the mxfp8 "
+             "recipe, whose quantizer reads dy; the ", recipe_name(options_.recipe), " recipe's GEMMs read dy as it is");
+    MG_CHECK(options_.out_features % 256 == 0,
+             "BackwardArgs::dy_swiglu_gate_up needs out_features (N = 2 * ffn) to be a multiple of 256, got ",
+             options_.out_features);
+    MG_CHECK(args.dbias == nullptr && args.dbias_scale == nullptr,
+             "BackwardArgs::dy_swiglu_gate_up cannot give bias gradients: they read dy itself, which is never made");
+  }
   const int index = backward_queue_.front();
   const Slot& slot = slots_[index];
   MG_CHECK(args.dbias_scale == nullptr || slot.has_scale, "dbias_scale asked for, but forward had no bias_scale");

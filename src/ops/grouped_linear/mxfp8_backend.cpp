@@ -1,5 +1,6 @@
 // The mxfp8 recipe (docs/mxfp8.md): x (or the rows gathered through ForwardArgs::x_rows, or the
-// SwiGLU of x: ForwardArgs::x_swiglu) and dy are quantized on the fly into MXFP8 copies (row-wise
+// SwiGLU of x: ForwardArgs::x_swiglu) and dy (or the SwiGLU's input gradient of dy:
+// BackwardArgs::dy_swiglu_gate_up) are quantized on the fly into MXFP8 copies (row-wise
 // for fprop and dgrad, column-wise for wgrad; where fprop or dgrad takes the staged route, the
 // row-wise copy is written as its bf16 values into the staging instead, and where an immediate
 // wgrad takes it, dy's column-wise copy is its bf16 values: dy_values_); a slot keeps the
@@ -124,8 +125,14 @@ class Mxfp8Backend final : public LinearBackend {
     // either way).
     kernels::Mxfp8Colwise* dy_t = o_.delay_wgrad ? &slots_[slot].dy_t : &dy_t_;
     const kernels::Mxfp8Rowwise operand = operand_for(dgrad_);
-    kernels::launch_quantize_mxfp8(o_.dtype, a.dy, o_.capacity_rows, o_.out_features, g.offsets, g.splits,
-                                   o_.num_groups, a.dx != nullptr ? &operand : nullptr, dy_t, stream);
+    const kernels::Mxfp8Rowwise* rowwise = a.dx != nullptr ? &operand : nullptr;
+    if (a.dy_swiglu_gate_up != nullptr)  // dy = the SwiGLU's input gradient of a.dy (checked by GroupedLinear)
+      kernels::launch_quantize_mxfp8_swiglu_grad(o_.dtype, a.dy_swiglu_gate_up, a.dy, o_.capacity_rows,
+                                                 o_.out_features, g.offsets, g.splits, o_.num_groups, rowwise, dy_t,
+                                                 stream);
+    else
+      kernels::launch_quantize_mxfp8(o_.dtype, a.dy, o_.capacity_rows, o_.out_features, g.offsets, g.splits,
+                                     o_.num_groups, rowwise, dy_t, stream);
     if (a.dx != nullptr) {
       const Mxfp8Weights& w = weights(a.mxfp8_weights);
       kernels::Mxfp8RaggedGemmParams p;

@@ -77,7 +77,9 @@ class LinearOp final : public LayerOp {
     MG_CHECK(fp32 ? main_grad_ != nullptr : dweight_ != nullptr, spec_.name, ": MoeLayerWeights needs ",
              fp32 ? "main_grad" : "dw", spec_.layer);
     MG_CHECK(!o_.bias || dbias_ != nullptr, spec_.name, ": MoeLayerWeights needs db", spec_.layer);
-    BackwardArgs b{t.get(tensor::grad(spec_.out), p.slot),
+    // dy: the output gradient, or the SwiGLU's output gradient that the quantizer turns into it.
+    const bool swiglu_grad = !spec_.dy_swiglu_of.empty();
+    BackwardArgs b{t.get(tensor::grad(swiglu_grad ? spec_.dy_swiglu_of : spec_.out), p.slot),
                    weight_,
                    bias_,
                    t.get(tensor::grad(spec_.in)),
@@ -86,6 +88,7 @@ class LinearOp final : public LayerOp {
                    fp32 ? nullptr : dweight_,
                    fp32 ? main_grad_ : nullptr,
                    mxfp8_};
+    if (swiglu_grad) b.dy_swiglu_gate_up = t.get(spec_.out, p.slot);  // gate | up, saved by forward
     op_->backward(b, p.wgrad, stream);
   }
 
@@ -119,10 +122,12 @@ class SwigluOp final : public LayerOp {
   std::string name() const override { return spec_.name; }
   std::string kernels() const override {
     const std::string forward = spec_.forward_in_next ? " (forward: in fc2's quantizer, as it reads fc1_out)" : "";
+    const std::string backward =
+        spec_.backward_in_prev ? " (backward: in fc1's quantizer, as it reads fc1_out and d.swiglu_out)" : "";
     const std::string what = weighted_
                                  ? "w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient"
                                  : "silu(gate) * up, 16-byte vectors over the used rows";
-    return spec_.name + ": " + what + forward;
+    return spec_.name + ": " + what + forward + backward;
   }
 
   void declare(TensorTable& t, bool training) override {
@@ -132,7 +137,8 @@ class SwigluOp final : public LayerOp {
                 spec_.save_out ? Lifetime::kSaved : Lifetime::kStep);
     if (!training) return;
     const std::string d_in = tensor::grad(spec_.in);
-    t.declare(d_in, checked_mul(d_in, rows_, 2, o_.ffn, es), spec_.save_d_in ? Lifetime::kSaved : Lifetime::kStep);
+    if (!spec_.backward_in_prev)  // else FC1's quantizer computes it as it reads, and it is never written
+      t.declare(d_in, checked_mul(d_in, rows_, 2, o_.ffn, es), spec_.save_d_in ? Lifetime::kSaved : Lifetime::kStep);
     if (weighted_)
       t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, rows_, sizeof(float)), Lifetime::kStep);
   }
@@ -153,6 +159,7 @@ class SwigluOp final : public LayerOp {
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {
+    if (spec_.backward_in_prev) return;  // FC1's quantizer (OpSpec::dy_swiglu_of)
     const TensorTable& t = *p.tensors;
     const int s = p.slot;
     const int64_t* offsets = t.get<int64_t>(tensor::kOffsets, s);

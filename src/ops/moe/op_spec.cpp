@@ -17,6 +17,10 @@ bool layer_gathers_fc1_input(const MoeLayerOptions& o) {
 
 bool layer_fc2_applies_swiglu(const MoeLayerOptions& o) { return o.recipe == Recipe::kMXFP8; }
 
+bool layer_fc1_applies_swiglu_grad(const MoeLayerOptions& o) {
+  return o.recipe == Recipe::kMXFP8 && o.training && !o.bias && !o.fuse_weights;
+}
+
 std::string describe_local_dispatch(bool gathers_rows) {
   return std::string("dispatch: stable counting sort by expert (chunk counts, one-block scan, ranked scatter; a "
                      "small batch all in one block) into the group layout (splits, offsets), ") +
@@ -53,6 +57,10 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
     ops[ops.size() - 2].forward_in_next = true;
     ops.back().swiglu_in = "fc1_out";
   }
+  if (layer_fc1_applies_swiglu_grad(o)) {
+    ops[ops.size() - 2].backward_in_prev = true;
+    ops[ops.size() - 3].dy_swiglu_of = "swiglu_out";
+  }
   ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, keep_grads, true, "", 0, ""});
   return ops;
 }
@@ -66,6 +74,10 @@ int fuse_routing_weights(std::vector<OpSpec>& ops) {
       continue;
     act.kind = OpKind::kSwigluWeighted;
     act.name = "swiglu_weighted";
+    // Its backward also reduces each row's weight gradient: FC1's quantizer does not take it over.
+    act.backward_in_prev = false;
+    for (OpSpec& fc1 : ops)
+      if (fc1.kind == OpKind::kLinear && fc1.out == act.in) fc1.dy_swiglu_of.clear();
     if (!fc2.swiglu_in.empty()) fc2.swiglu_weight = tensor::kRowWeight;  // FC2's quantizer weighs the rows
     fc2.bias_scale = tensor::kRowWeight;
     fc2.save_out = false;  // the weight gradient now comes from the SwiGLU side: no saved expert output
@@ -86,6 +98,7 @@ std::string describe(const std::vector<OpSpec>& ops) {
     if (!op.swiglu_in.empty())
       s += "(x = " + std::string(op.swiglu_weight.empty() ? "" : op.swiglu_weight + " * ") + "swiglu(" +
            op.swiglu_in + "))";
+    if (!op.dy_swiglu_of.empty()) s += "(dy = swiglu'(" + op.out + ") d." + op.dy_swiglu_of + ")";
   }
   return s;
 }

@@ -42,6 +42,12 @@ struct OpSpec {
   // kernel and no `out` (it still names the gradient the next operator's backward gives).
   std::string swiglu_in, swiglu_weight;
   bool forward_in_next = false;
+  // kLinear: the output gradient is never made; backward reads the gradient of this tensor (the
+  // SwiGLU's output: da) and the operator's saved output (gate | up), and its quantizer computes the
+  // SwiGLU's input gradient as it reads (BackwardArgs::dy_swiglu_gate_up). kSwiglu with
+  // backward_in_prev: no backward kernel and no input gradient.
+  std::string dy_swiglu_of;
+  bool backward_in_prev = false;
 };
 
 // The unfused layer: router, dispatch, [aux loss], FC1, SwiGLU, FC2, weighted combine.
@@ -67,6 +73,12 @@ bool layer_gathers_fc1_input(const MoeLayerOptions& options);
 // forward kernel runs and its output is never written (ForwardArgs::x_swiglu): the mxfp8 recipe,
 // whose quantizer reads FC2's input once anyway.
 bool layer_fc2_applies_swiglu(const MoeLayerOptions& options);
+// Whether FC1's output-gradient quantizer computes the SwiGLU's backward from FC1's saved output
+// and the SwiGLU's output gradient as it reads them, so that no SwiGLU backward kernel runs and FC1's
+// output gradient is never written (BackwardArgs::dy_swiglu_gate_up): mxfp8 training without bias
+// (FC1's bias gradient would read that gradient) and without the routing weights fused into the
+// SwiGLU (whose backward also reduces each row's weight gradient).
+bool layer_fc1_applies_swiglu_grad(const MoeLayerOptions& options);
 // The one-GPU dispatch's kernels in words, for --plan and the operator's kernels(): whether it
 // writes the permuted rows (`gathers_rows`) or FC1 reads the tokens through token_of_row.
 std::string describe_local_dispatch(bool gathers_rows);
