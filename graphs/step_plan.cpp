@@ -134,10 +134,17 @@ StepPlan plan_step(const StepGraphsOptions& options) {
                                              "that every bucket reads") +
                            (options.layer.dequantized_weights ? "; also kept dequantized to bf16 (dequantized_weights)"
                                                               : ""));
-  plan.kernels.push_back(options.step == StepKind::kMoeLayer && layer::layer_fc2_applies_swiglu(first)
-                             ? "swiglu: forward in fc2's MXFP8 quantizer (silu(gate) * up as it reads fc1_out); "
-                               "backward 8 x 16-bit per thread, grid-stride over used rows"
-                             : "swiglu forward/backward: 8 x 16-bit per thread, grid-stride over used rows");
+  const bool moe_layer = options.step == StepKind::kMoeLayer;
+  const std::string swiglu_kernel = "8 x 16-bit per thread, grid-stride over used rows";
+  plan.kernels.push_back(
+      std::string("swiglu: forward ") +
+      (moe_layer && layer::layer_fc2_applies_swiglu(first)
+           ? "in fc2's MXFP8 quantizer (silu(gate) * up as it reads fc1_out)"
+           : swiglu_kernel) +
+      "; backward " +
+      (moe_layer && layer::layer_fc1_applies_swiglu_grad(first)
+           ? "in fc1's MXFP8 quantizer (dgate | dup as it reads fc1_out and d.swiglu_out)"
+           : swiglu_kernel));
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (options.step == StepKind::kMoeLayer && layer::layer_keeps_linear_activations(first))
     plan.kernels.push_back(std::string("saved activations: x_perm and swiglu_out") +
