@@ -62,6 +62,15 @@ std::vector<double> random_values(std::mt19937_64& rng, std::size_t count, doubl
   return v;
 }
 
+std::vector<float> data_row_weights(std::mt19937_64& rng, const GroupLayout& l) {
+  const std::vector<bool> data = data_rows(l);
+  std::vector<float> weights(l.capacity_rows, std::numeric_limits<float>::quiet_NaN());
+  std::uniform_real_distribution<float> weight(0.05f, 1.0f);
+  for (int64_t r = 0; r < l.capacity_rows; ++r)
+    if (data[r]) weights[r] = weight(rng);
+  return weights;
+}
+
 std::vector<uint16_t> to_device_bits(const std::vector<double>& v, DType t) {
   std::vector<uint16_t> out(v.size());
   for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_bits(v[i], t);

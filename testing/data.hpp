@@ -25,6 +25,9 @@ uint64_t test_seed(const std::string& test_name);
 // Uniform values in [-scale, scale], never all zero, rounded to `t` (fp32 for kFP32).
 std::vector<double> random_values(std::mt19937_64& rng, std::size_t count, double scale, DType t);
 std::vector<uint16_t> to_device_bits(const std::vector<double>& v, DType t);
+// Per-row weights (e.g. routing weights) uniform in [0.05, 1) on the rows of `l` that hold data, NaN
+// on every other row (alignment gaps, padding): a kernel that reads a row without data turns NaN.
+std::vector<float> data_row_weights(std::mt19937_64& rng, const GroupLayout& l);
 // Integers in [-range, range] times `step`, the first always `step`. x and a router weight on such
 // grids make every product and fp32 partial sum of the logits exact: the device and the reference
 // see identical logits and make identical top-k choices (ties to the lower id on both sides)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/comm/ep_exchange.hpp"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/warp_scan.cuh"
@@ -386,7 +387,7 @@ void launch_ep_push_chunks(const void* send, const PeerBases& recv, std::size_t 
                            const uint32_t* link, cudaStream_t stream) {
   MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel && rank >= 0 && rank < ranks, "ep chunks: rank ", rank, " of ",
            ranks);
-  MG_CHECK(chunk_bytes % 16 == 0 && reinterpret_cast<std::uintptr_t>(send) % 16 == 0, "ep chunks: ", chunk_bytes,
+  MG_CHECK(chunk_bytes % 16 == 0 && aligned16(send), "ep chunks: ", chunk_bytes,
            " bytes per chunk must be a multiple of 16 and 16-byte aligned");
   const int64_t vectors = static_cast<int64_t>(chunk_bytes / 16);
   if (vectors == 0) return;

@@ -1,3 +1,4 @@
+#include "kernels/common/alignment.hpp"
 #include "kernels/elementwise/elementwise.hpp"
 #include "moegraph/error.hpp"
 
@@ -19,7 +20,7 @@ __global__ void copy_used_rows_kernel(unsigned char* __restrict__ dst, const uns
 
 void launch_copy_used_rows(void* dst, const void* src, std::size_t row_bytes, const int64_t* offsets,
                            int num_groups, int grid, cudaStream_t stream) {
-  MG_CHECK(reinterpret_cast<std::uintptr_t>(dst) % 16 == 0 && reinterpret_cast<std::uintptr_t>(src) % 16 == 0,
+  MG_CHECK(aligned16(dst) && aligned16(src),
            "copy_used_rows needs 16-byte aligned buffers");
   copy_used_rows_kernel<<<grid, 256, 0, stream>>>(static_cast<unsigned char*>(dst),
                                                   static_cast<const unsigned char*>(src), row_bytes,

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/swiglu_math.cuh"
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_weighted_backward_kernel(
 void check_weighted_args(int64_t ffn, int experts, const void* a, const void* b) {
   MG_CHECK(ffn > 0 && ffn % kVec == 0, "swiglu_weighted needs ffn to be a positive multiple of ", kVec, ", got ", ffn);
   MG_CHECK(experts >= 1, "swiglu_weighted: experts must be positive, got ", experts);
-  MG_CHECK(reinterpret_cast<std::uintptr_t>(a) % 16 == 0 && reinterpret_cast<std::uintptr_t>(b) % 16 == 0,
+  MG_CHECK(aligned16(a) && aligned16(b),
            "swiglu_weighted: buffers must be 16-byte aligned");
 }
 
@@ -156,7 +157,7 @@ void launch_swiglu_weighted_backward(DType dtype, const void* h, const float* ro
                                      const float* extra, float* d_row_weight, int64_t ffn, const int64_t* offsets,
                                      int experts, cudaStream_t stream) {
   check_weighted_args(ffn, experts, h, dh);
-  MG_CHECK(reinterpret_cast<std::uintptr_t>(da) % 16 == 0, "swiglu_weighted_backward: da must be 16-byte aligned");
+  MG_CHECK(aligned16(da), "swiglu_weighted_backward: da must be 16-byte aligned");
   with_16bit_type(dtype, "swiglu_weighted_backward", [&](auto t) {
     launch_weighted_backward<decltype(t)>(h, row_weight, da, dh, extra, d_row_weight, ffn, offsets, experts, stream);
   });

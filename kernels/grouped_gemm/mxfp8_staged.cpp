@@ -30,6 +30,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/grouped_gemm/gemm_families.hpp"
 #include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/error.hpp"
@@ -122,7 +123,7 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
   MG_CHECK(p.capacity_rows > 0, kWho, ": needs capacity_rows");
   // The weights this plan reads, checked before anything is enqueued.
   if (plan.config.dequantized_weights)
-    MG_CHECK(p.b_dequantized != nullptr && reinterpret_cast<std::uintptr_t>(p.b_dequantized) % 16 == 0, kWho,
+    MG_CHECK(p.b_dequantized != nullptr && aligned16(p.b_dequantized), kWho,
              ": this plan reads the weights' kept bf16 values (dequantized_weights): b_dequantized must be a "
              "16-byte aligned device pointer");
   else
@@ -164,7 +165,7 @@ void launch_mxfp8_staged_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, 
   MG_CHECK(p.staging != nullptr && reinterpret_cast<std::uintptr_t>(p.staging) % kAlign == 0 && p.staging_bytes >= need,
            kWho, ": the staged route needs ", need, " bytes of 256-byte aligned device scratch (staging), got ",
            p.staging_bytes, " bytes at ", p.staging);
-  MG_CHECK(!dy_made || reinterpret_cast<std::uintptr_t>(p.dy_values) % 16 == 0, kWho,
+  MG_CHECK(!dy_made || aligned16(p.dy_values), kWho,
            ": dy_values must be a 16-byte aligned device pointer");
   MG_CHECK(dy_made || (p.dy_t != nullptr && p.dy_t_scales != nullptr), kWho,
            ": needs dy_t and dy_t_scales, or dy's bf16 values (dy_values)");

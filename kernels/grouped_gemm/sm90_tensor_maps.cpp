@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
+#include "kernels/common/alignment.hpp"
 #include "moegraph/error.hpp"
 
 namespace moegraph::kernels {
@@ -19,7 +20,7 @@ CUtensorMap encode_sw128_map(void* encoder, CUtensorMapDataType type, int rank, 
                              const uint64_t* byte_strides, const uint32_t* box) {
   MG_CHECK(encoder != nullptr, "the TMA plan was not prepared (prepare_gemm at set-up)");
   MG_CHECK(rank >= 1 && rank <= 5, "a tensor map has 1 to 5 dims, got ", rank);
-  MG_CHECK(reinterpret_cast<uintptr_t>(base) % 16 == 0, "TMA operands must be 16-byte aligned");
+  MG_CHECK(aligned16(base), "TMA operands must be 16-byte aligned");
   cuuint64_t gdims[5], gstrides[4];
   cuuint32_t gbox[5], estrides[5];
   for (int i = 0; i < rank; ++i) gdims[i] = dims[i] > 0 ? dims[i] : 1, gbox[i] = box[i], estrides[i] = 1;

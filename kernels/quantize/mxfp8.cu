@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/device_error.cuh"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
@@ -733,7 +734,6 @@ void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
   else launch_quantize_walk<T, false, true>(a, stream);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 // Checks shared by the activation and weight quantizers (`rows_name`: what a.rows is called),
 // then the launch.

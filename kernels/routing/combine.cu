@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/common/row_lanes.cuh"
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) copy_tokens_kernel(const V* __restri
 
 void check_rows_args(const char* what, int64_t hidden, const void* a, const void* b) {
   MG_CHECK(hidden > 0 && hidden % 16 == 0, what, ": hidden must be a positive multiple of 16, got ", hidden);
-  MG_CHECK(reinterpret_cast<std::uintptr_t>(a) % 16 == 0 && reinterpret_cast<std::uintptr_t>(b) % 16 == 0, what,
+  MG_CHECK(aligned16(a) && aligned16(b), what,
            ": buffers must be 16-byte aligned");
 }
 
@@ -208,7 +209,7 @@ void launch_combine_backward(DType dtype, const void* dy, const int32_t* token_o
   MG_CHECK(token_of_row != nullptr && splits != nullptr && offsets != nullptr,
            "combine_backward: token_of_row, splits and offsets are required");
   const bool dot = rows != nullptr && d_row_weight != nullptr;
-  MG_CHECK(!dot || reinterpret_cast<std::uintptr_t>(rows) % 16 == 0, "combine_backward: rows must be 16-byte aligned");
+  MG_CHECK(!dot || aligned16(rows), "combine_backward: rows must be 16-byte aligned");
   with_16bit_type(dtype, "combine_backward", [&](auto t) {
     using T = decltype(t);
     if (dot)

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/ragged_tiles.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/warp_scan.cuh"
@@ -377,7 +378,7 @@ void launch_permute_rows(DType dtype, const void* x, const int32_t* token_of_row
   MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, "permute_rows: dtype must be bf16 or fp16");
   MG_CHECK(hidden > 0 && hidden % 16 == 0, "permute_rows: hidden must be a positive multiple of 16, got ", hidden);
   MG_CHECK(experts >= 1 && experts <= kMaxExperts, "permute_rows: experts must be in [1, ", kMaxExperts, "]");
-  MG_CHECK(reinterpret_cast<std::uintptr_t>(x) % 16 == 0 && reinterpret_cast<std::uintptr_t>(permuted) % 16 == 0,
+  MG_CHECK(aligned16(x) && aligned16(permuted),
            "permute_rows: x and permuted must be 16-byte aligned");
   const int64_t vectors = hidden * static_cast<int64_t>(dtype_size(dtype)) / 16;
   const int blocks_per_sm = resident_blocks_per_sm(permute_rows_kernel, kCopyThreads);

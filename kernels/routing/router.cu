@@ -8,6 +8,7 @@
 #include <climits>
 #include <cmath>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/vector_io.cuh"
@@ -375,7 +376,7 @@ void launch_router_logits_small(const RouterLogitsParams& p, cudaStream_t stream
            p.hidden);
   MG_CHECK(p.x != nullptr && p.w != nullptr && p.num_tokens != nullptr && p.logits != nullptr,
            "router_logits_small: x, w, num_tokens and logits are required");
-  MG_CHECK(reinterpret_cast<std::uintptr_t>(p.x) % 16 == 0 && reinterpret_cast<std::uintptr_t>(p.w) % 16 == 0,
+  MG_CHECK(aligned16(p.x) && aligned16(p.w),
            "router_logits_small: x and w must be 16-byte aligned");
   with_16bit_type(p.dtype, "router_logits_small", [&](auto t) {
     router_logits_small_kernel<decltype(t)><<<p.experts, kThreads, 0, stream>>>(p);
@@ -389,7 +390,7 @@ void launch_router_aux_loss(const float* scores, const int32_t* counts, const in
   check_router_shape(max_tokens, experts, top_k);
   MG_CHECK(scores != nullptr && counts != nullptr && num_tokens != nullptr && aux_loss != nullptr,
            "router_aux_loss: scores, counts, num_tokens and aux_loss are required");
-  const bool vec4 = experts % 4 == 0 && reinterpret_cast<std::uintptr_t>(scores) % 16 == 0;
+  const bool vec4 = experts % 4 == 0 && aligned16(scores);
   if (vec4) {
     router_aux_loss_kernel<4><<<kAuxBlocks, kAuxThreads, 0, stream>>>(scores, counts, num_tokens, max_tokens,
                                                                       experts, top_k, coef, aux_loss);

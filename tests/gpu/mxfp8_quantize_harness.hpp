@@ -159,6 +159,20 @@ inline std::vector<double> grouped_values(std::mt19937_64& rng, const GroupLayou
   return x;
 }
 
+// The alignment gap rows below offsets[G] of a grouped input, made zeros in `x` (what the device
+// must read there: plant_edges may have written into them) and returned as a copy holding NaN there
+// instead (the garbage a quantizer given the splits must not read).
+inline std::vector<double> nan_gap_rows(std::vector<double>& x, const GroupLayout& l, int64_t cols) {
+  const std::vector<bool> data = data_rows(l);
+  std::vector<double> garbage = x;
+  for (int64_t r = 0; r < l.offsets.back(); ++r)
+    if (!data[r]) {
+      std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, 0.0);
+      std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
+    }
+  return garbage;
+}
+
 enum class Layouts { kRow, kCol, kBoth };
 inline bool has_row(Layouts l) { return l != Layouts::kCol; }
 inline bool has_col(Layouts l) { return l != Layouts::kRow; }

@@ -151,13 +151,7 @@ TEST_P(Mxfp8Grouped, RowwiseValuesAreTheCodesDequantized) {
   const int64_t cols = 416, used = l.offsets.back();
   std::vector<double> x = grouped_values(rng, l, cols, dtype);
   plant_edges(x, used, cols, dtype, rng);
-  const std::vector<bool> data = data_rows(l);
-  std::vector<double> garbage = x;
-  for (int64_t r = 0; r < used; ++r)
-    if (!data[r]) {
-      std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, 0.0);
-      std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
-    }
+  const std::vector<double> garbage = nan_gap_rows(x, l, cols);
   QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
   run.set_splits(splits);
   const MxBuffer codes = reference_rowwise(x, run.rows, cols, used);
@@ -206,13 +200,7 @@ TEST_P(Mxfp8Grouped, ColwiseValuesAreTheCodesDequantized) {
     const std::string where = detail::concat("used rows ", used, ": ");
     std::vector<double> x = grouped_values(rng, l, cols, dtype);
     plant_edges(x, used / 32 * 32, cols, dtype, rng);
-    const std::vector<bool> data = data_rows(l);
-    std::vector<double> garbage = x;
-    for (int64_t r = 0; r < used; ++r)
-      if (!data[r]) {
-        std::fill(x.begin() + r * cols, x.begin() + (r + 1) * cols, 0.0);
-        std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
-      }
+    const std::vector<double> garbage = nan_gap_rows(x, l, cols);
     QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
     run.set_splits(l.splits);
     const std::vector<double> want =
@@ -287,13 +275,8 @@ TEST_P(Mxfp8Grouped, SwigluQuantizerEqualsQuantizingTheSwigluOutput) {
   const int64_t cols = 160, rows = l.capacity_rows;
   DeviceArray<uint16_t> gate_up(rows * 2 * cols), h(rows * cols);
   gate_up.upload(to_device_bits(random_values(rng, rows * 2 * cols, 3.0, dtype), dtype));
-  const std::vector<bool> data = data_rows(l);
-  std::vector<float> weights(rows, std::numeric_limits<float>::quiet_NaN());
-  std::uniform_real_distribution<float> weight(0.05f, 1.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    if (data[r]) weights[r] = weight(rng);
   DeviceArray<float> d_weights(rows);
-  d_weights.upload(weights);
+  d_weights.upload(data_row_weights(rng, l));
   DeviceArray<int64_t> offsets(l.offsets.size());
   offsets.upload(l.offsets);
   DeviceArray<int32_t> d_splits(splits.size());

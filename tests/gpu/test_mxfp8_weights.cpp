@@ -327,11 +327,7 @@ TEST(Mxfp8WeightsApi, SwigluInputGivesTheSwigluOutputsBits) {
   DeviceArray<uint16_t> gate_up(rows * 2 * K), h(rows * K), h_weighted(rows * K);
   gate_up.upload(to_device_bits(random_values(rng, rows * 2 * K, 3.0, DType::kBF16), DType::kBF16));
   const GroupLayout layout = make_layout(host_splits, 32, rows);
-  const std::vector<bool> data = data_rows(layout);
-  std::vector<float> weights(rows, std::numeric_limits<float>::quiet_NaN());
-  std::uniform_real_distribution<float> weight(0.05f, 1.0f);
-  for (int64_t r = 0; r < rows; ++r)
-    if (data[r]) weights[r] = weight(rng);
+  const std::vector<float> weights = data_row_weights(rng, layout);
   DeviceArray<float> d_weights(rows);
   d_weights.upload(weights);
   DeviceArray<int64_t> offsets(layout.offsets.size());

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/quantize/mxfp8.hpp"
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
@@ -21,12 +22,11 @@ void check_sizes(int groups, int64_t n, int64_t k) {
              " must be a multiple of 32 in [32, ", kMaxFeatures, "], got ", v);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 // A pair of arrays is given whole or not at all.
 bool pair_given(const char* data_name, const uint8_t* data, const uint8_t* scales) {
   MG_CHECK((data == nullptr) == (scales == nullptr), "MXFP8 weights: ", data_name, " and its scales come together");
-  MG_CHECK(data == nullptr || (aligned16(data) && aligned16(scales)), "MXFP8 weights: ", data_name,
+  MG_CHECK(data == nullptr || (kernels::aligned16(data) && kernels::aligned16(scales)), "MXFP8 weights: ", data_name,
            " and its scales must be 16-byte aligned");
   return data != nullptr;
 }
@@ -35,7 +35,7 @@ bool pair_given(const char* data_name, const uint8_t* data, const uint8_t* scale
 void check_dequantized(const char* who, const Mxfp8Weights& w) {
   MG_CHECK(w.dequantized == nullptr || w.data != nullptr, who, ": dequantized needs data and scales");
   MG_CHECK(w.dequantized_t == nullptr || w.data_t != nullptr, who, ": dequantized_t needs data_t and scales_t");
-  MG_CHECK(aligned16(w.dequantized) && aligned16(w.dequantized_t), who,
+  MG_CHECK(kernels::aligned16(w.dequantized) && kernels::aligned16(w.dequantized_t), who,
            ": the dequantized copies must be 16-byte aligned");
 }
 
@@ -64,7 +64,7 @@ void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, i
   check_sizes(groups, n, k);
   MG_CHECK(dtype == DType::kBF16 || dtype == DType::kFP16, "quantize_mxfp8_weights: w must be bf16 or fp16, got ",
            dtype_name(dtype));
-  MG_CHECK(w != nullptr && aligned16(w), "quantize_mxfp8_weights: w must be a 16-byte aligned device pointer");
+  MG_CHECK(w != nullptr && kernels::aligned16(w), "quantize_mxfp8_weights: w must be a 16-byte aligned device pointer");
   const bool rows = pair_given("data", out.data, out.scales);
   const bool cols = pair_given("data_t", out.data_t, out.scales_t);
   MG_CHECK(rows || cols, "quantize_mxfp8_weights: nothing to write (give data and scales, data_t and scales_t, or both)");

@@ -6,6 +6,7 @@
 #include <deque>
 #include <memory>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/routing/moe_routing.hpp"
 #include "moegraph/error.hpp"
 #include "src/core/device_buffer.hpp"
@@ -20,7 +21,6 @@ namespace {
 // The router's copy of x (declare).
 constexpr const char* kX = "router.x";
 
-bool aligned16(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 class RouterOp final : public LayerOp {
  public:
@@ -62,7 +62,7 @@ class RouterOp final : public LayerOp {
     int32_t* tokens = t.get<int32_t>(tensor::kTokens, p.slot);
     float* logits = t.get<float>("logits");
     // The micro-batch keeps its own token count: the caller may change num_tokens before backward.
-    if (router_logits_from_x(o_) && aligned16(p.io->x) && aligned16(w_.router) && o_.hidden % 8 == 0) {
+    if (router_logits_from_x(o_) && kernels::aligned16(p.io->x) && kernels::aligned16(w_.router) && o_.hidden % 8 == 0) {
       // A small inference batch: one kernel, which also copies the token count (decode latency).
       kernels::RouterLogitsParams l;
       l.x = p.io->x, l.w = w_.router, l.dtype = o_.dtype;
