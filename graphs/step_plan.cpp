@@ -141,10 +141,10 @@ StepPlan plan_step(const StepGraphsOptions& options) {
       (moe_layer && layer::layer_fc2_applies_swiglu(first)
            ? "in fc2's MXFP8 quantizer (silu(gate) * up as it reads fc1_out)"
            : swiglu_kernel) +
-      "; backward " +
-      (moe_layer && layer::layer_fc1_applies_swiglu_grad(first)
-           ? "in fc1's MXFP8 quantizer (dgate | dup as it reads fc1_out and d.swiglu_out)"
-           : swiglu_kernel));
+      (!first.training ? std::string()  // inference runs no backward
+       : moe_layer && layer::layer_fc1_applies_swiglu_grad(first)
+           ? "; backward in fc1's MXFP8 quantizer (dgate | dup as it reads fc1_out and d.swiglu_out)"
+           : "; backward " + swiglu_kernel));
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (options.step == StepKind::kMoeLayer && layer::layer_keeps_linear_activations(first))
     plan.kernels.push_back(std::string("saved activations: x_perm and swiglu_out") +
