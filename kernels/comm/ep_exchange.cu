@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/common/alignment.hpp"
 #include "kernels/comm/ep_exchange.hpp"
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/row_lanes.cuh"
 #include "kernels/common/warp_scan.cuh"
 #include "kernels/routing/routing_common.cuh"

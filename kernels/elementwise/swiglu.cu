@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_weighted_backward_kernel(
           dot = fmaf(g[j], silu * up[j], dot);
           const float gw = g[j] * w;
           dup[j] = gw * silu;
-          dgate[j] = gw * up[j] * s * (1.0f + gate[j] * (1.0f - s));
+          dgate[j] = swiglu_grad_gate(gate[j], up[j], gw);
         }
         store8(dh + r * 2 * ffn + col, dgate);
         store8(dh + r * 2 * ffn + ffn + col, dup);

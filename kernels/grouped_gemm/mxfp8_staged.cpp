@@ -70,9 +70,7 @@ GemmPlan inner_plan(const GemmPlan& plan) {
   return inner;
 }
 
-void check_staging(const GemmPlan& plan, const void* staging, std::size_t given, int groups, int64_t capacity_rows,
-                   int64_t n, int64_t k, const char* who) {
-  const std::size_t need = mxfp8_staging_bytes(plan.config, groups, capacity_rows, n, k, 1);
+void check_staging(std::size_t need, const void* staging, std::size_t given, const char* who) {
   MG_CHECK(staging != nullptr && reinterpret_cast<std::uintptr_t>(staging) % kAlign == 0 && given >= need, who,
            ": the staged route needs ", need, " bytes of 256-byte aligned device scratch (staging), got ", given,
            " bytes at ", staging);
@@ -119,7 +117,8 @@ std::size_t mxfp8_staged_wgrad_bytes(int64_t capacity_rows, int64_t n, int64_t k
 
 void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream) {
   constexpr const char* kWho = "launch_mxfp8_ragged_gemm (staged)";
-  check_staging(plan, p.staging, p.staging_bytes, p.num_groups, p.capacity_rows, p.n, p.k, kWho);
+  check_staging(mxfp8_staging_bytes(plan.config, p.num_groups, p.capacity_rows, p.n, p.k, 1), p.staging,
+                p.staging_bytes, kWho);
   MG_CHECK(p.capacity_rows > 0, kWho, ": needs capacity_rows");
   // The weights this plan reads, checked before anything is enqueued.
   if (plan.config.dequantized_weights)
@@ -161,10 +160,7 @@ void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, c
 void launch_mxfp8_staged_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream) {
   constexpr const char* kWho = "launch_mxfp8_wgrad (staged)";
   const bool dy_made = p.dy_values != nullptr;
-  const std::size_t need = mxfp8_staged_wgrad_bytes(p.capacity_rows, p.n, p.k, dy_made);
-  MG_CHECK(p.staging != nullptr && reinterpret_cast<std::uintptr_t>(p.staging) % kAlign == 0 && p.staging_bytes >= need,
-           kWho, ": the staged route needs ", need, " bytes of 256-byte aligned device scratch (staging), got ",
-           p.staging_bytes, " bytes at ", p.staging);
+  check_staging(mxfp8_staged_wgrad_bytes(p.capacity_rows, p.n, p.k, dy_made), p.staging, p.staging_bytes, kWho);
   MG_CHECK(!dy_made || aligned16(p.dy_values), kWho,
            ": dy_values must be a 16-byte aligned device pointer");
   MG_CHECK(dy_made || (p.dy_t != nullptr && p.dy_t_scales != nullptr), kWho,

@@ -65,7 +65,7 @@ constexpr int kSwigluGradBlocksPerSm = 2;
 // Writing the activations' column-wise values (kColValues) needs more registers than the codes:
 // ptxas spilled about 70 bytes at six blocks' cap (40 registers) and 16-24 at five's (48), none at
 // four's (64). Measured on one H200 (32768 x 2048 and x 1536, both copies as values; fraction of a
-// same-size copy): six blocks 0.63-0.64, five 0.72-0.75, four 0.83-0.85.
+// same-size copy): six blocks 0.63-0.64, five 0.72-0.75, four 0.82-0.85.
 constexpr int kColValuesBlocksPerSm = 4;
 constexpr int kTileRows = kMxBlock;               // one column-wise block per column
 constexpr int kTileCols = 128;                    // four row-wise blocks per row
@@ -698,7 +698,8 @@ template <class T, bool kRow, bool kCol, bool kContiguous, Input kInput = Input:
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   const auto kernel = quantize_mxfp8_kernel<T, kRow, kCol, kContiguous, kInput, kColValues>;
   const int blocks_per_sm = resident_blocks_per_sm(kernel, kThreads);
-  const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * ((a.cols + kTileCols - 1) / kTileCols);
+  const int64_t col_tiles = (a.cols + kTileCols - 1) / kTileCols / (kInput == Input::kSwigluGrad ? 2 : 1);
+  const int64_t max_tiles = a.batches * ((a.rows + kTileRows - 1) / kTileRows) * col_tiles;  // walked tiles
   kernel<<<grid_blocks(max_tiles, blocks_per_sm), kThreads, 0, stream>>>(a, kBandRowTiles);
   MG_LAUNCH_CHECK();
 }
@@ -733,7 +734,6 @@ void launch_quantize_layouts(const QuantizeArgs& a, cudaStream_t stream) {
   else if (row) launch_quantize_walk<T, true, false>(a, stream);
   else launch_quantize_walk<T, false, true>(a, stream);
 }
-
 
 // Checks shared by the activation and weight quantizers (`rows_name`: what a.rows is called),
 // then the launch.
@@ -899,6 +899,8 @@ void quantize_activations(const char* who, DType in, const void* x, const RowGat
                           Input input = Input::kPlain, const float* row_weight = nullptr, const void* da = nullptr) {
   MG_CHECK(cols % kMxBlock == 0, who, ": cols must be a multiple of 32, got ", cols);
   MG_CHECK(offsets != nullptr && groups >= 0, who, ": needs the device offsets [groups + 1], groups = ", groups);
+  // Without the splits a gap row would be made from whatever the inputs hold there.
+  MG_CHECK(input == Input::kPlain || splits != nullptr, who, ": needs the device splits");
   MG_CHECK(capacity_rows < (int64_t{1} << 31) - kTileRows, who,
            ": capacity_rows must be below 2^31 - 32 (the walk keeps a row, tile padding included, in 31 bits), got ",
            capacity_rows);
@@ -958,8 +960,6 @@ void launch_quantize_mxfp8_swiglu_grad(DType in, const void* gate_up, const void
   MG_CHECK(cols > 0 && cols % (2 * kTileCols) == 0, kWho, ": cols (2 * ffn) must be a positive multiple of ",
            2 * kTileCols, ", got ", cols);
   MG_CHECK(da != nullptr && aligned16(da), kWho, ": da must be a 16-byte aligned device pointer");
-  // Without the splits a gap row would be computed from whatever gate_up and da hold there.
-  MG_CHECK(splits != nullptr, kWho, ": needs the device splits");
   quantize_activations(kWho, in, gate_up, {}, capacity_rows, cols, offsets, splits, groups, rowwise, colwise, stream,
                        Input::kSwigluGrad, nullptr, da);
 }

@@ -114,7 +114,7 @@ void launch_quantize_mxfp8_gathered(DType in, const void* x, const RowGather& ga
 // is [capacity_rows, 2 * cols], each row's gate then its up (e.g. FC1's output): the quantizer
 // applies SwiGLU as it reads, rounding a to `in` exactly as launch_swiglu_forward (and its weighted
 // form) does, so the copies are bit-identical to quantizing their output, which is never written.
-// Rows without data read as zeros (their gate, up and weight are not read).
+// splits are required: rows without data read as zeros (their gate, up and weight are not read).
 void launch_quantize_mxfp8_swiglu(DType in, const void* gate_up, const float* row_weight, int64_t capacity_rows,
                                   int64_t cols, const int64_t* offsets, const int32_t* splits, int groups,
                                   const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise, cudaStream_t stream);

@@ -126,9 +126,12 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, route, -1, 0, values);
   if (route == Mxfp8Route::kSwapAb) {  // which swap-AB kernel the launches below take
     const bool deep = kernels::mxfp8_swap_ab_deep_ring(fprop_plan, c.groups, capacity, c.n);
-    if (std::string(c.name).find("deep_ring") != std::string::npos && fprop_plan.sm_count >= 126)
+    if (std::string(c.name).find("deep_ring") != std::string::npos && fprop_plan.sm_count >= 126) {
       EXPECT_TRUE(deep) << "the deep-ring case must take the deep-ring kernel";
-    if (c.rows_per_group >= 300) EXPECT_FALSE(deep) << "hundreds of tiles take the two-CTA kernel";
+    }
+    if (c.rows_per_group >= 300) {
+      EXPECT_FALSE(deep) << "hundreds of tiles take the two-CTA kernel";
+    }
   }
 
   const Mx a = random_mx(rng, capacity, c.k, c.spread, 127 - c.shift);

@@ -92,11 +92,8 @@ TEST_P(Mxfp8Grouped, GapRowsReadAsZeroWithSplits) {
   const std::vector<int32_t> splits{40, 0, 70, 0, 1, 33, 0};
   const GroupLayout l = make_layout(splits, 32, 352);
   const int64_t cols = 160;
-  const std::vector<double> x = grouped_values(rng, l, cols, dtype);  // zero gaps: the expectation
-  std::vector<double> garbage = x;
-  const std::vector<bool> data = data_rows(l);
-  for (int64_t r = 0; r < l.offsets.back(); ++r)
-    if (!data[r]) std::fill(garbage.begin() + r * cols, garbage.begin() + (r + 1) * cols, kNaN);
+  std::vector<double> x = grouped_values(rng, l, cols, dtype);  // zero gaps: the expectation
+  const std::vector<double> garbage = nan_gap_rows(x, l, cols);
   QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
   DeviceArray<int32_t> d_splits(splits.size());
   d_splits.upload(splits);

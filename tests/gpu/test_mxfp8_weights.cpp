@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -353,7 +352,9 @@ TEST(Mxfp8WeightsApi, SwigluInputGivesTheSwigluOutputsBits) {
   GroupedLinear op(l.options);
   op.weights_changed(l.w.get(), l.stream.get());
   DeviceArray<uint16_t> y(rows * Mxfp8Linear::N);
-  ForwardArgs bad{gate_up.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get()};
+  ForwardArgs bad;
+  bad.x = gate_up.get(), bad.splits = l.splits.get(), bad.weight = l.w.get(), bad.bias = l.b.get();
+  bad.y = y.get();
   bad.x_row_weight = d_weights.get();  // without x_swiglu
   EXPECT_THROW(op.forward(bad, l.stream.get()), Error);
   DeviceArray<int32_t> map(rows);
@@ -363,7 +364,9 @@ TEST(Mxfp8WeightsApi, SwigluInputGivesTheSwigluOutputsBits) {
   GroupedLinearOptions bf16 = l.options;
   bf16.recipe = Recipe::kBF16;
   GroupedLinear plain(bf16);
-  ForwardArgs swiglu{gate_up.get(), l.splits.get(), l.w.get(), l.b.get(), nullptr, y.get()};
+  ForwardArgs swiglu;
+  swiglu.x = gate_up.get(), swiglu.splits = l.splits.get(), swiglu.weight = l.w.get(), swiglu.bias = l.b.get();
+  swiglu.y = y.get();
   swiglu.x_swiglu = true;
   EXPECT_THROW(plain.forward(swiglu, l.stream.get()), Error);
 }

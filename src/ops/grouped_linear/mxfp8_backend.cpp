@@ -24,7 +24,7 @@ class Mxfp8Backend final : public LinearBackend {
   // The GEMM configs are chosen once (no GPU): the scratch layout and set-up both follow them.
   explicit Mxfp8Backend(const GroupedLinearOptions& o)
       : o_(o),
-        trains_(recipe_can_train(o).empty()),
+        trains_(!o.forward_only && mxfp8_can_train(o).empty()),
         fprop_config_(gemm_config(o, kernels::GemmPhase::kFprop)),
         dgrad_config_(gemm_config(o, kernels::GemmPhase::kDgrad)),
         wgrad_config_(gemm_config(o, kernels::GemmPhase::kWgrad)),
@@ -42,7 +42,7 @@ class Mxfp8Backend final : public LinearBackend {
                   walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
     // An operator that cannot train (forward_only, or row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
-    if (trains_ && !o_.delay_wgrad) dy_t_ = dy_copy(walk, "mxfp8.");
+    if (trains_ && !o_.delay_wgrad) dy_t_ = dy_copy(walk);
     // The staged route's bf16 operands: one buffer for every phase (they run one after another). It
     // also carries A's values from the quantizer to the GEMM that reads them next (operand_for).
     staging_bytes_ = staging_bytes();
@@ -63,8 +63,11 @@ class Mxfp8Backend final : public LinearBackend {
     const std::size_t data = mxfp8_weight_data_bytes(o_.num_groups, o_.out_features, o_.in_features);
     const std::size_t scales = mxfp8_weight_scale_bytes(o_.num_groups, o_.out_features, o_.in_features);
     w_data_ = DeviceBuffer(data), w_scales_ = DeviceBuffer(scales);
-    wt_data_ = DeviceBuffer(data), wt_scales_ = DeviceBuffer(scales);
-    own_ = {w_data_.as<uint8_t>(), w_scales_.as<uint8_t>(), wt_data_.as<uint8_t>(), wt_scales_.as<uint8_t>()};
+    own_.data = w_data_.as<uint8_t>(), own_.scales = w_scales_.as<uint8_t>();
+    if (trains_) {  // W_e^T, dgrad's B: only where dgrad may run
+      wt_data_ = DeviceBuffer(data), wt_scales_ = DeviceBuffer(scales);
+      own_.data_t = wt_data_.as<uint8_t>(), own_.scales_t = wt_scales_.as<uint8_t>();
+    }
     if (!o_.dequantized_weights) return;
     // dgrad's copy only where dgrad may run.
     const std::size_t values = mxfp8_dequantized_weight_bytes(o_.num_groups, o_.out_features, o_.in_features);
@@ -174,10 +177,10 @@ class Mxfp8Backend final : public LinearBackend {
             walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
   }
   // What an immediate wgrad reads of dy: its column-wise codes, or (dy_values_) its bf16 values alone.
-  kernels::Mxfp8Colwise dy_copy(LayoutWalker& walk, const std::string& prefix) {
-    if (!dy_values_) return colwise(walk, prefix + "dy_t", o_.out_features);
+  kernels::Mxfp8Colwise dy_copy(LayoutWalker& walk) {
+    if (!dy_values_) return colwise(walk, "mxfp8.dy_t", o_.out_features);
     return {nullptr, nullptr,
-            walk.take<uint16_t>(prefix + "dy_values", o_.capacity_rows, o_.out_features, sizeof(uint16_t))};
+            walk.take<uint16_t>("mxfp8.dy_values", o_.capacity_rows, o_.out_features, sizeof(uint16_t))};
   }
   void wgrad(const kernels::Mxfp8Colwise& dy_t, const kernels::Mxfp8Colwise& x_t, Groups g, void* dweight,
              float* main_grad, cudaStream_t stream) {
@@ -209,7 +212,7 @@ class Mxfp8Backend final : public LinearBackend {
     kernels::Mxfp8Colwise dy_t;  // [N, capacity_rows], scales [capacity_rows / 32, N] (delayed wgrad: codes)
   };
   GroupedLinearOptions o_;
-  bool trains_;  // recipe_can_train: forward_train may run (GroupedLinear refuses it otherwise)
+  bool trains_;  // recipe_can_train's rule: forward_train may run (GroupedLinear refuses it otherwise)
   std::vector<Slot> slots_;
   kernels::Mxfp8Rowwise operand_;  // x [rows, K] or dy [rows, N]: codes, for the routes that read them
   kernels::Mxfp8Colwise dy_t_;     // immediate wgrad's dy copy (dy_copy)

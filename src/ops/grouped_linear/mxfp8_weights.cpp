@@ -22,7 +22,6 @@ void check_sizes(int groups, int64_t n, int64_t k) {
              " must be a multiple of 32 in [32, ", kMaxFeatures, "], got ", v);
 }
 
-
 // A pair of arrays is given whole or not at all.
 bool pair_given(const char* data_name, const uint8_t* data, const uint8_t* scales) {
   MG_CHECK((data == nullptr) == (scales == nullptr), "MXFP8 weights: ", data_name, " and its scales come together");

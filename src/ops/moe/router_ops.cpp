@@ -21,7 +21,6 @@ namespace {
 // The router's copy of x (declare).
 constexpr const char* kX = "router.x";
 
-
 class RouterOp final : public LayerOp {
  public:
   RouterOp(const MoeLayerOptions& o, const MoeLayerWeights& w) : o_(o), w_(w) {}
