@@ -1,5 +1,6 @@
 // The warp-specialized TMA kernels (sm_90a; bf16 and fp16; fprop, dgrad, wgrad; 128- and 256-wide
 // tiles), and their tensor maps (sm90_tensor_maps.hpp: the encoder is kept in the plan).
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/common/dtype_dispatch.cuh"
@@ -73,8 +74,13 @@ int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map) {
         if constexpr (!kPingPong<Tile>) measure(t::ragged_gemm_ws_kernel<T, Tile, true>);
         break;
       case GemmPhase::kWgrad:
-        if constexpr (kPingPong<Tile>) measure(t::grouped_wgrad_pingpong_kernel<T>);
-        else measure(t::grouped_wgrad_ws_kernel<T, Tile>);
+        if constexpr (kPingPong<Tile>) {  // into dW and into main_grad: the same occupancy (one CTA per SM)
+          measure(t::grouped_wgrad_pingpong_kernel<T>);
+          blocks = std::min(blocks, allow_smem_and_measure(t::grouped_wgrad_pingpong_main_grad_kernel<T>, t::THREADS,
+                                                           t::TilePingPongMainGrad::kSmemBytes));
+        } else {
+          measure(t::grouped_wgrad_ws_kernel<T, Tile>);
+        }
         break;
     }
   });
@@ -111,9 +117,14 @@ void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t s
     // The result in boxes of 64 rows x 128 bytes (store_boxes).
     tp.out = p.main_grad != nullptr ? weight_map(plan, p.main_grad, p.num_groups, p.n, p.k, t::kBoxRows, 32, true)
                                     : weight_map(plan, p.dweight, p.num_groups, p.n, p.k, t::kBoxRows);
-    if constexpr (kPingPong<Tile>)
-      t::grouped_wgrad_pingpong_kernel<T><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
-    else t::grouped_wgrad_ws_kernel<T, Tile><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    if constexpr (kPingPong<Tile>) {
+      if (p.main_grad != nullptr)
+        t::grouped_wgrad_pingpong_main_grad_kernel<T>
+            <<<plan.grid, t::THREADS, t::TilePingPongMainGrad::kSmemBytes, stream>>>(tp);
+      else t::grouped_wgrad_pingpong_kernel<T><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    } else {
+      t::grouped_wgrad_ws_kernel<T, Tile><<<plan.grid, t::THREADS, Tile::kSmemBytes, stream>>>(tp);
+    }
   });
   MG_LAUNCH_CHECK();
 }

@@ -9,7 +9,8 @@
 // dgrad blocks of 64 rows wholly inside their group as tensor stores of swizzled 64 x 128-byte
 // boxes, the block at a group's end one bulk copy per row (so rows of other groups are never
 // touched); wgrad tiles, whose edges are the weight's own, as boxes, and fp32 main_grad as boxes
-// loaded, added to and stored back, in two halves of columns. Tiles land in the same
+// loaded, added to and stored back: in two halves of columns after the tile's MMAs, or (ping-pong)
+// in quarters that a streaming thread loads ahead of the consumers. Tiles land in the same
 // 128-byte-swizzled layouts as the cp.async kernels (sm90_grouped_gemm_16bit_cp_async.cuh), so the
 // wgmma descriptors are shared.
 //   fprop: y = x · W_e^T      A = x  (K-major box)       B = W_e (K-major box [BN][64])
@@ -55,8 +56,22 @@ struct TileShape {
 };
 using Tile128 = TileShape<128, 5>;
 using Tile256 = TileShape<256, 3>;
-// wgrad with ping-pong consumers: each warpgroup owns whole 128 x 128 tiles and its own staging.
+
+// Boxed staging for tensor stores: the copy engine's boxes of 64 rows x 128 bytes, 128-byte swizzled
+// (16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8 rows x 4 words of accumulator pairs
+// hit 32 distinct banks), box (64-row block, column box cb) at (block * boxes_per_row + cb) * 8 KB.
+constexpr int kBoxRows = 64, kBoxBytes = kBoxRows * 128;
+
+// wgrad with ping-pong consumers: each warpgroup owns whole 128 x 128 tiles and, into dW, its own
+// staging. Into fp32 main_grad there are no stagings: the results pass through a ring of kResults
+// buffers of a quarter tile (128 x 32 floats: two boxes) that a streaming thread fills with main_grad
+// ahead of the consumers and stores from (grouped_wgrad_pingpong_main_grad_kernel).
 using TilePingPong = TileShape<128, 4, 2>;
+struct TilePingPongMainGrad : TileShape<128, 4, 0> {
+  static constexpr int kResults = 6, kResultBytes = 2 * kBoxBytes;
+  static constexpr int kSmemBytes = STAGES * kStageBytes + kResults * kResultBytes + 1024;  // + align slack
+  static_assert(kSmemBytes + 1024 <= 227 * 1024, "with the barriers");
+};
 
 // Kernel parameters: the tensor maps live in parameter space (__grid_constant__) for the copy engine.
 struct RaggedTmaParams {
@@ -236,11 +251,6 @@ __device__ __forceinline__ void through_staging(Write write, Copy copy) {
   }
 }
 
-// Boxed staging for tensor stores: the copy engine's boxes of 64 rows x 128 bytes, 128-byte swizzled
-// (16-byte chunk c of row r at chunk c ^ (r % 8), so a warp's 8 rows x 4 words of accumulator pairs
-// hit 32 distinct banks), box (64-row block, column box cb) at (block * boxes_per_row + cb) * 8 KB.
-constexpr int kBoxRows = 64, kBoxBytes = kBoxRows * 128;
-
 // The warpgroup's 64-row block `block` of a row-ragged tile: f(half, row, col, v0, v1) applied to
 // the accumulators, stored in T. A block wholly inside the group's span (rows below row_lim) leaves
 // as BN / 64 tensor stores of swizzled boxes, element (row, col) at (c0 + col, c1 + row) of `map`;
@@ -310,6 +320,40 @@ __device__ __forceinline__ void finish_ragged_block(uint8_t* staging, const Acc<
                               });
 }
 
+// Writes the warpgroup's 64-row blocks [block0, block0 + kBlocks) of a tile into `boxes`, laid out
+// as kBlocks x kBoxes swizzled boxes of kBoxCols columns each (box (b, cb) at ((block0 + b) * kBoxes +
+// cb) * kBoxBytes): the accumulator columns [kJ0 * 8, kJ1 * 8), in T, or (kF32) added to the fp32
+// values already there.
+template <class T, class Tile, int kBlocks, int kJ0, int kJ1, bool kF32>
+__device__ __forceinline__ void write_boxes(uint8_t* boxes, const Acc<Tile, kBlocks>& acc, int block0) {
+  constexpr int kElem = kF32 ? 4 : 2, kBoxCols = 128 / kElem;
+  constexpr int kBoxes = (kJ1 - kJ0) * 8 / kBoxCols;
+  static_assert((kJ1 - kJ0) * 8 % kBoxCols == 0);
+  // A pair's byte in its row is the column part jb (a multiple of 8 * kElem >= 16) plus this
+  // thread's part (below 8 * kElem), so the swizzled offset is row_off ^ jb, one XOR per store,
+  // with the thread's part and the row's swizzle folded into row_off once per row.
+  const uint32_t lane_bytes = (threadIdx.x % 4) * 2 * kElem;
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = acc_row(block0 + b, half) % kBoxRows;
+      const uint32_t row_off = (block0 + b) * kBoxes * kBoxBytes + r * 128 + (lane_bytes ^ ((r % 8) << 4));
+#pragma unroll
+      for (int j = kJ0; j < kJ1; ++j) {
+        const uint32_t byte = (j - kJ0) * 8 * kElem;  // the pair's column part in the pass
+        uint8_t* at = boxes + (row_off ^ (byte % 128)) + (byte / 128) * kBoxBytes;
+        const float v0 = acc[b][4 * j + 2 * half], v1 = acc[b][4 * j + 2 * half + 1];
+        if constexpr (kF32) {
+          const float2 g = *reinterpret_cast<const float2*>(at);
+          *reinterpret_cast<float2*>(at) = make_float2(g.x + v0, g.y + v1);
+        } else {
+          *reinterpret_cast<typename Pair<T>::type*>(at) = Pair<T>::make(v0, v1);
+        }
+      }
+    }
+}
+
 // The mbarrier on which a consumer warpgroup waits for the main_grad boxes it loads, and its phase.
 struct EpilogueLoad {
   uint64_t* bar;
@@ -329,7 +373,7 @@ __device__ __forceinline__ void store_boxes(uint8_t* staging, const Acc<Tile, kB
                                             int64_t n, EpilogueLoad* load = nullptr) {
   constexpr int kElem = kF32 ? 4 : 2, kBoxCols = 128 / kElem;
   constexpr int kBoxes = (kJ1 - kJ0) * 8 / kBoxCols;
-  static_assert((kJ1 - kJ0) * 8 % kBoxCols == 0 && 2 * kBoxes * kBoxBytes <= Tile::kStagingBytes);
+  static_assert(2 * kBoxes * kBoxBytes <= Tile::kStagingBytes);
   // Box i of the warpgroup: its coordinates, and whether any of it lies inside the tensor.
   auto box = [&](int i, int& x, int& y, const uint8_t*& src) {
     const int b = i / kBoxes, cb = i % kBoxes;
@@ -358,29 +402,7 @@ __device__ __forceinline__ void store_boxes(uint8_t* staging, const Acc<Tile, kB
           sm90::mbar_wait(load->bar, load->phase);
           load->phase ^= 1;
         }
-        // A pair's byte in its row is the column part jb (a multiple of 8 * kElem >= 16) plus this
-        // thread's part (below 8 * kElem), so the swizzled offset is row_off ^ jb, one XOR per store,
-        // with the thread's part and the row's swizzle folded into row_off once per row.
-        const uint32_t lane_bytes = (threadIdx.x % 4) * 2 * kElem;
-#pragma unroll
-        for (int b = 0; b < kBlocks; ++b)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = acc_row(block0 + b, half) % kBoxRows;
-            const uint32_t row_off = (block0 + b) * kBoxes * kBoxBytes + r * 128 + (lane_bytes ^ ((r % 8) << 4));
-#pragma unroll
-            for (int j = kJ0; j < kJ1; ++j) {
-              const uint32_t byte = (j - kJ0) * 8 * kElem;  // the pair's column part in the pass
-              uint8_t* at = staging + (row_off ^ (byte % 128)) + (byte / 128) * kBoxBytes;
-              const float v0 = acc[b][4 * j + 2 * half], v1 = acc[b][4 * j + 2 * half + 1];
-              if constexpr (kF32) {
-                const float2 g = *reinterpret_cast<const float2*>(at);
-                *reinterpret_cast<float2*>(at) = make_float2(g.x + v0, g.y + v1);
-              } else {
-                *reinterpret_cast<typename Pair<T>::type*>(at) = Pair<T>::make(v0, v1);
-              }
-            }
-          }
+        write_boxes<T, Tile, kBlocks, kJ0, kJ1, kF32>(staging, acc, block0);
       },
       [&](int i) {
         int x, y;
@@ -506,13 +528,11 @@ struct WgradGrid {
   }
 };
 
-// The producer of both wgrad kernels: one thread loads every tile's (rows + 63) / 64 stages of dy
+// The producer of both wgrad kernels (one thread): loads every tile's (rows + 63) / 64 stages of dy
 // (128 n) and x (BN k), 64 rows each, in this CTA's tile order.
 template <class Tile>
 __device__ __forceinline__ void produce_wgrad(const WgradTmaParams& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                               const WgradGrid<Tile>& grid) {
-  sm90::release_registers<kProducerRegs>();
-  if (threadIdx.x != 0) return;
   sm90::prefetch_tensor_map(&tp.dy);
   sm90::prefetch_tensor_map(&tp.x);
   RingPos pos;
@@ -564,7 +584,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
   init_ring<Tile>(full, empty, kConsumerThreads, loaded);
   __syncthreads();
   const WgradGrid<Tile> grid(p);
-  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, grid);
+  if (threadIdx.x < 128) {
+    sm90::release_registers<kProducerRegs>();
+    if (threadIdx.x == 0) produce_wgrad<Tile>(tp, smem, full, empty, grid);
+    return;
+  }
 
   sm90::claim_registers<kConsumerRegs>();
   uint8_t* staging = smem + STAGES * Tile::kStageBytes;
@@ -595,6 +619,9 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_ws_kernel(const __gr
 // order (named barriers 4 and 5): a warpgroup starts waiting on its tile's stages only once the other
 // has passed all of its previous tile's, so no one waits on a stage's barrier a phase too early (the
 // parity wait could not tell those phases apart) and the MMAs of the two run one tile after the other.
+// Launched into dW; into main_grad, grouped_wgrad_pingpong_main_grad_kernel runs instead. The shared
+// finish_wgrad_tile keeps its main_grad branch compiled in here: written without it, this kernel
+// measured 5% slower on 80-row groups (code generation; docs/PERF.md).
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(const __grid_constant__ WgradTmaParams tp) {
   using Tile = TilePingPong;
@@ -606,7 +633,11 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   init_ring<Tile>(full, empty, 128, loaded);
   __syncthreads();
   const WgradGrid<Tile> grid(p);
-  if (threadIdx.x < 128) return produce_wgrad<Tile>(tp, smem, full, empty, grid);
+  if (threadIdx.x < 128) {
+    sm90::release_registers<kProducerRegs>();
+    if (threadIdx.x == 0) produce_wgrad<Tile>(tp, smem, full, empty, grid);
+    return;
+  }
 
   sm90::claim_registers<kConsumerRegs>();
   const int wg = threadIdx.x / 128 - 1;
@@ -639,6 +670,148 @@ __global__ void __launch_bounds__(THREADS, 1) grouped_wgrad_pingpong_kernel(cons
   // The last tile's owner signalled the other warpgroup: take that token, so no arrival is left over.
   if (j > 0 && (j & 1) == wg) sm90::named_barrier(my_token, 256);
   sm90::bulk_wait();
+}
+
+// A ping-pong wgrad tile's fp32 main_grad passes through the result ring in four parts of 32
+// columns: part q is boxes (64 rows, 32 columns) at rows n0 and n0 + 64, columns k0 + 32q.
+struct MainGradPart {
+  static constexpr int kParts = 4, kBoxes = 2, kCols = 32;
+  // Box i's coordinates, and whether any of it lies inside the tensor (boxes past it are neither
+  // loaded nor stored; overhanging ones are cut by the copy engine, which loads zeros there).
+  static __device__ __forceinline__ bool box(const WgradParams& p, const WgradTile& w, int q, int i, int& x, int& y) {
+    const int64_t bx = w.k0 + kCols * q, by = w.n0 + 64 * i;
+    x = static_cast<int>(bx), y = static_cast<int>(by);
+    return bx < p.k && by < p.n;
+  }
+};
+
+// The main_grad streamer of the ping-pong wgrad (one thread of the producer warpgroup). It walks the
+// CTA's tiles in the consumers' order, the parts of each tile that adds to main_grad taking the
+// ring's buffers in turn. Part s is loaded into buffer s % kResults once part s - kResults has been
+// added to by its consumer (`ready`), stored from that buffer and read out by the copy engine;
+// `filled` then tells the consumer the part has arrived. So main_grad is read up to kResults - 1
+// parts ahead of the consumers, whatever their epilogues wait on, where each warpgroup used to load
+// its tile's boxes itself after its MMAs (docs/PERF.md).
+__device__ __forceinline__ void stream_main_grad(const WgradTmaParams& tp, const WgradGrid<TilePingPongMainGrad>& grid,
+                                                 uint8_t* results, uint64_t* filled, uint64_t* ready) {
+  using Tile = TilePingPongMainGrad;
+  constexpr int kResults = Tile::kResults;
+  const WgradParams& p = tp.p;
+  sm90::prefetch_tensor_map(&tp.out);
+  struct Pending {
+    WgradTile w;
+    int q;
+  } pending[kResults];
+  auto store = [&](int64_t s) {  // part s, once its consumer has added to it
+    const int b = static_cast<int>(s % kResults);
+    sm90::mbar_wait(&ready[b], static_cast<uint32_t>(s / kResults) & 1);
+    for (int i = 0; i < MainGradPart::kBoxes; ++i) {
+      int x, y;
+      if (MainGradPart::box(p, pending[b].w, pending[b].q, i, x, y))
+        sm90::tma_store_3d(&tp.out, results + b * Tile::kResultBytes + i * kBoxBytes, x, y, pending[b].w.e);
+    }
+    sm90::bulk_commit();
+  };
+  int64_t s = 0;
+  for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x) {
+    const WgradTile w = grid.tile(p, t);
+    if (w.rows == 0) continue;  // accumulating nothing leaves main_grad unchanged
+    for (int q = 0; q < MainGradPart::kParts; ++q, ++s) {
+      const int b = static_cast<int>(s % kResults);
+      if (s >= kResults) {
+        store(s - kResults);
+        sm90::bulk_wait_read();  // the buffer is free again
+      }
+      pending[b] = {w, q};
+      uint32_t bytes = 0;
+      int x, y;
+      for (int i = 0; i < MainGradPart::kBoxes; ++i)
+        if (MainGradPart::box(p, w, q, i, x, y)) bytes += kBoxBytes;  // overhanging boxes count whole (zero fill)
+      sm90::mbar_arrive_expect_tx(&filled[b], bytes);
+      for (int i = 0; i < MainGradPart::kBoxes; ++i)
+        if (MainGradPart::box(p, w, q, i, x, y))
+          sm90::tma_load_3d(results + b * Tile::kResultBytes + i * kBoxBytes, &tp.out, &filled[b], x, y, w.e);
+    }
+  }
+  for (int64_t r = s > kResults ? s - kResults : 0; r < s; ++r) store(r);
+  sm90::bulk_wait();
+}
+
+// A consumer warpgroup's accumulators added to part q of its tile's main_grad in buffer `buf`.
+template <class T>
+__device__ __forceinline__ void add_main_grad_part(uint8_t* buf, const Acc<TilePingPongMainGrad, 2>& acc, int q) {
+  using Tile = TilePingPongMainGrad;
+  switch (q) {  // the accumulator columns [32q, 32q + 32): register pairs j = 4q .. 4q + 3
+    case 0: return write_boxes<T, Tile, 2, 0, 4, true>(buf, acc, 0);
+    case 1: return write_boxes<T, Tile, 2, 4, 8, true>(buf, acc, 0);
+    case 2: return write_boxes<T, Tile, 2, 8, 12, true>(buf, acc, 0);
+    default: return write_boxes<T, Tile, 2, 12, 16, true>(buf, acc, 0);
+  }
+}
+
+// The ping-pong wgrad into fp32 main_grad: the same tile order, token and mainloop as
+// grouped_wgrad_pingpong_kernel, with main_grad taken from the result ring (stream_main_grad), whose
+// parts both warpgroups count in tile order; a tile of an empty group adds nothing and has no parts.
+// Measured against loading each tile's main_grad after its MMAs: 3-9% faster on groups of 64-500 rows
+// (docs/PERF.md). dW stays with grouped_wgrad_pingpong_kernel: folding it into this kernel's code made
+// it 5% slower on 80-row groups.
+template <class T>
+__global__ void __launch_bounds__(THREADS, 1)
+    grouped_wgrad_pingpong_main_grad_kernel(const __grid_constant__ WgradTmaParams tp) {
+  using Tile = TilePingPongMainGrad;
+  constexpr int STAGES = Tile::STAGES, kResults = Tile::kResults;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES], filled[kResults], ready[kResults];
+  uint8_t* smem = sm90::aligned_smem(smem_raw);
+  uint8_t* results = smem + STAGES * Tile::kStageBytes;
+  const WgradParams& p = tp.p;
+  init_ring<Tile>(full, empty, 128);
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kResults; ++b) sm90::mbar_init(&filled[b], 1), sm90::mbar_init(&ready[b], 128);
+    sm90::fence_mbarrier_init();
+  }
+  __syncthreads();
+  const WgradGrid<Tile> grid(p);
+  if (threadIdx.x < 128) {
+    sm90::release_registers<kProducerRegs>();
+    if (threadIdx.x == 0) produce_wgrad<Tile>(tp, smem, full, empty, grid);
+    else if (threadIdx.x == 32) stream_main_grad(tp, grid, results, filled, ready);
+    return;
+  }
+
+  sm90::claim_registers<kConsumerRegs>();
+  const int wg = threadIdx.x / 128 - 1;
+  const int my_token = 4 + wg, other_token = 5 - wg;  // barrier a warpgroup waits on / signals
+  RingPos pos;
+  int64_t j = 0, s = 0;  // the tile's place in this CTA's sequence (warpgroup j % 2 owns it); the next part
+  for (int64_t t = blockIdx.x; t < grid.total; t += gridDim.x, ++j) {
+    const WgradTile w = grid.tile(p, t);
+    const int ktiles = (w.rows + BK - 1) / BK;
+    if ((j & 1) != wg) {
+      pos.skip<STAGES>(ktiles);
+      if (w.rows > 0) s += MainGradPart::kParts;
+      continue;
+    }
+    if (j > 0) sm90::named_barrier(my_token, 256);  // the other warpgroup passed its previous tile
+    Acc<Tile, 2> acc;
+    if (w.rows > 0) {
+      const int tail = w.rows % BK;
+      consume<T, Tile, true, true, 2>(smem, full, empty, pos, ktiles, 0, acc, [&](uint8_t* stage) {
+        if (tail != 0) zero_rows_past<Tile>(stage, tail, 128 * wg, 128, 2 + wg);
+      });
+    }
+    sm90::named_barrier_arrive(other_token, 256);
+    if (w.rows == 0) continue;  // main_grad stays as it is
+    for (int q = 0; q < MainGradPart::kParts; ++q, ++s) {
+      const int b = static_cast<int>(s % kResults);
+      sm90::mbar_wait(&filled[b], static_cast<uint32_t>(s / kResults) & 1);
+      add_main_grad_part<T>(results + b * Tile::kResultBytes, acc, q);
+      sm90::fence_proxy_async_smem();  // this thread's writes, before the streamer's store reads them
+      sm90::mbar_arrive(&ready[b]);
+    }
+  }
+  // The last tile's owner signalled the other warpgroup: take that token, so no arrival is left over.
+  if (j > 0 && (j & 1) == wg) sm90::named_barrier(my_token, 256);
 }
 
 }  // namespace moegraph::kernels::tma_gemm
