@@ -114,7 +114,7 @@ void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t s
     tp.p = p;
     tp.dy = rows_map(plan, p.dy, p.capacity_rows, p.n, 64);
     tp.x = rows_map(plan, p.x, p.capacity_rows, p.k, 64);
-    // The result in boxes of 64 rows x 128 bytes (store_boxes).
+    // The result in boxes of 64 rows x 128 bytes (store_boxes, and the ping-pong main_grad ring).
     tp.out = p.main_grad != nullptr ? weight_map(plan, p.main_grad, p.num_groups, p.n, p.k, t::kBoxRows, 32, true)
                                     : weight_map(plan, p.dweight, p.num_groups, p.n, p.k, t::kBoxRows);
     if constexpr (kPingPong<Tile>) {

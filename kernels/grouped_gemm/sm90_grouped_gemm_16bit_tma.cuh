@@ -1,4 +1,4 @@
-// Warp-specialized grouped GEMMs on Hopper (sm_90a): one producer warp drives the copy engine (TMA)
+// Warp-specialized grouped GEMMs on Hopper (sm_90a): one producer thread drives the copy engine (TMA)
 // into a ring of shared-memory stages guarded by mbarriers, and two consumer warpgroups issue wgmma
 // from those stages. By default they share each 128 x BN tile (64 rows each) and never wait on each
 // other; the ping-pong wgrad kernel instead gives whole tiles to one warpgroup at a time, a token on
@@ -528,7 +528,7 @@ struct WgradGrid {
   }
 };
 
-// The producer of both wgrad kernels (one thread): loads every tile's (rows + 63) / 64 stages of dy
+// The producer of the wgrad kernels (one thread): loads every tile's (rows + 63) / 64 stages of dy
 // (128 n) and x (BN k), 64 rows each, in this CTA's tile order.
 template <class Tile>
 __device__ __forceinline__ void produce_wgrad(const WgradTmaParams& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
@@ -679,7 +679,7 @@ struct MainGradPart {
   // Box i's coordinates, and whether any of it lies inside the tensor (boxes past it are neither
   // loaded nor stored; overhanging ones are cut by the copy engine, which loads zeros there).
   static __device__ __forceinline__ bool box(const WgradParams& p, const WgradTile& w, int q, int i, int& x, int& y) {
-    const int64_t bx = w.k0 + kCols * q, by = w.n0 + 64 * i;
+    const int64_t bx = w.k0 + kCols * q, by = w.n0 + kBoxRows * i;
     x = static_cast<int>(bx), y = static_cast<int>(by);
     return bx < p.k && by < p.n;
   }
@@ -752,9 +752,9 @@ __device__ __forceinline__ void add_main_grad_part(uint8_t* buf, const Acc<TileP
 // The ping-pong wgrad into fp32 main_grad: the same tile order, token and mainloop as
 // grouped_wgrad_pingpong_kernel, with main_grad taken from the result ring (stream_main_grad), whose
 // parts both warpgroups count in tile order; a tile of an empty group adds nothing and has no parts.
-// Measured against loading each tile's main_grad after its MMAs: 3-9% faster on groups of 64-500 rows
-// (docs/PERF.md). dW stays with grouped_wgrad_pingpong_kernel: folding it into this kernel's code made
-// it 5% slower on 80-row groups.
+// Measured against loading each tile's main_grad after its MMAs (docs/PERF.md): 3-9% faster on groups
+// of 64 and 500 rows, -2% to +4% on 80-128. dW stays with grouped_wgrad_pingpong_kernel: through a
+// shared ring (a stage fewer) it was up to 12% slower.
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_wgrad_pingpong_main_grad_kernel(const __grid_constant__ WgradTmaParams tp) {
@@ -804,6 +804,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (w.rows == 0) continue;  // main_grad stays as it is
     for (int q = 0; q < MainGradPart::kParts; ++q, ++s) {
       const int b = static_cast<int>(s % kResults);
+      // The buffer's previous part (s - kResults) may be the other warpgroup's, whose load need not
+      // have landed yet (copies complete in any order): `filled` would then still be in that part's
+      // phase, and the parity wait below would match the phase before it. Once that part has been
+      // added to (`ready`, whose earlier phases are all complete: both warpgroups finished every tile
+      // before the other's previous one), `filled` is in this part's phase.
+      if (s >= kResults) sm90::mbar_wait(&ready[b], static_cast<uint32_t>(s / kResults - 1) & 1);
       sm90::mbar_wait(&filled[b], static_cast<uint32_t>(s / kResults) & 1);
       add_main_grad_part<T>(results + b * Tile::kResultBytes, acc, q);
       sm90::fence_proxy_async_smem();  // this thread's writes, before the streamer's store reads them
