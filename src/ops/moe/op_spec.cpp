@@ -44,15 +44,30 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
   const bool keep = layer_keeps_linear_activations(o), keep_grads = keep && o.delay_wgrad;
   const bool gather = layer_gathers_fc1_input(o);
   std::vector<OpSpec> ops;
-  ops.push_back({OpKind::kRouter, "router", "", "", true, false, true, "", 0, ""});
-  ops.push_back({OpKind::kDispatch, "dispatch", "", gather ? "" : tensor::kPermutedX, keep, false, true, "", 0, ""});
-  if (o.aux_loss_coef != 0.0) ops.push_back({OpKind::kAuxLoss, "aux_loss", "", "", false, false, true, "", 0, ""});
-  ops.push_back({OpKind::kLinear, "fc1", tensor::kPermutedX, "fc1_out", true, false, true, "", 1,
-                 gather ? tensor::kTokenOfRow : ""});
-  ops.push_back({OpKind::kSwiglu, "swiglu", "fc1_out", "swiglu_out", keep, keep_grads, true, "", 0, ""});
+  ops.push_back({.kind = OpKind::kRouter, .name = "router", .save_out = true});
+  ops.push_back({.kind = OpKind::kDispatch, .name = "dispatch", .out = gather ? "" : tensor::kPermutedX, .save_out = keep});
+  if (o.aux_loss_coef != 0.0) ops.push_back({.kind = OpKind::kAuxLoss, .name = "aux_loss"});
+  ops.push_back({.kind = OpKind::kLinear,
+                 .name = "fc1",
+                 .in = tensor::kPermutedX,
+                 .out = "fc1_out",
+                 .save_out = true,
+                 .layer = 1,
+                 .gather = gather ? tensor::kTokenOfRow : ""});
+  ops.push_back({.kind = OpKind::kSwiglu,
+                 .name = "swiglu",
+                 .in = "fc1_out",
+                 .out = "swiglu_out",
+                 .save_out = keep,
+                 .save_d_in = keep_grads});
   // The combine's backward needs each row's expert output for the weight gradient (with expert
   // parallelism it keeps the copy that came back to this rank instead).
-  ops.push_back({OpKind::kLinear, "fc2", "swiglu_out", "expert_out", o.expert_parallel == 1, false, true, "", 2, ""});
+  ops.push_back({.kind = OpKind::kLinear,
+                 .name = "fc2",
+                 .in = "swiglu_out",
+                 .out = "expert_out",
+                 .save_out = o.expert_parallel == 1,
+                 .layer = 2});
   if (layer_fc2_applies_swiglu(o)) {
     ops[ops.size() - 2].forward_in_next = true;
     ops.back().swiglu_in = "fc1_out";
@@ -61,7 +76,7 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
     ops[ops.size() - 2].backward_in_prev = true;
     ops[ops.size() - 3].dy_swiglu_of = "swiglu_out";
   }
-  ops.push_back({OpKind::kCombine, "combine", "expert_out", "", false, keep_grads, true, "", 0, ""});
+  ops.push_back({.kind = OpKind::kCombine, .name = "combine", .in = "expert_out", .save_d_in = keep_grads});
   return ops;
 }
 

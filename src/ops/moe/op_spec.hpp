@@ -24,29 +24,29 @@ enum class OpKind {
 };
 
 struct OpSpec {
-  OpKind kind;
-  std::string name;             // unique: "router", "fc1", ...
-  std::string in, out;          // the tensor read and the tensor produced ("" where the io is used)
+  OpKind kind{};
+  std::string name{};           // unique: "router", "fc1", ...
+  std::string in{}, out{};      // the tensor read and the tensor produced ("" where the io is used)
   bool save_out = false;        // the output is saved per slot (backward or wgrad reads it)
   bool save_d_in = false;       // the input gradient is saved per slot (a delayed wgrad reads it)
   bool weighted = true;         // kCombine: apply the top-k weights
-  std::string bias_scale;       // kLinear: tensor scaling the bias per row ("" none)
+  std::string bias_scale{};     // kLinear: tensor scaling the bias per row ("" none)
   int layer = 0;                // kLinear: 1 (hidden -> 2 ffn) or 2 (ffn -> hidden)
   // kLinear: `in` is never made; its rows are read from the layer's input x through this map
   // (ForwardArgs::x_rows; `in` still names the input gradient). kDispatch with out "": makes no
   // permuted copy of x.
-  std::string gather;
+  std::string gather{};
   // kLinear: `in` is never made; the operator reads this tensor (FC1's output, gate | up) and its
   // quantizer applies SwiGLU on the way in (ForwardArgs::x_swiglu), times the per-row tensor
   // `swiglu_weight` where that is not "". kSwiglu / kSwigluWeighted with forward_in_next: no forward
   // kernel and no `out` (it still names the gradient the next operator's backward gives).
-  std::string swiglu_in, swiglu_weight;
+  std::string swiglu_in{}, swiglu_weight{};
   bool forward_in_next = false;
   // kLinear: the output gradient is never made; backward reads the gradient of this tensor (the
   // SwiGLU's output: da) and the operator's saved output (gate | up), and its quantizer computes the
   // SwiGLU's input gradient as it reads (BackwardArgs::dy_swiglu_gate_up). kSwiglu with
   // backward_in_prev: no backward kernel and no input gradient.
-  std::string dy_swiglu_of;
+  std::string dy_swiglu_of{};
   bool backward_in_prev = false;
 };
 
