@@ -753,7 +753,7 @@ __device__ __forceinline__ void add_main_grad_part(uint8_t* buf, const Acc<TileP
 // grouped_wgrad_pingpong_kernel, with main_grad taken from the result ring (stream_main_grad), whose
 // parts both warpgroups count in tile order; a tile of an empty group adds nothing and has no parts.
 // Measured against loading each tile's main_grad after its MMAs (docs/PERF.md): 3-9% faster on groups
-// of 64 and 500 rows, -2% to +4% on 80-128. dW stays with grouped_wgrad_pingpong_kernel: through a
+// of 64 and 500 rows, from 3% slower to 3.5% faster on 80-128. dW stays with grouped_wgrad_pingpong_kernel: through a
 // shared ring (a stage fewer) it was up to 12% slower.
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1)

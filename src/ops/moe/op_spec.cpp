@@ -45,7 +45,8 @@ std::vector<OpSpec> moe_layer_ops(const MoeLayerOptions& o) {
   const bool gather = layer_gathers_fc1_input(o);
   std::vector<OpSpec> ops;
   ops.push_back({.kind = OpKind::kRouter, .name = "router", .save_out = true});
-  ops.push_back({.kind = OpKind::kDispatch, .name = "dispatch", .out = gather ? "" : tensor::kPermutedX, .save_out = keep});
+  ops.push_back(
+      {.kind = OpKind::kDispatch, .name = "dispatch", .out = gather ? "" : tensor::kPermutedX, .save_out = keep});
   if (o.aux_loss_coef != 0.0) ops.push_back({.kind = OpKind::kAuxLoss, .name = "aux_loss"});
   ops.push_back({.kind = OpKind::kLinear,
                  .name = "fc1",
