@@ -43,6 +43,13 @@ std::vector<CaseSpec> cases() {
       {"g32_skewed_long_bands", 32, 128, 640, DType::kBF16, 1, {}, 8000, R::kSkewed, 0, true, true},
       // dW and main_grad tiles that overhang N and K inside a group (the tensor stores must clip there).
       {"g6_partial_tiles_main_grad", 6, 208, 144, DType::kBF16, 1, {}, 700, R::kSkewed, 0, false, false, true},
+      // main_grad with empty groups between full ones (their tiles add nothing and stream no parts).
+      {"g8_empty_groups_main_grad", 8, 256, 256, DType::kBF16, 1, {0, 37, 0, 0, 100, 1, 0, 5}, 0, R::kUniform, 10,
+       false, false, true},
+      // K and N below one box: a main_grad tile's parts past K and its second 64-row box past N are
+      // neither loaded nor stored; dW tiles are clipped to 16 columns and 32 rows.
+      {"k16_n48_main_grad", 5, 16, 48, DType::kBF16, 1, {0, 70, 3, 0, 129}, 0, R::kUniform, 0, false, false, true},
+      {"k32_n16_bias", 5, 32, 16, DType::kBF16, 1, {64, 0, 1, 200, 17}, 0, R::kUniform, 8, true, true},
   };
 }
 
