@@ -65,10 +65,12 @@ constexpr int kBoxRows = 64, kBoxBytes = kBoxRows * 128;
 // wgrad with ping-pong consumers: each warpgroup owns whole 128 x 128 tiles and, into dW, its own
 // staging. Into fp32 main_grad there are no stagings: the results pass through a ring of kResults
 // buffers of a quarter tile (128 x 32 floats: two boxes) that a streaming thread fills with main_grad
-// ahead of the consumers and stores from (grouped_wgrad_pingpong_main_grad_kernel).
+// ahead of the consumers and stores from (grouped_wgrad_pingpong_main_grad_kernel). Its shared memory
+// goes to 5 operand stages and 4 buffers (a tile's main_grad read ahead): 2-8% faster than 4 and 6 on
+// groups of 64-500 rows, and 3 and 8 were up to 14% slower (docs/PERF.md): the operand ring matters more.
 using TilePingPong = TileShape<128, 4, 2>;
-struct TilePingPongMainGrad : TileShape<128, 4, 0> {
-  static constexpr int kResults = 6, kResultBytes = 2 * kBoxBytes;
+struct TilePingPongMainGrad : TileShape<128, 5, 0> {
+  static constexpr int kResults = 4, kResultBytes = 2 * kBoxBytes;
   static constexpr int kSmemBytes = STAGES * kStageBytes + kResults * kResultBytes + 1024;  // + align slack
   static_assert(kSmemBytes + 1024 <= 227 * 1024, "with the barriers");
 };
@@ -753,8 +755,9 @@ __device__ __forceinline__ void add_main_grad_part(uint8_t* buf, const Acc<TileP
 // grouped_wgrad_pingpong_kernel, with main_grad taken from the result ring (stream_main_grad), whose
 // parts both warpgroups count in tile order; a tile of an empty group adds nothing and has no parts.
 // Measured against loading each tile's main_grad after its MMAs (docs/PERF.md): 3-9% faster on groups
-// of 64 and 500 rows, from 3% slower to 3.5% faster on 80-128. dW stays with grouped_wgrad_pingpong_kernel: through a
-// shared ring (a stage fewer) it was up to 12% slower.
+// of 64 and 500 rows, from 3% slower to 3.5% faster on 80-128 (with 4 operand stages and 6 buffers;
+// 5 and 4 then gained 2-8% more). dW stays with grouped_wgrad_pingpong_kernel: through a shared ring
+// (a stage fewer) it was up to 12% slower.
 template <class T>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_wgrad_pingpong_main_grad_kernel(const __grid_constant__ WgradTmaParams tp) {
