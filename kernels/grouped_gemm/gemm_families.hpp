@@ -23,7 +23,7 @@ void launch_cp_async_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStrea
 
 // sm90_grouped_gemm_16bit_tma.cu
 // ping_pong (wgrad only): the ping-pong consumer kernel, 128 x 128 tiles.
-GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_pong = false);
+GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_pong = false, bool into_main_grad = false);
 int prepare_tma_gemm(const GemmConfig& config, void** encode_tensor_map);
 void launch_tma_gemm(const GemmPlan& plan, const RaggedGemmParams& p, cudaStream_t stream);
 void launch_tma_wgrad(const GemmPlan& plan, const WgradParams& p, cudaStream_t stream);
@@ -46,7 +46,7 @@ void launch_mxfp8_dequant(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
 
 // mxfp8_staged.cpp (every phase): the 16-bit TMA kernel of tile_n (ping_pong: wgrad's ping-pong
 // kernel) over operands dequantized to bf16 in Mxfp8*Params::staging.
-GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping_pong);
+GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping_pong, bool into_main_grad = false);
 int prepare_mxfp8_staged(const GemmConfig& config, void** encode_tensor_map);
 void launch_mxfp8_staged(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, cudaStream_t stream);
 void launch_mxfp8_staged_wgrad(const GemmPlan& plan, const Mxfp8WgradParams& p, cudaStream_t stream);

@@ -46,6 +46,7 @@ std::string GemmConfig::to_string() const {
                                : " on operands dequantized to bf16 in scratch")
        << (ping_pong ? ", ping-pong consumers" : "");
   if (family == GemmFamily::kTma16 && ping_pong) os << " ping-pong consumers";
+  if (into_main_grad) os << ", main_grad streamed through a ring of quarter tiles";
   return os.str();
 }
 
@@ -194,7 +195,7 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
           const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 &&
                                  (o.wgrad_ping_pong >= 0 ? o.wgrad_ping_pong == 1 : heuristic_wgrad_ping_pong(p));
           const int tile_n = ping_pong ? 128 : o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);
-          GemmConfig c = mxfp8_staged_config(p.phase, p.dtype, tile_n, ping_pong);
+          GemmConfig c = mxfp8_staged_config(p.phase, p.dtype, tile_n, ping_pong, ping_pong && p.into_main_grad);
           c.dequantized_weights = p.dequantized_weights && p.phase != GemmPhase::kWgrad;
           return c;
         }
@@ -214,7 +215,7 @@ GemmConfig choose_gemm_config(const GemmProblem& p, const GemmOverrides& o) {
       if (o.reference) return reference_gemm_config(p.phase, p.dtype);
       const bool ping_pong = p.phase == GemmPhase::kWgrad && o.tile_n != 256 && o.pipeline != GemmPipeline::kCpAsync &&
                              (o.wgrad_ping_pong >= 0 ? o.wgrad_ping_pong == 1 : heuristic_wgrad_ping_pong(p));
-      if (ping_pong) return tma_gemm_config(p.phase, p.dtype, 128, true);
+      if (ping_pong) return tma_gemm_config(p.phase, p.dtype, 128, true, p.into_main_grad);
       const int tile_n = o.tile_n != 0 ? o.tile_n : heuristic_tile_n(p);
       const GemmPipeline pipeline = o.pipeline != GemmPipeline::kAuto ? o.pipeline : heuristic_pipeline(p.phase, tile_n);
       switch (pipeline) {

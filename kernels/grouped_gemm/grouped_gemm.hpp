@@ -161,6 +161,9 @@ struct GemmConfig {
                                   // consumer warpgroup owns whole tiles, alternating
   bool dequantized_weights = false;  // kMxfp8Staged fprop/dgrad: B read from Mxfp8RaggedGemmParams::
                                      // b_dequantized, only A staged
+  bool into_main_grad = false;  // ping-pong TMA wgrad (kTma16, kMxfp8Staged): the plan for fp32 main_grad,
+                                // whose kernel streams main_grad through a ring (its own stages); the
+                                // launch takes the kernel its arguments need
   std::string to_string() const;  // e.g. "wgmma_tma_ws_sw128 128x128x64 stages=5 threads=384"
 };
 // The heuristic: shapes and overrides in, a config out. Touches no GPU.

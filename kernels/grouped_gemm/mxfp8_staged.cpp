@@ -78,10 +78,11 @@ void check_staging(std::size_t need, const void* staging, std::size_t given, con
 
 }  // namespace
 
-GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping_pong) {
+GemmConfig mxfp8_staged_config(GemmPhase phase, DType out, int tile_n, bool ping_pong, bool into_main_grad) {
   MG_CHECK(out == DType::kBF16, "the staged MXFP8 route needs bf16 outputs (the 16-bit kernels read and write one "
            "type, and the dequantized values fit bf16, not fp16); got ", dtype_name(out));
-  GemmConfig c = tma_gemm_config(phase == GemmPhase::kDgrad ? GemmPhase::kFprop : phase, out, tile_n, ping_pong);
+  GemmConfig c =
+      tma_gemm_config(phase == GemmPhase::kDgrad ? GemmPhase::kFprop : phase, out, tile_n, ping_pong, into_main_grad);
   c.phase = phase;
   c.family = GemmFamily::kMxfp8Staged;
   return c;

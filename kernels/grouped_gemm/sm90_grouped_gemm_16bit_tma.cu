@@ -51,10 +51,13 @@ GemmConfig config_of(GemmPhase phase, DType dtype, bool ping_pong = false) {
 
 }  // namespace
 
-GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_pong) {
+GemmConfig tma_gemm_config(GemmPhase phase, DType dtype, int tile_n, bool ping_pong, bool into_main_grad) {
   if (ping_pong) {
     MG_CHECK(phase == GemmPhase::kWgrad && tile_n == 128, "ping-pong consumers are a 128-wide wgrad kernel");
-    return config_of<t::TilePingPong>(phase, dtype, true);
+    GemmConfig c = into_main_grad ? config_of<t::TilePingPongMainGrad>(phase, dtype, true)
+                                  : config_of<t::TilePingPong>(phase, dtype, true);
+    c.into_main_grad = into_main_grad;
+    return c;
   }
   return tile_n == 256 ? config_of<t::Tile256>(phase, dtype) : config_of<t::Tile128>(phase, dtype);
 }

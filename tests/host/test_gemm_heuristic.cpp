@@ -53,6 +53,9 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
     EXPECT_TRUE(small.ping_pong);
     EXPECT_EQ(small.block_n, 128);
     EXPECT_NE(small.to_string().find("ping-pong consumers"), std::string::npos) << small.to_string();
+    // Into main_grad a kernel of its own (main_grad streamed through a ring), with its own stages.
+    EXPECT_EQ(small.into_main_grad, into_main_grad);
+    EXPECT_EQ(small.to_string().find("main_grad streamed") != std::string::npos, into_main_grad) << small.to_string();
   }
   // From 160 to 511 rows a group with K >= 1024, wgrad into dW takes the shared wide TMA tile; into
   // main_grad it keeps ping-pong; K below 1024 keeps ping-pong either way.
@@ -87,6 +90,8 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
       EXPECT_EQ(mx.family, GemmFamily::kMxfp8Staged) << mx.to_string();
       EXPECT_EQ(mx.block_n, bf.block_n) << rows_per_group;
       EXPECT_EQ(mx.ping_pong, rows_per_group < (into_main_grad ? 512 : 160)) << mx.to_string();
+      EXPECT_EQ(mx.into_main_grad, into_main_grad && mx.ping_pong) << mx.to_string();
+      EXPECT_EQ(mx.stages, bf.stages) << mx.to_string();
       EXPECT_NE(mx.to_string().find("dequantized to bf16 in scratch"), std::string::npos) << mx.to_string();
     }
   // fp16 activations keep the E4M3 kernels (the staged values need bf16's range).
