@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import unittest
 
@@ -246,28 +247,57 @@ def _rank_main(test, rank, ranks, port, errors):
         raise SystemExit(1)
 
 
+RANK_LIMIT_S = 300  # a test's ranks together
+PEER_GRACE_S = 20   # after a rank fails, how long the others may take to notice before they are stopped
+
+
 def run_ranks(test, ranks):
     """test(rank, ranks, device) in `ranks` processes (this file run as a script, so any test runner
-    works); fails with every failing rank's traceback."""
+    works); fails with every failing rank's traceback. A rank that fails usually leaves its peers
+    waiting in a collective: they are stopped PEER_GRACE_S later, and the first failure is printed
+    at once, so an outer time limit cannot swallow it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0")
     package = str(pathlib.Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = package + os.pathsep + env.get("PYTHONPATH", "")
+
+    def error_of(errors, r):
+        path = os.path.join(errors, f"rank{r}.txt")
+        if not os.path.exists(path):
+            return ""
+        with open(path) as f:
+            return f.read()
+
     with tempfile.TemporaryDirectory() as errors:
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", test, str(r), str(ranks), str(port), errors],
                                   env=env) for r in range(ranks)]
-        failed = []
-        for r, p in enumerate(procs):
-            try:
-                code = p.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                code = "no exit in 300 s"
-            if code != 0:
-                path = os.path.join(errors, f"rank{r}.txt")
-                failed.append(f"rank {r} ({code}):\n" + (open(path).read() if os.path.exists(path) else ""))
+        codes = [None] * ranks
+        start, first_failure = time.monotonic(), None
+        while None in codes:
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if codes[r] is None and p.poll() is not None:
+                    codes[r] = p.returncode
+                    if codes[r] != 0 and first_failure is None:
+                        first_failure = now
+                        print(f"{test} on {ranks} ranks: rank {r} failed ({codes[r]}):\n{error_of(errors, r)}",
+                              file=sys.stderr, flush=True)
+            stop = None
+            if now - start > RANK_LIMIT_S:
+                stop = f"no exit in {RANK_LIMIT_S} s"
+            elif first_failure is not None and now - first_failure > PEER_GRACE_S:
+                stop = f"stopped {PEER_GRACE_S} s after another rank failed"
+            if stop is not None:
+                for r, p in enumerate(procs):
+                    if codes[r] is None:
+                        p.kill()
+                        p.wait()
+                        codes[r] = stop
+                break
+            time.sleep(0.05)
+        failed = [f"rank {r} ({code}):\n{error_of(errors, r)}" for r, code in enumerate(codes) if code != 0]
         if failed:
             raise AssertionError(f"{test} on {ranks} ranks:\n" + "\n".join(failed))
 
