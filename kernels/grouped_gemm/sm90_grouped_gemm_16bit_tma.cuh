@@ -763,6 +763,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     grouped_wgrad_pingpong_main_grad_kernel(const __grid_constant__ WgradTmaParams tp) {
   using Tile = TilePingPongMainGrad;
   constexpr int STAGES = Tile::STAGES, kResults = Tile::kResults;
+  // A consumer's wait on `ready` of part s - kResults (before its parity wait on `filled`) is itself
+  // unambiguous only once part s - 2 kResults has been added to: with a tile's parts within the ring,
+  // that part lies two tiles back or more, which the token guarantees are finished.
+  static_assert(kResults >= MainGradPart::kParts, "a tile's main_grad parts fit the ring");
   extern __shared__ uint8_t smem_raw[];
   __shared__ alignas(8) uint64_t full[STAGES], empty[STAGES], filled[kResults], ready[kResults];
   uint8_t* smem = sm90::aligned_smem(smem_raw);

@@ -6,6 +6,7 @@ another rank's or another expert's place fails the comparison.
 With W GPUs each rank has its own and the ranks talk through NCCL (NVLink multicast off); with
 fewer, the ranks share GPU 0 and talk through gloo. Skipped without PyTorch, torch.distributed or a
 GPU."""
+import faulthandler
 import os
 import pathlib
 import socket
@@ -226,6 +227,8 @@ def fsdp_training_loop(rank, ranks, device):
 
 
 def _rank_main(test, rank, ranks, port, errors):
+    # A rank still running shortly before the harness stops it prints where it waits.
+    faulthandler.dump_traceback_later(max(1, RANK_LIMIT_S - 10), exit=False)
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
         if not HAVE_GPU:
@@ -247,7 +250,7 @@ def _rank_main(test, rank, ranks, port, errors):
         raise SystemExit(1)
 
 
-RANK_LIMIT_S = 300  # a test's ranks together
+RANK_LIMIT_S = 120  # a test's ranks together (each test takes 10-20 s); under the suite's limit for the file
 PEER_GRACE_S = 20   # after a rank fails, how long the others may take to notice before they are stopped
 
 
@@ -255,7 +258,8 @@ def run_ranks(test, ranks):
     """test(rank, ranks, device) in `ranks` processes (this file run as a script, so any test runner
     works); fails with every failing rank's traceback. A rank that fails usually leaves its peers
     waiting in a collective: they are stopped PEER_GRACE_S later, and the first failure is printed
-    at once, so an outer time limit cannot swallow it."""
+    at once; a rank still running near RANK_LIMIT_S prints its Python stacks (faulthandler) before
+    it is stopped. So an outer time limit does not swallow what went wrong."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -273,33 +277,48 @@ def run_ranks(test, ranks):
     with tempfile.TemporaryDirectory() as errors:
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", test, str(r), str(ranks), str(port), errors],
                                   env=env) for r in range(ranks)]
-        codes = [None] * ranks
-        start, first_failure = time.monotonic(), None
-        while None in codes:
-            now = time.monotonic()
-            for r, p in enumerate(procs):
-                if codes[r] is None and p.poll() is not None:
-                    codes[r] = p.returncode
-                    if codes[r] != 0 and first_failure is None:
-                        first_failure = now
-                        print(f"{test} on {ranks} ranks: rank {r} failed ({codes[r]}):\n{error_of(errors, r)}",
-                              file=sys.stderr, flush=True)
-            stop = None
-            if now - start > RANK_LIMIT_S:
-                stop = f"no exit in {RANK_LIMIT_S} s"
-            elif first_failure is not None and now - first_failure > PEER_GRACE_S:
-                stop = f"stopped {PEER_GRACE_S} s after another rank failed"
-            if stop is not None:
-                for r, p in enumerate(procs):
-                    if codes[r] is None:
-                        p.kill()
-                        p.wait()
-                        codes[r] = stop
-                break
-            time.sleep(0.05)
+        try:
+            codes = wait_for_ranks(test, procs, lambda r: error_of(errors, r))
+        finally:  # interrupted, or the harness failed: no rank outlives it on the GPUs
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
         failed = [f"rank {r} ({code}):\n{error_of(errors, r)}" for r, code in enumerate(codes) if code != 0]
         if failed:
-            raise AssertionError(f"{test} on {ranks} ranks:\n" + "\n".join(failed))
+            raise AssertionError(f"{test} on {len(procs)} ranks:\n" + "\n".join(failed))
+
+
+def wait_for_ranks(test, procs, error_of):
+    """Each rank's exit code, or why it was stopped (run_ranks)."""
+    ranks = len(procs)
+    codes = [None] * ranks
+    start, first_failure = time.monotonic(), None
+    while None in codes:
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if codes[r] is None and p.poll() is not None:
+                codes[r] = p.returncode
+                if codes[r] != 0 and first_failure is None:
+                    first_failure = now
+                    print(f"{test} on {ranks} ranks: rank {r} failed ({codes[r]}):\n{error_of(r)}",
+                          file=sys.stderr, flush=True)
+        stop = None
+        if now - start > RANK_LIMIT_S:
+            stop = f"no exit in {RANK_LIMIT_S} s"
+        elif first_failure is not None and now - first_failure > PEER_GRACE_S:
+            stop = f"stopped {PEER_GRACE_S} s after another rank failed"
+        if stop is not None:
+            for r, p in enumerate(procs):
+                if codes[r] is None:
+                    p.kill()
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass  # stuck in the driver: left to the operating system
+                    codes[r] = stop
+            break
+        time.sleep(0.05)
+    return codes
 
 
 @unittest.skipUnless(HAVE_GPU, "needs PyTorch with torch.distributed and a GPU")

@@ -12,6 +12,11 @@ namespace {
 std::vector<CaseSpec> cases() {
   using R = Routing;
   const DType fp16 = DType::kFP16;
+  // 64 groups, every other one empty, the others of 1-150 rows: at 384 x 384 that is 288 wgrad tiles
+  // of 128 x 128 with data (and 288 of empty groups), two or more per CTA of the ping-pong kernel's
+  // grid (one per SM), with empty groups' tiles between them in each CTA's sequence.
+  std::vector<int32_t> every_other_empty(64);
+  for (int g = 0; g < 64; ++g) every_other_empty[g] = g % 2 == 0 ? 0 : 1 + (g * 37) % 150;
   return {
       // name, groups, k, n, dtype, row_align, splits, rows, routing, capacity_extra, bias, scale, main_grad
       {"g1_one_group", 1, 256, 128, DType::kBF16, 1, {}, 300},
@@ -43,13 +48,16 @@ std::vector<CaseSpec> cases() {
       {"g32_skewed_long_bands", 32, 128, 640, DType::kBF16, 1, {}, 8000, R::kSkewed, 0, true, true},
       // dW and main_grad tiles that overhang N and K inside a group (the tensor stores must clip there).
       {"g6_partial_tiles_main_grad", 6, 208, 144, DType::kBF16, 1, {}, 700, R::kSkewed, 0, false, false, true},
-      // main_grad with empty groups between full ones (their tiles add nothing and stream no parts).
+      // main_grad with empty groups between full ones (their tiles add nothing and stream no parts):
+      // a few tiles, and many per CTA.
       {"g8_empty_groups_main_grad", 8, 256, 256, DType::kBF16, 1, {0, 37, 0, 0, 100, 1, 0, 5}, 0, R::kUniform, 10,
        false, false, true},
+      {"g64_every_other_empty_main_grad", 64, 384, 384, DType::kBF16, 1, every_other_empty, 0, R::kUniform, 0, false,
+       false, true},
       // K and N below one box: a main_grad tile's parts past K and its second 64-row box past N are
-      // neither loaded nor stored; dW tiles are clipped to 16 columns and 32 rows.
+      // neither loaded nor stored; dW ([G][N][K]) tiles are clipped to 16 rows (N) and 32 columns (K).
       {"k16_n48_main_grad", 5, 16, 48, DType::kBF16, 1, {0, 70, 3, 0, 129}, 0, R::kUniform, 0, false, false, true},
-      {"k32_n16_bias", 5, 32, 16, DType::kBF16, 1, {64, 0, 1, 200, 17}, 0, R::kUniform, 8, true, true},
+      {"k32_n16_bias_scale", 5, 32, 16, DType::kBF16, 1, {64, 0, 1, 200, 17}, 0, R::kUniform, 8, true, true},
   };
 }
 

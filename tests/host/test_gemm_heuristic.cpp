@@ -55,6 +55,7 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
     EXPECT_NE(small.to_string().find("ping-pong consumers"), std::string::npos) << small.to_string();
     // Into main_grad a kernel of its own (main_grad streamed through a ring), with its own stages.
     EXPECT_EQ(small.into_main_grad, into_main_grad);
+    EXPECT_EQ(small.stages, into_main_grad ? 5 : 4) << small.to_string();  // TilePingPongMainGrad, TilePingPong
     EXPECT_EQ(small.to_string().find("main_grad streamed") != std::string::npos, into_main_grad) << small.to_string();
   }
   // From 160 to 511 rows a group with K >= 1024, wgrad into dW takes the shared wide TMA tile; into
