@@ -22,7 +22,7 @@ constexpr bool ends_are(std::initializer_list<std::size_t> earlier) {
     if (sizeof(void*) == 8 && ends[i++] != e) return false;
   return true;
 }
-static_assert(ends_are<mg_grouped_linear_options>({64, 72}), "mg_grouped_linear_options: fields may only be appended");
+static_assert(ends_are<mg_grouped_linear_options>({64, 72, 80}), "mg_grouped_linear_options: fields may only be appended");
 static_assert(ends_are<mg_forward_args>({64, 96}), "mg_forward_args: fields may only be appended");
 static_assert(ends_are<mg_backward_args>({72, 104}), "mg_backward_args: fields may only be appended");
 static_assert(ends_are<mg_moe_layer_options>({108, 120, 124, 136}),

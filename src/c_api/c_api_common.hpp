@@ -61,6 +61,7 @@ template <>
 struct Releases<mg_grouped_linear_options> {
   static constexpr std::array ends{offsetof(mg_grouped_linear_options, prequantized_weights),
                                    offsetof(mg_grouped_linear_options, dequantized_weights),
+                                   offsetof(mg_grouped_linear_options, forward_only),
                                    sizeof(mg_grouped_linear_options)};
 };
 template <>

@@ -201,6 +201,14 @@ TEST(CAbiMxfp8, AnOlderOptionsSizeIsNotPrequantized) {
   EXPECT_EQ(mg_grouped_linear_workspace_bytes(&g, &got), MG_ERR_INVALID_ARGUMENT) << "read at the current size";
   EXPECT_TRUE(last_error_has("prequantized_weights needs the mxfp8 recipe")) << mg_last_error();
 
+  // The release before forward_only ends at its offset: such a caller's dequantized_weights is read
+  // (and refused with the bf16 recipe: so it was read), and forward_only keeps its default.
+  mg_grouped_linear_options d = small_linear();
+  d.dequantized_weights = 1;
+  d.struct_size = offsetof(mg_grouped_linear_options, forward_only);
+  EXPECT_EQ(mg_grouped_linear_workspace_bytes(&d, &got), MG_ERR_INVALID_ARGUMENT) << "dequantized_weights read";
+  EXPECT_TRUE(last_error_has("dequantized_weights needs the mxfp8 recipe")) << mg_last_error();
+
   // mg_moe_layer_options grew three times: the expert-parallel release's size (or one inside
   // prequantized_weights) reads expert_parallel but not prequantized_weights; a size inside that
   // release's fields reads the first release's alone.
