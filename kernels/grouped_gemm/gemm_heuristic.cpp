@@ -88,13 +88,21 @@ GemmOverrides with_environment(GemmOverrides o) {
 namespace {
 
 // The wide tile (128 x 256) pays off for wgrad when every group holds many rows (long reductions)
-// and the output is wide. For fprop and dgrad it pays whatever the group sizes once the output is at
-// least 1536 wide: measured equal or faster on every such shape, from decode's 6-row groups to
-// 500-row ones, and 8-12% faster under skewed routing; outputs of 768 and 1024 lost 2-4% (docs/PERF.md,
-// "Wide tiles for fine-grained fprop and dgrad"). Unless the wide tiles are too few to fill the GPU:
+// and the output is wide. For fprop and dgrad it reads each row of A once per 256 output columns
+// instead of once per 128, and it pays:
+// - whatever the group sizes once the output is at least kWideMinCols = 1536 wide: measured equal or
+//   faster on every such shape, from decode's 6-row groups to 500-row ones, and 8-12% faster under
+//   skewed routing (H100; docs/PERF.md, "Wide tiles for fine-grained fprop and dgrad");
+// - on outputs from kNarrowWideMinCols = 768 when groups average kNarrowWideMinRows = 64 rows or
+//   more, where A's re-reads weigh: on one H200, 2-21% faster at 64-256 rows a group (outputs of
+//   768 and 1024, reductions of 768 to 7168, both routings); at 12 rows a group (output 1408) 4%
+//   faster under uniform routing and 5% slower under skew (docs/PERF.md, "fprop and dgrad: 256-wide
+//   tiles on 768- and 1024-wide outputs"). On an H100, with older kernels, 768 and 1024 had lost 2-4%
+//   under uniform routing at 128-256 rows a group.
+// Narrower outputs were not measured and keep 128. Unless the wide tiles are too few to fill the GPU:
 // a one-token decode bucket (6 rows, so at most 6 experts) has 66 of them for 132 SMs and ran 3%
 // slower, so at least kWideMinTiles (about two per SM) are asked of the rows the bucket can hold.
-constexpr int64_t kWideMinCols = 1536, kWideMinTiles = 256;
+constexpr int64_t kWideMinCols = 1536, kNarrowWideMinCols = 768, kNarrowWideMinRows = 64, kWideMinTiles = 256;
 
 // wgrad into bf16 dW of groups of a few hundred rows: the shared 128 x 256 tile. Its epilogue only
 // stores (the tensor stores drain under the next tile), so nothing there waits on memory, and it
@@ -118,7 +126,8 @@ int heuristic_tile_n(const GemmProblem& p) {
   const int64_t busy_groups = std::min<int64_t>(p.groups, p.capacity_rows);  // a group with rows has one or more
   const int64_t row_tiles = std::max<int64_t>(1, (p.expected_rows_per_group + 127) / 128);
   const int64_t wide_tiles = busy_groups * ((out_cols + 255) / 256) * row_tiles;
-  return out_cols >= kWideMinCols && wide_tiles >= kWideMinTiles ? 256 : 128;
+  const int64_t min_cols = p.expected_rows_per_group >= kNarrowWideMinRows ? kNarrowWideMinCols : kWideMinCols;
+  return out_cols >= min_cols && wide_tiles >= kWideMinTiles ? 256 : 128;
 }
 
 // Measured (docs/PERF.md, v5): TMA wins or ties everywhere except wgrad on the narrow tiles with

@@ -30,16 +30,29 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   const auto big = kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 8, 16384, 28672, 4096), {});
   EXPECT_EQ(big.family, GemmFamily::kTma16);
   EXPECT_EQ(big.block_n, 256);
-  // fprop and dgrad take the wide tile on any group size once their output is 1536 wide or more:
-  // 128 experts of 40 rows (N 4096: fprop's output), decode's 6 rows; narrower outputs keep 128.
+  // fprop and dgrad take the wide tile on any group size once their output is 1536 wide or more
+  // (128 experts of 40 rows, N 4096: fprop's output; decode's 6 rows), and from 768 wide when groups
+  // average 64 rows or more; narrower outputs keep 128, and so do outputs under 1536 of smaller groups.
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 128, 5120, 4096, 1536), {}).block_n,
             256);
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 64, 384, 2816, 4096), {}).block_n,
             256);
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 128, 5120, 4096, 1024), {}).block_n,
-            128);
+            128);  // 40 rows a group
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 128, 32768, 768, 2048), {}).block_n,
+            256);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 128, 32768, 2048, 640), {}).block_n,
             128);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 128, 32768, 640, 2048), {}).block_n,
+            128);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 128, 128 * 64, 2048, 768), {}).block_n,
+            256);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 128, 128 * 63, 2048, 768), {}).block_n,
+            128);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 64, 768, 4096, 1408), {}).block_n,
+            128);
+  EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kDgrad, Recipe::kBF16, 64, 768, 4096, 1536), {}).block_n,
+            256);
   // Too few wide tiles to fill the GPU (one decode token: 6 rows, at most 6 experts of 11 wide tiles).
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 6, 2816, 4096), {}).block_n, 128);
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 48, 2816, 4096), {}).block_n, 256);
