@@ -95,7 +95,7 @@ namespace {
 //   skewed routing (H100; docs/PERF.md, "Wide tiles for fine-grained fprop and dgrad");
 // - on outputs from kNarrowWideMinCols = 768 when groups average kNarrowWideMinRows = 64 rows or
 //   more, where A's re-reads weigh: on one H200, 2-21% faster at 64-256 rows a group (outputs of
-//   768 and 1024, reductions of 768 to 7168, both routings); at 12 rows a group (output 1408) 4%
+//   768 and 1024, reductions of 2048 to 7168, both routings); at 12 rows a group (output 1408) 4%
 //   faster under uniform routing and 5% slower under skew (docs/PERF.md, "fprop and dgrad: 256-wide
 //   tiles on 768- and 1024-wide outputs"). On an H100, with older kernels, 768 and 1024 had lost 2-4%
 //   under uniform routing at 128-256 rows a group.

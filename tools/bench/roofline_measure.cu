@@ -97,9 +97,10 @@ Roofline measure_roofline(cudaStream_t stream) {
     const int grid = sms * 8;
     auto gbps = [&](double moved, auto work) { return moved / replayed_median(stream, work, 20) / 1e6; };
     // cudaMemcpy timed on the stream, not replayed: captured into a graph it becomes a memcpy node,
-    // about 2.7 TB/s on an H200, while on a stream it reaches about 4.2 TB/s (judging by the rate,
-    // the driver then copies with the SMs), the fastest read + write stream measured there
-    // (docs/PERF.md). Four copies back to back per timing, so the host's enqueue is not timed.
+    // about 2.7 TB/s on an H200, while on a stream it reaches about 4.25 TB/s, the fastest read +
+    // write stream measured there. It runs no kernel that Nsight Compute sees, and no SM copy
+    // measured reaches it (docs/PERF.md, "What a copy can reach"). Four copies back to back per
+    // timing, so the host's enqueue is not timed.
     {
       auto copy = [&] {
         MG_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream));
