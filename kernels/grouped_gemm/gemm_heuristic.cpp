@@ -96,8 +96,8 @@ namespace {
 // - on outputs from kNarrowWideMinCols = 768 when groups average kNarrowWideMinRows = 64 rows or
 //   more, where A's re-reads weigh: on one H200, 2-21% faster at 64-256 rows a group (outputs of
 //   768 and 1024, reductions of 2048 to 7168, both routings); at 12 rows a group (output 1408) 4%
-//   faster under uniform routing and 5% slower under skew (docs/PERF.md, "fprop and dgrad: 256-wide
-//   tiles on 768- and 1024-wide outputs"). On an H100, with older kernels, 768 and 1024 had lost 2-4%
+//   faster under uniform routing and 5% slower under skew (docs/PERF.md, "What a copy can reach,
+//   ping-pong fprop and dgrad, and 256-wide tiles on narrower outputs"). On an H100, with older kernels, 768 and 1024 had lost 2-4%
 //   under uniform routing at 128-256 rows a group.
 // Narrower outputs were not measured and keep 128. Unless the wide tiles are too few to fill the GPU:
 // a one-token decode bucket (6 rows, so at most 6 experts) has 66 of them for 132 SMs and ran 3%
