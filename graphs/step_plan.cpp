@@ -101,8 +101,9 @@ StepPlan plan_step(const StepGraphsOptions& options) {
       if (entry.name.ends_with(kMxfp8ValuesSuffix)) plan.mxfp8_dequantized_bytes += entry.bytes;
   }
   const MoeLayerOptions first = bucket_layer_options(options, options.buckets.front());
+  std::vector<layer::OpSpec> ops;  // the layer's declarations (none for the expert-MLP step)
   if (options.step == StepKind::kMoeLayer) {
-    std::vector<layer::OpSpec> ops = layer::moe_layer_ops(first);
+    ops = layer::moe_layer_ops(first);
     if (first.fuse_weights) layer::fuse_routing_weights(ops);
     plan.kernels.push_back("moe layer: " + layer::describe(ops));
     // One line, or one per bucket where they differ (the small-batch logits kernel).
@@ -134,17 +135,11 @@ StepPlan plan_step(const StepGraphsOptions& options) {
                                              "that every bucket reads") +
                            (options.layer.dequantized_weights ? "; also kept dequantized to bf16 (dequantized_weights)"
                                                               : ""));
-  const bool moe_layer = options.step == StepKind::kMoeLayer;
-  const std::string swiglu_kernel = "8 x 16-bit per thread, grid-stride over used rows";
-  plan.kernels.push_back(
-      std::string("swiglu: forward ") +
-      (moe_layer && layer::layer_fc2_applies_swiglu(first)
-           ? "in fc2's MXFP8 quantizer (silu(gate) * up as it reads fc1_out)"
-           : swiglu_kernel) +
-      (!first.training ? std::string()  // inference runs no backward
-       : moe_layer && layer::layer_fc1_applies_swiglu_grad(first)
-           ? "; backward in fc1's MXFP8 quantizer (dgate | dup as it reads fc1_out and d.swiglu_out)"
-           : "; backward " + swiglu_kernel));
+  // The SwiGLU as the layer's operator describes it (the expert-MLP step runs the plain kernels).
+  layer::OpSpec swiglu{.kind = layer::OpKind::kSwiglu, .name = "swiglu"};
+  for (const layer::OpSpec& op : ops)
+    if (op.kind == layer::OpKind::kSwiglu || op.kind == layer::OpKind::kSwigluWeighted) swiglu = op;
+  plan.kernels.push_back(layer::describe_swiglu(swiglu, first.training));
   if (first.bias) plan.kernels.push_back("bias grads: 256-row chunk partials + ordered reduction (deterministic)");
   if (options.step == StepKind::kMoeLayer && layer::layer_keeps_linear_activations(first))
     plan.kernels.push_back(std::string("saved activations: x_perm and swiglu_out") +

@@ -337,6 +337,42 @@ TEST(StepPlan, PrintsTheKernelsThatRun) {
   }
 }
 
+// --plan's SwiGLU line is the layer operator's description (layer::describe_swiglu) of the SwiGLU
+// the layer runs: plain kernels in bf16; in mxfp8 training (no bias) inside FC2's and FC1's
+// quantizers; with the routing weights fused in, the weighted kernels (whose backward FC1's
+// quantizer does not take over); the expert-MLP step the plain kernels.
+TEST(StepPlan, DescribesTheSwigluTheLayerRuns) {
+  auto swiglu_line = [](Recipe recipe, StepKind step, bool fuse_weights) {
+    Config c = default_config();
+    c.precision.recipe = recipe;
+    c.step = step;
+    c.row_align = 32;
+    c.router.fuse_weights = fuse_weights;
+    std::string found;
+    for (const std::string& line : plan_step(step_graphs_options(c)).kernels)
+      if (line.starts_with("swiglu")) {
+        EXPECT_TRUE(found.empty()) << "two SwiGLU lines: " << found << " / " << line;
+        found = line;
+      }
+    return found;
+  };
+  const std::string plain_forward = "forward silu(gate) * up, 8 x 16-bit per thread";
+  const std::string bf16 = swiglu_line(Recipe::kBF16, StepKind::kMoeLayer, false);
+  EXPECT_TRUE(bf16.starts_with("swiglu: " + plain_forward)) << bf16;
+  EXPECT_NE(bf16.find("; backward 8 x 16-bit per thread"), std::string::npos) << bf16;
+  const std::string mx = swiglu_line(Recipe::kMXFP8, StepKind::kMoeLayer, false);
+  EXPECT_TRUE(mx.starts_with("swiglu: forward in fc2's MXFP8 quantizer")) << mx;
+  EXPECT_NE(mx.find("; backward in fc1's MXFP8 quantizer"), std::string::npos) << mx;
+  for (Recipe recipe : {Recipe::kBF16, Recipe::kMXFP8}) {
+    const std::string fused = swiglu_line(recipe, StepKind::kMoeLayer, true);
+    EXPECT_TRUE(fused.starts_with("swiglu_weighted: forward ")) << fused;
+    EXPECT_NE(fused.find("w_row * silu(gate) * up"), std::string::npos) << fused;
+    EXPECT_NE(fused.find("; backward a group of lanes per row, its weight gradient"), std::string::npos) << fused;
+    const std::string experts = swiglu_line(recipe, StepKind::kExperts, false);
+    EXPECT_TRUE(experts.starts_with("swiglu: " + plain_forward)) << experts;
+  }
+}
+
 // One translation of layer options into the experts' GroupedLinearOptions, training or not.
 TEST(StepPlan, ExpertLinearOptionsFollowTraining) {
   MoeLayerOptions o;

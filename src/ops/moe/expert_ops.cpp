@@ -120,15 +120,7 @@ class SwigluOp final : public LayerOp {
         groups_(moe_local_experts(o)),
         weighted_(spec.kind == OpKind::kSwigluWeighted) {}
   std::string name() const override { return spec_.name; }
-  std::string kernels() const override {
-    const std::string forward = spec_.forward_in_next ? " (forward: in fc2's quantizer, as it reads fc1_out)" : "";
-    const std::string backward =
-        spec_.backward_in_prev ? " (backward: in fc1's quantizer, as it reads fc1_out and d.swiglu_out)" : "";
-    const std::string what = weighted_
-                                 ? "w_row * silu(gate) * up, 16-byte vectors; backward adds the row-weight gradient"
-                                 : "silu(gate) * up, 16-byte vectors over the used rows";
-    return spec_.name + ": " + what + forward + backward;
-  }
+  std::string kernels() const override { return describe_swiglu(spec_, o_.training); }
 
   void declare(TensorTable& t, bool training) override {
     const std::size_t es = dtype_size(o_.dtype);

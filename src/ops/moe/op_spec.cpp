@@ -27,6 +27,18 @@ std::string describe_local_dispatch(bool gathers_rows) {
          (gathers_rows ? "row gather" : "no row gather (fc1's quantizer reads the tokens through token_of_row)");
 }
 
+std::string describe_swiglu(const OpSpec& spec, bool training) {
+  const bool weighted = spec.kind == OpKind::kSwigluWeighted;
+  const std::string value = weighted ? "w_row * silu(gate) * up" : "silu(gate) * up";
+  std::string s = spec.name + ": forward " +
+                  (spec.forward_in_next ? "in fc2's MXFP8 quantizer (" + value + " as it reads fc1_out)"
+                                        : value + ", 8 x 16-bit per thread, grid-stride over the used rows");
+  if (!training) return s;  // inference runs no backward
+  if (spec.backward_in_prev) return s + "; backward in fc1's MXFP8 quantizer (dgate | dup as it reads fc1_out and da)";
+  return s + (weighted ? "; backward a group of lanes per row, its weight gradient summed in a fixed order"
+                       : "; backward 8 x 16-bit per thread, grid-stride over the used rows");
+}
+
 bool router_logits_from_x(const MoeLayerOptions& o) {
   return !o.training && o.max_tokens <= kernels::kRouterSmallTokens;
 }

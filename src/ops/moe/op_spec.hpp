@@ -82,6 +82,10 @@ bool layer_fc1_applies_swiglu_grad(const MoeLayerOptions& options);
 // The one-GPU dispatch's kernels in words, for --plan and the operator's kernels(): whether it
 // writes the permuted rows (`gathers_rows`) or FC1 reads the tokens through token_of_row.
 std::string describe_local_dispatch(bool gathers_rows);
+// The SwiGLU operator of a declaration (kSwiglu or kSwigluWeighted) in words, for its kernels() and
+// --plan: the kernel of each direction, or the expert linear's quantizer that does its work
+// (forward_in_next, backward_in_prev); the backward only when `training`.
+std::string describe_swiglu(const OpSpec& spec, bool training);
 // Whether the router computes a bucket's logits in one kernel straight from x (inference of at most
 // 4 tokens, where it measured faster) rather than by cuBLASLt over a copy of x; and its description.
 bool router_logits_from_x(const MoeLayerOptions& o);
