@@ -99,7 +99,8 @@ struct Releases<mg_step_weights> {
 };
 template <>
 struct Releases<mg_step_graphs_options> {
-  static constexpr std::array ends{offsetof(mg_step_graphs_options, comm), sizeof(mg_step_graphs_options)};
+  static constexpr std::array ends{offsetof(mg_step_graphs_options, comm), offsetof(mg_step_graphs_options, shard_comm),
+                                   sizeof(mg_step_graphs_options)};
 };
 
 // The smallest struct_size accepted: the first release's.

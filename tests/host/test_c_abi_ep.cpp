@@ -487,6 +487,13 @@ TEST(CAbiEp, StepCreateNeedsTheCommunicatorTheConfigAsksFor) {
   EXPECT_EQ(mg_step_graphs_create(c, &w, &o, &step), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(last_error_has("mg_ep_comm handle that is not live")) << mg_last_error();
   EXPECT_EQ(step, nullptr);
+  // A caller of the release before shard_comm (its struct ends there) has its comm read: the same
+  // refusal of the handle, not "got NULL" (a release list without that end dropped comm).
+  mg_step_graphs_options before_shards = o;
+  before_shards.struct_size = offsetof(mg_step_graphs_options, shard_comm);
+  EXPECT_EQ(mg_step_graphs_create(c, &w, &before_shards, &step), MG_ERR_INVALID_HANDLE);
+  EXPECT_TRUE(last_error_has("mg_ep_comm handle that is not live")) << mg_last_error();
+  EXPECT_EQ(step, nullptr);
   mg_config_destroy(c);
 
   // Without expert parallelism an older options struct (before comm) is read as it was: the create
