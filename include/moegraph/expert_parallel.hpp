@@ -87,8 +87,9 @@ class MOEGRAPH_API EpComm {
   // kernels have no timeout of their own, still waiting). Then: abort(), let the stream drain, and
   // destroy the layers, steps and communicators; make new ones with the ranks that are left.
   //
-  // Waits on the host until the work enqueued on `stream` so far is done, at most timeout_ms (>= 0).
-  // kTimedOut leaves that work in flight. Throws if the transport reports an error of its own
+  // Waits on the host until the work enqueued on `stream` so far is done, at most timeout_ms (>= 0;
+  // a value past a century, such as the largest for "forever", waits a century). kTimedOut leaves
+  // that work in flight. Throws if the transport reports an error of its own
   // (NCCL: ncclCommGetAsyncError). It polls, so another thread may abort() meanwhile. Not an
   // enqueue path: it synchronizes.
   enum class WaitResult { kDone, kTimedOut };

@@ -304,14 +304,14 @@ MOEGRAPH_API mg_status mg_ep_comm_ranks(const mg_ep_comm* comm, int* out);
  * MG_ERR_DEVICE_SPLITS naming a peer timeout or a stopped peer (the device barriers gave up), or
  * the step never completes (a send/recv exchange's NCCL kernels wait without a timeout).
  * mg_ep_comm_wait waits on the host until the work enqueued on `stream` so far is done, at most
- * timeout_ms (>= 0): *completed is 1, or 0 with the work still in flight; an error the transport
- * reports (NCCL's asynchronous error) is MG_ERR_LIBRARY. It polls, so another thread may abort
- * meanwhile. mg_ep_comm_abort stops the rank's communication for good: ncclCommAbort on a
- * communicator moegraph created (NCCL kernels waiting on a peer return), a mark only on a wrapped
- * one (the caller aborts its own). Afterwards every layer call and step with it is refused
- * (MG_ERR_INVALID_ARGUMENT), and destroying them, their windows and the handle waits for no peer.
- * Not collective; safe from another thread while the stream still runs a step; a second call does
- * nothing. */
+ * timeout_ms (>= 0; past a century, e.g. INT64_MAX for "forever", it waits a century): *completed
+ * is 1, or 0 with the work still in flight; an error the transport reports (NCCL's asynchronous
+ * error) is MG_ERR_LIBRARY. It polls, so another thread may abort meanwhile. mg_ep_comm_abort
+ * stops the rank's communication for good: ncclCommAbort on a communicator moegraph created (NCCL
+ * kernels waiting on a peer return), a mark only on a wrapped one (the caller aborts its own).
+ * Afterwards every layer call and step with it is refused (MG_ERR_INVALID_ARGUMENT), and
+ * destroying them, their windows and the handle waits for no peer. Not collective; safe from
+ * another thread while the stream still runs a step; a second call does nothing. */
 MOEGRAPH_API mg_status mg_ep_comm_wait(mg_ep_comm* comm, cudaStream_t stream, int64_t timeout_ms, int* completed);
 MOEGRAPH_API mg_status mg_ep_comm_abort(mg_ep_comm* comm);
 

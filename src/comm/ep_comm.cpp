@@ -6,6 +6,7 @@
 #include "moegraph/error.hpp"
 #include "moegraph/expert_parallel.hpp"
 #include "src/core/checks.hpp"
+#include "src/core/deadline.hpp"
 #include "src/core/device_scope.hpp"
 
 namespace moegraph {
@@ -20,7 +21,7 @@ EpComm::WaitResult EpComm::wait(cudaStream_t stream, long long timeout_ms) {
     ~Destroy() { cudaEventDestroy(e); }
   } destroy{done};
   MG_CUDA_CHECK(cudaEventRecord(done, stream));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  const auto deadline = deadline_after(std::chrono::steady_clock::now(), timeout_ms);
   // Polled rather than synchronized: a blocking wait could not be given up, and a thread blocked in
   // it would hold the stream's work hostage to a peer that never comes.
   for (;;) {

@@ -3,6 +3,7 @@
 // realistic shapes keep exactly the sizes they had before the checks.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -17,6 +18,7 @@
 #include "moegraph/moegraph.h"
 #include "moegraph/step_graphs.hpp"
 #include "src/core/checked.hpp"
+#include "src/core/deadline.hpp"
 #include "src/core/layout.hpp"
 
 namespace moegraph {
@@ -392,6 +394,19 @@ TEST(CheckedSizes, RealisticShapesKeepTheirSizes) {
   EXPECT_EQ(experts.arena_bytes, 3959425536u);
   EXPECT_EQ(experts.sum_of_buckets, 4454355968u);
   EXPECT_EQ(experts.weight_bytes, 8455716864u);
+}
+
+// A wait's deadline from the caller's milliseconds: as given up to a century, a century past it
+// ("forever" as INT64_MAX ms would overflow the clock's nanoseconds and end the wait at once).
+TEST(Deadline, LargeTimeoutsWaitACenturyInsteadOfWrapping) {
+  const auto now = std::chrono::steady_clock::now();
+  EXPECT_EQ(deadline_after(now, 0), now);
+  EXPECT_EQ(deadline_after(now, 250), now + std::chrono::milliseconds(250));
+  EXPECT_EQ(deadline_after(now, kMaxWaitMs), now + std::chrono::milliseconds(kMaxWaitMs));
+  for (long long big : {kMaxWaitMs + 1, 10'000'000'000'000LL, std::numeric_limits<long long>::max()}) {
+    EXPECT_EQ(deadline_after(now, big), now + std::chrono::milliseconds(kMaxWaitMs)) << big;
+    EXPECT_GT(deadline_after(now, big), now + std::chrono::hours(24 * 365)) << big;
+  }
 }
 
 }  // namespace
