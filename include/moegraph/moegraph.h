@@ -195,8 +195,17 @@ typedef struct {
 } mg_backward_args;
 
 /* Fills *options with the defaults (struct_size set; row_align 1, bf16, no bias, one slot, no delay,
- * not prequantized). */
+ * not prequantized). Called as mg_grouped_linear_options_init(&o), the macro below passes the
+ * struct's size as this header has it to mg_grouped_linear_options_init_sized, which writes that
+ * many bytes and no more: a caller built against an older header keeps its smaller struct intact
+ * (the fields of its release set, struct_size its own sizeof), and one built against a newer header
+ * gets zeros over the fields this library does not know. The function itself (its address, or
+ * (mg_grouped_linear_options_init)(&o)) fills sizeof(mg_grouped_linear_options) of this header.
+ * _init_sized refuses (MG_ERR_INVALID_ARGUMENT, nothing written) a null pointer or a size below the
+ * first release's. */
 MOEGRAPH_API void mg_grouped_linear_options_init(mg_grouped_linear_options* options);
+MOEGRAPH_API mg_status mg_grouped_linear_options_init_sized(mg_grouped_linear_options* options, size_t struct_size);
+#define mg_grouped_linear_options_init(options) mg_grouped_linear_options_init_sized((options), sizeof *(options))
 /* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
  * failure *out is 0 and mg_last_error names the field, its value and the limit. */
 MOEGRAPH_API mg_status mg_grouped_linear_workspace_bytes(const mg_grouped_linear_options* options, size_t* out);
@@ -436,8 +445,11 @@ typedef struct {
 /* Fills *options with the defaults (struct_size set; top_k 1, softmax, no renormalization, no aux
  * loss, dropless, row_align 1, bf16, training, one slot, no delay, fp32 main_grad, no expert
  * parallelism: expert_parallel 1, ep_recv_rows 0; not prequantized); experts, hidden, ffn and
- * max_tokens are 0 and must be set. */
+ * max_tokens are 0 and must be set. As mg_grouped_linear_options_init: the macro passes the
+ * header's sizeof to mg_moe_layer_options_init_sized, which writes no more than that. */
 MOEGRAPH_API void mg_moe_layer_options_init(mg_moe_layer_options* options);
+MOEGRAPH_API mg_status mg_moe_layer_options_init_sized(mg_moe_layer_options* options, size_t struct_size);
+#define mg_moe_layer_options_init(options) mg_moe_layer_options_init_sized((options), sizeof *(options))
 /* Validates the options and gives the workspace size (at most 2^48 bytes). Touches no GPU. On
  * failure *out is 0 and mg_last_error names the field, its value and the limit. */
 MOEGRAPH_API mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* options, size_t* out);

@@ -69,7 +69,7 @@ class LibraryWithoutAGpu(unittest.TestCase):
 
     def test_expert_parallel_fields_and_calls(self):
         o = _lib.MoeLayerOptions()
-        _lib.lib().mg_moe_layer_options_init(ctypes.byref(o))
+        _lib.call("mg_moe_layer_options_init_sized", ctypes.byref(o), ctypes.sizeof(o))
         self.assertEqual((o.struct_size, o.expert_parallel, o.ep_recv_rows), (ctypes.sizeof(o), 1, 0))
         self.assertEqual((o.ep_exchange, o.ep_chunk_rows), (0, 0))  # MG_EP_PEER_STORES, worst-case chunks
         o.experts, o.hidden, o.ffn, o.top_k, o.max_tokens = 8, 256, 256, 2, 64
@@ -130,11 +130,11 @@ class LibraryWithoutAGpu(unittest.TestCase):
         # is refused by name (a field out of place would be read as another, or as an unknown tail).
         size = ctypes.c_size_t()
         g = _lib.GroupedLinearOptions()
-        _lib.lib().mg_grouped_linear_options_init(ctypes.byref(g))
+        _lib.call("mg_grouped_linear_options_init_sized", ctypes.byref(g), ctypes.sizeof(g))
         self.assertEqual((g.struct_size, g.prequantized_weights), (ctypes.sizeof(g), 0))
         g.num_groups, g.in_features, g.out_features, g.capacity_rows, g.row_align = 4, 128, 128, 256, 32
         m = _lib.MoeLayerOptions()
-        _lib.lib().mg_moe_layer_options_init(ctypes.byref(m))
+        _lib.lib().mg_moe_layer_options_init(ctypes.byref(m))  # the function form: this header's sizeof
         self.assertEqual(m.prequantized_weights, 0)
         m.experts, m.hidden, m.ffn, m.top_k, m.max_tokens, m.row_align = 8, 256, 256, 2, 64, 32
         for options, call in ((g, "mg_grouped_linear_workspace_bytes"), (m, "mg_moe_layer_workspace_bytes")):

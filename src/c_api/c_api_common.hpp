@@ -137,6 +137,20 @@ T read_struct(const T* in, const char* type, T value) {
   return value;
 }
 
+// Fills a caller's struct of `size` bytes (its sizeof, as the caller's header has it) with the
+// defaults in `value`: the fields of the release that size covers, struct_size = size, zeros over a
+// newer caller's unknown tail; nothing past `size` is written (an older caller's struct is smaller
+// than T). Refuses a size below the first release's, writing nothing.
+template <class T>
+void init_struct(T* out, std::size_t size, const char* type, T value) {
+  MG_CHECK(out != nullptr, "null ", type);
+  MG_CHECK(size >= kFirstSize<T>, type, " of ", size, " bytes is smaller than its first release (", kFirstSize<T>,
+           " bytes)");
+  value.struct_size = size;
+  std::memcpy(static_cast<void*>(out), &value, known_bytes<T>(size));
+  if (size > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(out) + sizeof(T), 0, size - sizeof(T));
+}
+
 // Writes `value` into a caller's struct: the fields of the release its struct_size covers (its own
 // size kept), and zeros over a newer caller's unknown tail.
 template <class T>

@@ -26,6 +26,7 @@ namespace {
 using moegraph::c_api::check_handle;
 using moegraph::c_api::dtype_of;
 using moegraph::c_api::guarded;
+using moegraph::c_api::init_struct;
 using moegraph::c_api::HandleKind;
 using moegraph::c_api::read_struct;
 using moegraph::c_api::recipe_of;
@@ -228,8 +229,13 @@ moegraph::MoeLayerIO io_of(const mg_moe_layer_io* in) {
 
 extern "C" {
 
-void mg_grouped_linear_options_init(mg_grouped_linear_options* o) {
+// The name in parentheses: moegraph.h also defines it as a macro that calls the sized form.
+void(mg_grouped_linear_options_init)(mg_grouped_linear_options* o) {
   if (o != nullptr) *o = default_linear_options();
+}
+
+mg_status mg_grouped_linear_options_init_sized(mg_grouped_linear_options* o, size_t struct_size) {
+  return guarded([&] { init_struct(o, struct_size, "mg_grouped_linear_options", default_linear_options()); });
 }
 
 mg_status mg_grouped_linear_workspace_bytes(const mg_grouped_linear_options* o, size_t* out) {
@@ -294,8 +300,12 @@ mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* op, cudaStrea
   return guarded([&] { unwrap(op).check_device_errors(stream); });
 }
 
-void mg_moe_layer_options_init(mg_moe_layer_options* o) {
+void(mg_moe_layer_options_init)(mg_moe_layer_options* o) {
   if (o != nullptr) *o = default_moe_options();
+}
+
+mg_status mg_moe_layer_options_init_sized(mg_moe_layer_options* o, size_t struct_size) {
+  return guarded([&] { init_struct(o, struct_size, "mg_moe_layer_options", default_moe_options()); });
 }
 
 mg_status mg_moe_layer_create(const mg_moe_layer_options* o, const mg_moe_layer_weights* in, void* workspace,

@@ -278,8 +278,11 @@ void fuzz_mxfp8_weights(const uint8_t* data, size_t size) {
 }
 
 void null_arguments() {
-  mg_moe_layer_options_init(nullptr);
-  mg_grouped_linear_options_init(nullptr);
+  (mg_moe_layer_options_init)(nullptr);
+  (mg_grouped_linear_options_init)(nullptr);
+  expect_refused(mg_moe_layer_options_init_sized(nullptr, sizeof(mg_moe_layer_options)), "mg_moe_layer_options_init_sized(null)");
+  expect_refused(mg_grouped_linear_options_init_sized(nullptr, sizeof(mg_grouped_linear_options)),
+                 "mg_grouped_linear_options_init_sized(null)");
   mg_moe_layer_options mo;
   mg_moe_layer_options_init(&mo);
   std::size_t bytes = 0;

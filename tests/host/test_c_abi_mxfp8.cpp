@@ -2,6 +2,7 @@
 // refusals, prequantized_weights against the C++ API, and older struct sizes carrying none.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -227,6 +228,56 @@ TEST(CAbiMxfp8, AnOlderOptionsSizeIsNotPrequantized) {
   m.struct_size = sizeof m;
   EXPECT_EQ(mg_moe_layer_window_bytes(&m, &window), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has("prequantized_weights needs the mxfp8 recipe")) << mg_last_error();
+}
+
+// The options' _init writes the caller's struct as its header has it and no more: called through
+// the macro it passes sizeof; an older caller's smaller struct keeps the bytes past it (the stack
+// beyond, to that caller), gets its release's fields and its own struct_size; a newer caller's
+// unknown tail is zeroed; below the first release nothing is written. The function form fills the
+// current struct.
+template <class T>
+void expect_init_writes_only_the_callers_struct(mg_status (*init_sized)(T*, size_t), void (*init)(T*),
+                                                const char* type, size_t older) {
+  SCOPED_TRACE(type);
+  T current;
+  init(&current);
+  EXPECT_EQ(current.struct_size, sizeof(T));
+  constexpr size_t kSlack = 32;
+  unsigned char buffer[sizeof(T) + kSlack];
+  for (size_t size : {older, sizeof(T), sizeof(T) + 16}) {
+    std::memset(buffer, 0xab, sizeof buffer);
+    ASSERT_EQ(init_sized(reinterpret_cast<T*>(buffer), size), MG_OK) << size << ": " << mg_last_error();
+    size_t written_size = 0;
+    std::memcpy(&written_size, buffer, sizeof written_size);
+    EXPECT_EQ(written_size, size);
+    const size_t known = c_api::known_bytes<T>(size);
+    const auto* defaults = reinterpret_cast<const unsigned char*>(&current);
+    EXPECT_EQ(std::memcmp(buffer + sizeof(size_t), defaults + sizeof(size_t), known - sizeof(size_t)), 0)
+        << size << ": the defaults of the caller's release";
+    for (size_t i = sizeof(T); i < size; ++i) ASSERT_EQ(buffer[i], 0) << size << ": unknown tail byte " << i;
+    for (size_t i = std::max(size, known); i < sizeof buffer; ++i)
+      ASSERT_EQ(buffer[i], 0xab) << size << ": byte " << i << " past the caller's struct was written";
+  }
+  std::memset(buffer, 0xab, sizeof buffer);
+  EXPECT_EQ(init_sized(reinterpret_cast<T*>(buffer), c_api::kFirstSize<T> - 8), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("smaller than its first release")) << mg_last_error();
+  for (unsigned char b : buffer) ASSERT_EQ(b, 0xab) << "written below the first release";
+}
+
+TEST(CAbi, OptionsInitWritesOnlyTheCallersStruct) {
+  expect_init_writes_only_the_callers_struct<mg_grouped_linear_options>(
+      mg_grouped_linear_options_init_sized, mg_grouped_linear_options_init, "mg_grouped_linear_options",
+      offsetof(mg_grouped_linear_options, forward_only));
+  expect_init_writes_only_the_callers_struct<mg_moe_layer_options>(
+      mg_moe_layer_options_init_sized, mg_moe_layer_options_init, "mg_moe_layer_options",
+      offsetof(mg_moe_layer_options, prequantized_weights));
+  // Through the macro: this header's sizeof.
+  mg_grouped_linear_options g;
+  std::memset(&g, 0xab, sizeof g);
+  mg_grouped_linear_options_init(&g);
+  EXPECT_EQ(g.struct_size, sizeof g);
+  EXPECT_EQ(g.dtype, MG_DTYPE_BF16);
+  EXPECT_EQ(g.forward_only, 0);
 }
 
 // The operators' argument and weight structs grew MXFP8 pointers; the entry points that read them

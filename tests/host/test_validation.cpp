@@ -150,7 +150,8 @@ TEST(CAbi, MoeLayerOptionsInitGivesTheCppDefaults) {
   EXPECT_EQ(o.wgrad_slots, 1);
   EXPECT_EQ(o.delay_wgrad, 0);
   EXPECT_EQ(o.main_grad_fp32, 1);
-  mg_moe_layer_options_init(nullptr);  // no-op, no crash
+  (mg_moe_layer_options_init)(nullptr);  // the function: a no-op, no crash
+  EXPECT_EQ(mg_moe_layer_options_init_sized(nullptr, sizeof(mg_moe_layer_options)), MG_ERR_INVALID_ARGUMENT);
 }
 
 TEST(CAbi, MoeLayerWorkspaceBytesMatchesTheCppApi) {
