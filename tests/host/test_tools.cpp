@@ -90,6 +90,10 @@ TEST(Tools, KernelBenchRefusesMalformedShapesWithAReason) {
       {"--kernels --shape x:1024:65536:65536:100", "exceed 2^34 elements"},
       {"--kernels --set tiny", "--set must be presets, quick, fine or all, got 'tiny'"},
       {"--set fine", "--set, --quick and --shape go with --kernels"},
+      {"--kernels --shape 'a|b:1:16:16:1'", "NAME may hold letters, digits, '_', '-' and '.' only"},
+      {"--kernels --shape 'a:+1:16:16:1'", "GROUPS must be an integer in [1, 1024], got '+1'"},
+      {"--kernels --shape 'a:1: 16:16:1'", "K must be an integer in [16, 65536], got ' 16'"},
+      {"--kernels --shape a:1:16:16:1 --shape a:2:16:16:1", "--shape name 'a' given twice"},
   };
   for (const auto& [args, reason] : cases) {
     const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
@@ -256,9 +260,58 @@ TEST(Tools, BenchPlanComparesWithTheGpuOrSaysThereIsNone) {
 
 TEST(Tools, BenchPlanJsonToAnUnwritablePathFailsWithAReason) {
   SKIP_WITHOUT("MOEGRAPH_BENCH");
-  const ToolRun r = run_tool("MOEGRAPH_BENCH", "--plan --json /no/such/folder/plan.json");
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("cannot write the plan to /no/such/folder/plan.json"), std::string::npos) << r.output;
+  // Checked before anything runs, for every bench (a GPU run would otherwise end in the error).
+  for (const char* args : {"--plan --json /no/such/folder/plan.json", "--json /no/such/folder/plan.json",
+                           "--kernels --json /no/such/folder/plan.json"}) {
+    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find("--json /no/such/folder/plan.json: cannot write it (No such file or directory)"),
+              std::string::npos)
+        << args << ": " << r.output;
+  }
+  // A writable path is left as it was: the check appends nothing and removes a file it created.
+  const std::string path = fresh_temp_path("writable.json");
+  const ToolRun r = run_tool("MOEGRAPH_BENCH", "--json " + path + " --set fine");  // refused after the check
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(path)) << r.output;
+}
+
+// Options and their values: an empty value, the next option taken as a value, an option given twice,
+// a config with --kernels or an empty config path, and numbers with signs or spaces are refused
+// (exit 2, the option named) instead of dropped or read as something else.
+TEST(Tools, BenchRefusesAmbiguousOptions) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::pair<const char*, const char*> cases[] = {
+      {"--plan --json ''", "--json needs a value, got an empty one"},
+      {"--json --plan", "--json needs a value, got the option '--plan'"},
+      {"--torch --ops", "--torch needs a value, got the option '--ops'"},
+      {"'' --plan", "the config path is empty"},
+      {"--replays 5 --replays 6 --plan", "--replays given twice"},
+      {"--plan --plan", "--plan given twice"},
+      {"--kernels --set fine --quick", "--set and --quick choose one set"},
+      {"--kernels --plan", "--plan goes with a config's step, not --kernels"},
+      {"--kernels --recipe mxfp8", "--recipe goes with a config's step, not --kernels"},
+      {"--kernels --expert-parallel 2", "--expert-parallel goes with a config's step, not --kernels"},
+      {"--kernels some.json", "--kernels takes no config ('some.json')"},
+      {"--replays +5 --plan", "--replays needs an integer in [1, 100000], got '+5'"},
+      {"--replays ' 5' --plan", "--replays needs an integer in [1, 100000], got ' 5'"},
+      {"--expert-parallel +2 --plan", "--expert-parallel needs an integer in [1, 64], got '+2'"},
+  };
+  for (const auto& [args, reason] : cases) {
+    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
+  }
+}
+
+TEST(Tools, CheckRefusesAnOptionGivenTwice) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  for (const auto& [args, reason] : {std::pair{"--dump /tmp/a --dump /tmp/b x.json", "--dump given twice"},
+                                     std::pair{"--filter a --filter b x.json", "--filter given twice"}}) {
+    const ToolRun r = run_tool("MOEGRAPH_CHECK", args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
+  }
 }
 
 // ---- moegraph-bench CONFIG --torch T.json ----

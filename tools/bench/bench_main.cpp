@@ -2,8 +2,10 @@
 //                [--ops] [--expert-parallel R]
 //                | --kernels [--quick | --set S | --shape NAME:G:K:N:ROWS ...] [--json FILE] [--replays N]
 //                  [--mxfp8-dequantized]
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -58,6 +60,28 @@ int usage_error(const std::string& what) {
   return 2;
 }
 
+// Why `path` cannot be written ("" when it can), found before any measurement runs rather than
+// after it: the file is opened for appending (an existing one keeps its bytes), and one this check
+// created is removed again.
+std::string unwritable_reason(const std::string& path) {
+  std::FILE* existing = std::fopen(path.c_str(), "r");
+  if (existing != nullptr) std::fclose(existing);
+  errno = 0;
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (f == nullptr) return std::strerror(errno != 0 ? errno : EIO);
+  std::fclose(f);
+  if (existing == nullptr) std::remove(path.c_str());
+  return "";
+}
+
+// A whole-number option value: digits only (strtol would also take spaces and a sign), in [lo, hi].
+bool parse_count(const char* v, long lo, long hi, long& out) {
+  const std::string s = v;
+  if (s.empty() || s.size() > 9 || s.find_first_not_of("0123456789") != std::string::npos) return false;
+  out = std::strtol(v, nullptr, 10);
+  return out >= lo && out <= hi;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,9 +92,26 @@ int main(int argc, char** argv) {
   std::string recipe, torch_path;
   int expert_parallel = 0;  // --expert-parallel R: 0 keeps the config's
   moegraph::bench::StepBenchOptions options;
+  std::set<std::string> given;  // options seen: each but --shape at most once (--quick is --set)
+  bool config_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    auto value = [&](const char* flag) -> const char* { return i + 1 < argc ? argv[++i] : (usage_error(std::string(flag) + " needs a value"), nullptr); };
+    // An option's value: present, not empty, and not the next option (`--json --plan` would write
+    // the results to a file named --plan).
+    auto value = [&](const char* flag) -> const char* {
+      if (i + 1 >= argc) return usage_error(std::string(flag) + " needs a value"), nullptr;
+      const std::string v = argv[i + 1];
+      if (v.empty()) return usage_error(std::string(flag) + " needs a value, got an empty one"), nullptr;
+      if (v.rfind("--", 0) == 0)
+        return usage_error(std::string(flag) + " needs a value, got the option '" + v + "'"), nullptr;
+      return argv[++i];
+    };
+    if (a.rfind("--", 0) == 0 && a != "--shape") {
+      const std::string key = a == "--quick" ? "--set" : a;
+      if (!given.insert(key).second)
+        return usage_error(key == "--set" ? "--set and --quick choose one set: give one of them once"
+                                          : a + " given twice");
+    }
     if (a == "--help" || a == "-h") {
       std::printf("%s", kUsage);
       return 0;
@@ -107,9 +148,8 @@ int main(int argc, char** argv) {
     } else if (a == "--expert-parallel") {
       const char* v = value("--expert-parallel");
       if (!v) return 2;
-      char* end = nullptr;
-      const long n = std::strtol(v, &end, 10);
-      if (*end != '\0' || n < 1 || n > 64) return usage_error("--expert-parallel needs an integer in [1, 64], got '" + std::string(v) + "'");
+      long n = 0;
+      if (!parse_count(v, 1, 64, n)) return usage_error("--expert-parallel needs an integer in [1, 64], got '" + std::string(v) + "'");
       expert_parallel = static_cast<int>(n);
     } else if (a == "--torch") {
       const char* v = value("--torch");
@@ -118,23 +158,35 @@ int main(int argc, char** argv) {
     } else if (a == "--replays") {
       const char* v = value("--replays");
       if (!v) return 2;
-      char* end = nullptr;
-      const long n = std::strtol(v, &end, 10);
-      if (*end != '\0' || n < 1 || n > 100000) return usage_error("--replays needs an integer in [1, 100000], got '" + std::string(v) + "'");
+      long n = 0;
+      if (!parse_count(v, 1, 100000, n)) return usage_error("--replays needs an integer in [1, 100000], got '" + std::string(v) + "'");
       options.replays = static_cast<int>(n);
     } else if (!a.empty() && a[0] == '-') {
       return usage_error("unknown option '" + a + "'");
-    } else if (config_path.empty()) {
-      config_path = a;
+    } else if (!config_given) {
+      if (a.empty()) return usage_error("the config path is empty (leave it out for the built-in preset)");
+      config_path = a, config_given = true;
     } else {
       return usage_error("more than one config given ('" + config_path + "', '" + a + "')");
     }
   }
+  if (!options.json_path.empty())
+    if (const std::string why = unwritable_reason(options.json_path); !why.empty())
+      return usage_error("--json " + options.json_path + ": cannot write it (" + why + ")");
   try {
     if (kernels) {
       if (!torch_path.empty()) return usage_error("--torch goes with the step bench of a config, not --kernels");
       if (options.ops) return usage_error("--ops goes with the step bench of a config, not --kernels");
-      for (const std::string& spec : shape_specs) kernel_options.shapes.push_back(moegraph::bench::parse_kernel_shape(spec));
+      // The kernel bench takes no config: what a config's options would change is not silently dropped.
+      if (config_given) return usage_error("--kernels takes no config ('" + config_path + "'): its shapes come from --set or --shape");
+      for (const char* step_only : {"--plan", "--recipe", "--expert-parallel"})
+        if (given.count(step_only)) return usage_error(std::string(step_only) + " goes with a config's step, not --kernels");
+      std::set<std::string> names;
+      for (const std::string& spec : shape_specs) {
+        kernel_options.shapes.push_back(moegraph::bench::parse_kernel_shape(spec));
+        if (!names.insert(kernel_options.shapes.back().name).second)
+          return usage_error("--shape name '" + kernel_options.shapes.back().name + "' given twice");
+      }
       kernel_options.json_path = options.json_path;
       kernel_options.replays = options.replays;
       return moegraph::bench::run_kernel_bench(kernel_options);

@@ -405,7 +405,9 @@ int64_t parse_int(const std::string& field, const std::string& what, const std::
   char* end = nullptr;
   errno = 0;
   const long long v = std::strtoll(field.c_str(), &end, 10);
-  MG_CHECK(!field.empty() && *end == '\0' && errno == 0 && v >= lo && v <= hi, "--shape '", spec, "': ", what,
+  // Digits only: strtoll would also take leading spaces and a sign.
+  const bool digits = !field.empty() && field.find_first_not_of("0123456789") == std::string::npos;
+  MG_CHECK(digits && *end == '\0' && errno == 0 && v >= lo && v <= hi, "--shape '", spec, "': ", what,
                " must be an integer in [", lo, ", ", hi, "], got '", field, "'");
   return v;
 }
@@ -419,6 +421,10 @@ KernelShape parse_kernel_shape(const std::string& spec) {
     f.push_back(spec.substr(start, pos - start));
   f.push_back(spec.substr(start));
   MG_CHECK(f.size() == 5 && !f[0].empty(), "--shape '", spec, "': expected NAME:GROUPS:K:N:ROWS");
+  // The name heads a table row and a JSON key: letters, digits, '_', '-' and '.' only.
+  MG_CHECK(f[0].find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.") ==
+               std::string::npos,
+           "--shape '", spec, "': NAME may hold letters, digits, '_', '-' and '.' only");
   KernelShape s;
   s.name = f[0];
   s.groups = static_cast<int>(parse_int(f[1], "GROUPS", spec, 1, 1024));

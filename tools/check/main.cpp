@@ -53,8 +53,10 @@ Arguments parse_arguments(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") {
       args.help = true;
     } else if (arg == "--dump") {
+      if (args.settings.dump_dir) throw UsageError("--dump given twice");
       args.settings.dump_dir = value();
     } else if (arg == "--filter") {
+      if (args.filter) throw UsageError("--filter given twice");
       args.filter = value();
     } else if (arg.size() > 1 && arg[0] == '-') {
       throw UsageError("unknown option " + arg);
