@@ -47,6 +47,16 @@ ToolRun run_tool(const char* env, const std::string& args) {
 #define SKIP_WITHOUT(env) \
   if (std::getenv(env) == nullptr) GTEST_SKIP() << env << " is not set (meson test sets it)"
 
+// Each (arguments, reason): the tool exits 2 and its output holds the reason.
+template <class Cases>
+void expect_refusals(const char* env, const Cases& cases) {
+  for (const auto& [args, reason] : cases) {
+    const ToolRun r = run_tool(env, args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
+  }
+}
+
 TEST(Tools, BenchRefusesAnEndlessFileWithAReason) {
   SKIP_WITHOUT("MOEGRAPH_BENCH");
   const ToolRun r = run_tool("MOEGRAPH_BENCH", "/dev/zero --plan");
@@ -95,11 +105,7 @@ TEST(Tools, KernelBenchRefusesMalformedShapesWithAReason) {
       {"--kernels --shape 'a:1: 16:16:1'", "K must be an integer in [16, 65536], got ' 16'"},
       {"--kernels --shape a:1:16:16:1 --shape a:2:16:16:1", "--shape name 'a' given twice"},
   };
-  for (const auto& [args, reason] : cases) {
-    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
-    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
-    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
-  }
+  expect_refusals("MOEGRAPH_BENCH", cases);
 }
 
 // ---- moegraph-bench --plan ----
@@ -297,21 +303,14 @@ TEST(Tools, BenchRefusesAmbiguousOptions) {
       {"--replays ' 5' --plan", "--replays needs an integer in [1, 100000], got ' 5'"},
       {"--expert-parallel +2 --plan", "--expert-parallel needs an integer in [1, 64], got '+2'"},
   };
-  for (const auto& [args, reason] : cases) {
-    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
-    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
-    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
-  }
+  expect_refusals("MOEGRAPH_BENCH", cases);
 }
 
 TEST(Tools, CheckRefusesAnOptionGivenTwice) {
   SKIP_WITHOUT("MOEGRAPH_CHECK");
-  for (const auto& [args, reason] : {std::pair{"--dump /tmp/a --dump /tmp/b x.json", "--dump given twice"},
-                                     std::pair{"--filter a --filter b x.json", "--filter given twice"}}) {
-    const ToolRun r = run_tool("MOEGRAPH_CHECK", args);
-    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
-    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
-  }
+  const std::pair<const char*, const char*> cases[] = {{"--dump /tmp/a --dump /tmp/b x.json", "--dump given twice"},
+                                                       {"--filter a --filter b x.json", "--filter given twice"}};
+  expect_refusals("MOEGRAPH_CHECK", cases);
 }
 
 // ---- moegraph-bench CONFIG --torch T.json ----
@@ -400,11 +399,7 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
       {"--kernels --ops", "--ops goes with the step bench of a config, not --kernels"},
       {config + " --plan --ops", "--ops goes with the step bench, not --plan"},
   };
-  for (const auto& [args, reason] : arguments) {
-    const ToolRun r = run_tool("MOEGRAPH_BENCH", args);
-    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.output;
-    EXPECT_NE(r.output.find(reason), std::string::npos) << args << ": " << r.output;
-  }
+  expect_refusals("MOEGRAPH_BENCH", arguments);
   // A file that matches passes the check; without a GPU the run then stops where any run does.
   std::ofstream(torch) << torch_results_for(c).dump();
   if (!gpu_present()) {
