@@ -137,30 +137,34 @@ T read_struct(const T* in, const char* type, T value) {
   return value;
 }
 
-// Fills a caller's struct of `size` bytes (its sizeof, as the caller's header has it) with the
-// defaults in `value`: the fields of the release that size covers, struct_size = size, zeros over a
-// newer caller's unknown tail; nothing past `size` is written (an older caller's struct is smaller
-// than T). Refuses a size below the first release's, writing nothing.
+// Writes `value` over a caller's struct of `size` bytes (its sizeof, as the caller's header has it;
+// at least kFirstSize<T>): the fields of the release that size covers, struct_size = size, and zeros
+// over a newer caller's unknown tail. Nothing past `size` is written (an older caller's struct is
+// smaller than T).
 template <class T>
-void init_struct(T* out, std::size_t size, const char* type, T value) {
-  MG_CHECK(out != nullptr, "null ", type);
-  MG_CHECK(size >= kFirstSize<T>, type, " of ", size, " bytes is smaller than its first release (", kFirstSize<T>,
-           " bytes)");
-  value.struct_size = size;
+void write_release(T* out, std::size_t size, const T& value) {
   std::memcpy(static_cast<void*>(out), &value, known_bytes<T>(size));
+  out->struct_size = size;
   if (size > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(out) + sizeof(T), 0, size - sizeof(T));
 }
 
-// Writes `value` into a caller's struct: the fields of the release its struct_size covers (its own
-// size kept), and zeros over a newer caller's unknown tail.
+// Fills a caller's struct of `size` bytes with the defaults in `value` (write_release). Refuses a
+// size below the first release's, writing nothing.
+template <class T>
+void init_struct(T* out, std::size_t size, const char* type, const T& value) {
+  MG_CHECK(out != nullptr, "null ", type);
+  MG_CHECK(size >= kFirstSize<T>, type, " of ", size, " bytes is smaller than its first release (", kFirstSize<T>,
+           " bytes)");
+  write_release(out, size, value);
+}
+
+// Writes `value` into a caller's struct of its own struct_size (write_release).
 template <class T>
 void write_struct(T* out, const char* type, const T& value) {
   MG_CHECK(out != nullptr, "null ", type, " output");
   const std::size_t size = out->struct_size;
   MG_CHECK(size >= kFirstSize<T>, type, ".struct_size must be sizeof(", type, ") = ", sizeof(T), ", got ", size);
-  std::memcpy(static_cast<void*>(out), &value, known_bytes<T>(size));
-  out->struct_size = size;
-  if (size > sizeof(T)) std::memset(reinterpret_cast<unsigned char*>(out) + sizeof(T), 0, size - sizeof(T));
+  write_release(out, size, value);
 }
 
 // The communicator behind a live mg_ep_comm handle (InvalidHandle otherwise); c_api_ep.cpp.
