@@ -104,16 +104,19 @@ namespace {
 // slower, so at least kWideMinTiles (about two per SM) are asked of the rows the bucket can hold.
 constexpr int64_t kWideMinCols = 1536, kNarrowWideMinCols = 768, kNarrowWideMinRows = 64, kWideMinTiles = 256;
 
-// wgrad into bf16 dW of groups of a few hundred rows: the shared 128 x 256 tile. Its epilogue only
-// stores (the tensor stores drain under the next tile), so nothing there waits on memory, and it
-// reads 1.5 operand bytes from L2 per output element against the 128 x 128 tile's 2; the ping-pong
-// kernel's consumers wait mostly on their stages' loads (Nsight Compute, fine64). Measured against
-// ping-pong in three sessions (docs/PERF.md, "Shared 128 x 256 tiles for wgrad into dW"): -1% to
-// +19% from 160 rows a group with K of 1024 or more; mixed at 40-128 rows (-8% to +13%) and with
-// K = 768 (-11% under skew). Into fp32 main_grad every tile's epilogue waits for its main_grad
-// boxes to load, which only ping-pong hides under the other warpgroup's MMAs: there the shared
-// tile measured -10% to +17%, so main_grad keeps ping-pong.
-constexpr int64_t kSharedDwMinRows = 160, kSharedDwMinK = 1024;
+// wgrad into bf16 dW of groups of a few dozen to a few hundred rows: the shared 128 x 256 tile. Its
+// epilogue only stores (the tensor stores drain under the next tile), so nothing there waits on
+// memory, and it reads 1.5 operand bytes from L2 per output element against the 128 x 128 tile's 2;
+// the ping-pong kernel's consumers wait mostly on their stages' loads (Nsight Compute, fine64). On one
+// H200, each shape forced both ways in the same call (docs/PERF.md, "wgrad into dW: the shared wide
+// tile from 24 rows a group"): 7-18% faster under uniform routing on every shape measured (24-500 rows
+// a group, K of 512-7168); under Zipf routing 4-14% faster, except 1-2% slower with K of 512-768 at
+// 96-256 rows and 7% slower at 160 rows with K = 1024. Fewer rows and K under 512 were not measured and
+// keep ping-pong. (On an H100, with older kernels, the bound was 160 rows and K = 1024: mixed at 40-128
+// rows there, -8% to +13%.) Into fp32 main_grad every tile's epilogue waits for its main_grad boxes to
+// load, which only ping-pong hides under the other warpgroup's MMAs: there the shared tile measured 1%
+// faster to 29% slower (one H200), so main_grad keeps ping-pong.
+constexpr int64_t kSharedDwMinRows = 24, kSharedDwMinK = 512;
 bool shared_wide_dweight(const GemmProblem& p) {
   return p.phase == GemmPhase::kWgrad && !p.into_main_grad && p.expected_rows_per_group >= kSharedDwMinRows &&
          p.expected_rows_per_group < 512 && p.k >= kSharedDwMinK;
@@ -142,7 +145,7 @@ GemmPipeline heuristic_pipeline(GemmPhase phase, int tile_n) {
 // wgrad whose reductions are short (groups of a few hundred rows) is bound by writing dW or
 // updating main_grad: the ping-pong consumers keep one tile's epilogue and stores under the other's
 // MMAs. Measured on fine-grained shapes (docs/PERF.md, v7): into dW 0.55-0.84 of the roofline
-// against 0.34-0.52 on cp.async; into fp32 main_grad 0.73-0.90 against 0.62-0.86. Into dW from 160
+// against 0.34-0.52 on cp.async; into fp32 main_grad 0.73-0.90 against 0.62-0.86. Into dW from 24
 // rows a group the shared wide tile is faster still (shared_wide_dweight).
 bool heuristic_wgrad_ping_pong(const GemmProblem& p) {
   return p.expected_rows_per_group < 512 && !shared_wide_dweight(p);

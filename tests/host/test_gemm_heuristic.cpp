@@ -56,7 +56,7 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   // Too few wide tiles to fill the GPU (one decode token: 6 rows, at most 6 experts of 11 wide tiles).
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 6, 2816, 4096), {}).block_n, 128);
   EXPECT_EQ(kernels::choose_gemm_config(problem(GemmPhase::kFprop, Recipe::kBF16, 64, 48, 2816, 4096), {}).block_n, 256);
-  // Short wgrad reductions (under 160 rows a group into dW, under 512 into fp32 main_grad):
+  // Short wgrad reductions (under 24 rows a group into dW, under 512 into fp32 main_grad):
   // ping-pong TMA consumers.
   auto small_problem = problem(GemmPhase::kWgrad, Recipe::kBF16, 64, 768, 5632, 4096);
   for (bool into_main_grad : {false, true}) {
@@ -71,31 +71,33 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
     EXPECT_EQ(small.stages, into_main_grad ? 5 : 4) << small.to_string();  // TilePingPongMainGrad, TilePingPong
     EXPECT_EQ(small.to_string().find("main_grad streamed") != std::string::npos, into_main_grad) << small.to_string();
   }
-  // From 160 to 511 rows a group with K >= 1024, wgrad into dW takes the shared wide TMA tile; into
-  // main_grad it keeps ping-pong; K below 1024 keeps ping-pong either way.
-  for (int64_t rows_per_group : {159, 160, 511, 512}) {
+  // From 24 to 511 rows a group with K >= 512, wgrad into dW takes the shared wide TMA tile; into
+  // main_grad it keeps ping-pong; K below 512 keeps ping-pong either way.
+  for (int64_t rows_per_group : {23, 24, 511, 512}) {
     auto into_dw = problem(GemmPhase::kWgrad, Recipe::kBF16, 128, 128 * rows_per_group, 1536, 1024);
     const auto dw = kernels::choose_gemm_config(into_dw, {});
     into_dw.into_main_grad = true;
     const auto mg = kernels::choose_gemm_config(into_dw, {});
-    const bool shared = rows_per_group >= 160 && rows_per_group < 512;
-    EXPECT_EQ(dw.ping_pong, rows_per_group < 160) << rows_per_group << ": " << dw.to_string();
+    const bool shared = rows_per_group >= 24 && rows_per_group < 512;
+    EXPECT_EQ(dw.ping_pong, rows_per_group < 24) << rows_per_group << ": " << dw.to_string();
     EXPECT_EQ(dw.block_n, shared ? 256 : 128) << rows_per_group << ": " << dw.to_string();
     EXPECT_EQ(dw.family, rows_per_group < 512 ? GemmFamily::kTma16 : GemmFamily::kCpAsync16) << dw.to_string();
     EXPECT_EQ(mg.ping_pong, rows_per_group < 512) << rows_per_group << ": " << mg.to_string();
   }
   EXPECT_TRUE(
-      kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 128, 128 * 256, 2048, 768), {}).ping_pong);
+      kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 128, 128 * 256, 2048, 511), {}).ping_pong);
+  EXPECT_FALSE(
+      kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 128, 128 * 256, 2048, 512), {}).ping_pong);
   // Long reductions (large experts) keep the wide shared tiles, whatever the output.
   const auto big_wgrad = kernels::choose_gemm_config(problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 16384, 28672, 4096), {});
   EXPECT_EQ(big_wgrad.family, GemmFamily::kTma16);
   EXPECT_FALSE(big_wgrad.ping_pong);
   EXPECT_EQ(big_wgrad.block_n, 256);
   // MXFP8 wgrad of bf16 activations: staged through bf16, on the bf16 recipe's tile for the shape
-  // and destination (ping-pong under 160 rows a group into dW and under 512 into main_grad, the
+  // and destination (ping-pong under 24 rows a group into dW and under 512 into main_grad, the
   // wide tile for the others).
   for (bool into_main_grad : {false, true})
-    for (int64_t rows_per_group : {40, 511, 512, 2048}) {
+    for (int64_t rows_per_group : {12, 40, 511, 512, 2048}) {
       auto mx_problem = problem(GemmPhase::kWgrad, Recipe::kMXFP8, 8, 8 * rows_per_group, 28672, 4096);
       auto bf_problem = problem(GemmPhase::kWgrad, Recipe::kBF16, 8, 8 * rows_per_group, 28672, 4096);
       mx_problem.into_main_grad = bf_problem.into_main_grad = into_main_grad;
@@ -103,7 +105,7 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
       const auto bf = kernels::choose_gemm_config(bf_problem, {});
       EXPECT_EQ(mx.family, GemmFamily::kMxfp8Staged) << mx.to_string();
       EXPECT_EQ(mx.block_n, bf.block_n) << rows_per_group;
-      EXPECT_EQ(mx.ping_pong, rows_per_group < (into_main_grad ? 512 : 160)) << mx.to_string();
+      EXPECT_EQ(mx.ping_pong, rows_per_group < (into_main_grad ? 512 : 24)) << mx.to_string();
       EXPECT_EQ(mx.into_main_grad, into_main_grad && mx.ping_pong) << mx.to_string();
       EXPECT_EQ(mx.stages, bf.stages) << mx.to_string();
       EXPECT_NE(mx.to_string().find("dequantized to bf16 in scratch"), std::string::npos) << mx.to_string();
