@@ -103,6 +103,33 @@ LinearResult run_linear(const LinearCase& c, void* workspace) {
   return r;
 }
 
+// A workspace larger than the GPU: MG_ERR_CUDA, a message naming the bytes asked and the device's
+// free memory, and no error left behind. A server that catches the failure and makes a smaller
+// operator on the same thread must see that one run: the failed cudaMalloc's error used to stay
+// recorded, and the next launch check reported it.
+TEST(CAbiGroupedLinearGpu, AWorkspaceTheGpuCannotHoldIsRefusedAndLeavesNoError) {
+  mg_grouped_linear_options huge;
+  mg_grouped_linear_options_init(&huge);
+  huge.num_groups = 8, huge.in_features = huge.out_features = 1 << 16;
+  huge.capacity_rows = int64_t{1} << 26;  // 8 TiB a row buffer: inside the ABI's limits (2^48 bytes)
+  std::size_t bytes = 0, free = 0, total = 0;
+  ok(mg_grouped_linear_workspace_bytes(&huge, &bytes));
+  ASSERT_EQ(cudaMemGetInfo(&free, &total), cudaSuccess);
+  ASSERT_GT(bytes, total);
+  mg_grouped_linear* op = reinterpret_cast<mg_grouped_linear*>(&huge);  // overwritten with NULL
+  EXPECT_EQ(mg_grouped_linear_create(&huge, nullptr, &op), MG_ERR_CUDA);
+  EXPECT_EQ(op, nullptr);
+  const std::string message = mg_last_error();
+  EXPECT_NE(message.find("cannot allocate"), std::string::npos) << message;
+  EXPECT_NE(message.find("free of"), std::string::npos) << message;
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "the failed allocation's error is still recorded";
+
+  // The same thread then makes and runs a small operator (run_linear checks every call's status).
+  std::mt19937_64 rng(test_seed("CAbiGroupedLinearGpu.AWorkspaceTheGpuCannotHoldIsRefusedAndLeavesNoError"));
+  const LinearResult r = run_linear(linear_case(rng), nullptr);
+  EXPECT_EQ(nan_count(r.y) + nan_count(r.dx), 0u) << "outputs left unwritten";
+}
+
 TEST(CAbiGroupedLinearGpu, CallerWorkspaceGivesTheResultsOfItsOwnWorkspace) {
   std::mt19937_64 rng(test_seed("CAbiGroupedLinearGpu.CallerWorkspaceGivesTheResultsOfItsOwnWorkspace"));
   const LinearCase c = linear_case(rng);
