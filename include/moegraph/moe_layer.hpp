@@ -65,7 +65,9 @@ struct MoeLayerOptions {
   int expert_parallel = 1;
   // Rows of each rank's receive buffer: 0 for the worst case (every rank's max_tokens * top_k rows
   // to one rank: no row is ever dropped), else a bound (a multiple of row_align); rows past it are
-  // dropped, counted on their source rank (read_dropped) and contribute zero to their tokens.
+  // dropped, counted on their source rank (read_dropped) and contribute zero to their tokens. A
+  // bound at or above the worst case means the worst case (StepGraphs applies one bound to every
+  // bucket).
   int64_t ep_recv_rows = 0;
   // How rows move between ranks (EpExchange). kSendRecv moves fixed chunks: ep_chunk_rows rows from
   // each rank to each rank per exchange, 0 for the worst case (max_tokens * top_k: nothing dropped;

@@ -377,8 +377,9 @@ typedef struct {
                               capacity_factor or fuse_weights */
   int64_t ep_recv_rows;    /* rows of each rank's receive buffer: 0 for the worst case (every rank's
                               max_tokens * top_k rows to one rank, so none is ever dropped), else a
-                              bound, a multiple of row_align; rows past it are dropped, counted on their
-                              source rank (read_dropped) and contribute zero. 0 without expert parallelism */
+                              bound, a multiple of row_align (at or above the worst case: the worst case);
+                              rows past it are dropped, counted on their source rank (read_dropped) and
+                              contribute zero. 0 without expert parallelism */
   /* Appended after the expert-parallel fields (a caller's older struct_size leaves it at its default, 0). */
   int prequantized_weights; /* bool, MG_RECIPE_MXFP8 only: FC1 and FC2 read the caller's MXFP8 weights
                                (mg_moe_layer_weights w1_mxfp8_*, w2_mxfp8_*); w1 and w2 may be NULL */

@@ -292,25 +292,35 @@ Config read_config(const Json& document) {
                   "\" (with the whole MoE layer the router decides the splits; fixed splits can only drive the "
                   "expert MLP alone)");
   if (const Json* v = o.find("bench")) config.bench = read_bench(*v);
-  // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
-  // The recipe's own shape rules (one can_implement per recipe), on the experts' two grouped linears.
   const MoeLayerOptions largest = moe_layer_options(config, config.buckets.back());
   if (config.parallel.expert_parallel > 1) {
-    // The layer's own expert-parallel rules on every bucket (fusions it lacks yet, the receive bound).
-    for (int64_t tokens : config.buckets) {
-      try {
-        validate(moe_layer_options(config, tokens));
-      } catch (const Error& e) {
-        MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message());
-      }
-    }
+    // The layer's expert-parallel rules, said with the config's keys (validate below names the
+    // layer's fields).
+    MG_CONFIG_CHECK(config.router.capacity_factor == 0.0, "router.capacity_factor must be 0 with "
+                    "parallel.expert_parallel > 1 (not supported yet: bound the receive buffers with "
+                    "parallel.recv_rows instead), got ", config.router.capacity_factor);
+    MG_CONFIG_CHECK(!config.router.fuse_weights,
+                    "router.fuse_weights is not supported with parallel.expert_parallel > 1 yet");
+    MG_CONFIG_CHECK(config.parallel.recv_rows % config.row_align == 0, "parallel.recv_rows must be a multiple of "
+                    "row_align (", config.row_align, "), got ", config.parallel.recv_rows);
   }
+  // The recipe's own shape rules (one can_implement per recipe), on the experts' two grouped linears.
   for (int fc : {1, 2}) {
     const std::string reason = layer::expert_recipe_refusal(largest, fc, moe_expert_rows(largest));
     MG_CONFIG_CHECK(reason.empty(), "precision.recipe \"", recipe_name(config.precision.recipe), "\" cannot run fc", fc,
                     " (layer.hidden ", config.layer.hidden, ", layer.ffn ", config.layer.ffn, ", row_align ",
                     config.row_align, "): ", reason);
   }
+  // The layer's own rules on every bucket, so that a config accepted here is one every bucket's
+  // layer accepts (sizes past the layout's maximum, the receive bound).
+  for (int64_t tokens : config.buckets) {
+    try {
+      validate(moe_layer_options(config, tokens));
+    } catch (const Error& e) {
+      MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message());
+    }
+  }
+  // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.
   MG_CONFIG_CHECK(config.routing.kind != RoutingKind::kFixed || config.bench.fill == 1.0,
                   "bench.fill must be 1 with routing.kind \"fixed\" (the fixed splits fill every bucket), got ",
                   config.bench.fill);

@@ -45,7 +45,8 @@ std::filesystem::path configs_dir() {
 
 std::string preset_path(const std::string& name) { return (configs_dir() / (name + ".json")).string(); }
 
-const std::vector<std::string> kPresets{"mixtral-8x7b", "deepseek-v3-ep-shard", "qwen3-30b-a3b", "decode"};
+const std::vector<std::string> kPresets{"mixtral-8x7b", "deepseek-v3-ep-shard", "qwen3-30b-a3b", "qwen3-30b-a3b-sharded",
+                                        "decode"};
 
 Json base() {
   return Json::parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 512, "top_k": 2}, "buckets": [64, 128]})");
@@ -237,10 +238,18 @@ std::vector<BadDoc> bad_docs() {
        R"(parallel.expert_parallel > 1 needs step "moe_layer")"},
       {"EpWithFusedWeights",
        with({{"/parallel", R"({"expert_parallel": 2})"}, {"/router", R"({"fuse_weights": true})"}}),
-       "bucket of 64 tokens: fuse_weights is not supported with expert_parallel > 1 yet"},
-      {"EpRecvRowsOverWorstCase", with({{"/parallel", R"({"expert_parallel": 2, "recv_rows": 100000})"}}),
-       "bucket of 64 tokens: ep_recv_rows must be a multiple of row_align (1) and at most the worst case 256, got "
-       "100000"},
+       "router.fuse_weights is not supported with parallel.expert_parallel > 1 yet"},
+      {"EpRecvRowsNotAligned",
+       with({{"/parallel", R"({"expert_parallel": 2, "recv_rows": 100})"}, {"/row_align", "16"}}),
+       "parallel.recv_rows must be a multiple of row_align (16), got 100"},
+      {"EpWithCapacityFactor",
+       with({{"/parallel", R"({"expert_parallel": 2})"}, {"/router", R"({"capacity_factor": 1.0})"}}),
+       "router.capacity_factor must be 0 with parallel.expert_parallel > 1 (not supported yet: bound the receive "
+       "buffers with parallel.recv_rows instead), got 1"},
+      // Sizes no bucket's layer could lay out are refused with the config, naming the bucket.
+      {"WeightsPastTheLayout", with({{"/layer/experts", "1024"}, {"/layer/hidden", "1048576"},
+                                     {"/layer/ffn", "1048576"}}),
+       "bucket of 64 tokens: "},
       {"EpUnknownKey", with({{"/parallel", R"({"ep": 2})"}}), R"(unknown key "parallel.ep")"},
       {"EpBadExchange", with({{"/parallel", R"({"expert_parallel": 2, "exchange": "alltoall"})"}}),
        R"(parallel.exchange must be "peer_stores" or "send_recv", got "alltoall")"},
@@ -506,6 +515,29 @@ TEST(ConfigSharding, WithExpertParallelTheShardsAreOfTheLocalExperts) {
   const Config back = parse_config(to_json(both), "round trip");
   EXPECT_EQ(back.parallel.expert_parallel, 2);
   EXPECT_EQ(back.parallel.sharding.ranks, 2);
+}
+
+// One receive bound for buckets of every size: a bucket whose worst case is at or below it sizes its
+// worst case (nothing can be dropped there), the larger ones the bound. It used to be refused unless
+// it fitted the smallest bucket, which left the large buckets no useful bound.
+TEST(ConfigExpertParallel, OneReceiveBoundServesEveryBucket) {
+  const Config c = parse_config(with({{"/parallel", R"({"expert_parallel": 2, "recv_rows": 300})"}}), "bound");
+  ASSERT_EQ(c.buckets, (std::vector<int64_t>{64, 128}));
+  const MoeLayerOptions small = moe_layer_options(c, 64), large = moe_layer_options(c, 128);
+  EXPECT_EQ(moe_ep_worst_case_rows(small), 2 * 64 * 2);
+  EXPECT_EQ(moe_expert_rows(small), 2 * 64 * 2) << "the bound is above this bucket's worst case";
+  EXPECT_EQ(moe_expert_rows(large), 300);
+  const StepGraphsOptions o = step_graphs_options(c);
+  EXPECT_NO_THROW(validate(o));
+  const StepPlan plan = plan_step(o);
+  ASSERT_EQ(plan.buckets.size(), 2u);
+  MoeLayerOptions dropless = small;
+  dropless.ep_recv_rows = 0;
+  EXPECT_EQ(plan.buckets[0].window_bytes, MoeLayer::window_bytes(dropless));
+  EXPECT_EQ(plan.buckets[1].window_bytes, MoeLayer::window_bytes(large));
+  EXPECT_LT(MoeLayer::window_bytes(large), MoeLayer::window_bytes(moe_layer_options(
+                                               parse_config(with({{"/parallel", R"({"expert_parallel": 2})"}}), "w"),
+                                               128)));
 }
 
 TEST(ConfigDefaults, AnEmptyRouterObjectIsTheDefaultRouter) {

@@ -251,6 +251,26 @@ TEST(Tools, BenchPlanCountsTheExpertParallelWindows) {
   expect_printed(r.run.output, "device memory total: ", p["device_bytes"]);
 }
 
+// A receive bound between the buckets' worst cases: the small bucket sizes its worst case and
+// reports no bound, the larger ones the bound (such a config used to be refused).
+TEST(Tools, BenchPlanBoundsOnlyTheBucketsItCanBound) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::string config =
+      config_file({{"name", "ep4b"}, {"buckets", {1024, 4096}}, {"parallel", {{"expert_parallel", 4}, {"recv_rows", 40000}}}},
+                  "ep4b");
+  const PlanRun r = run_plan(config, "ep4b-plan");
+  std::filesystem::remove(config);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  const nlohmann::json& windows = r.plan["expert_parallel"]["windows"];
+  ASSERT_EQ(windows.size(), 2u) << r.plan.dump(1);
+  EXPECT_LT(windows[0]["worst_case_rows"].get<int64_t>(), 40000) << windows[0].dump();
+  EXPECT_EQ(windows[0]["recv_rows"], 0) << "1024 tokens cannot fill 40000 rows";
+  EXPECT_EQ(r.plan["buckets"][0]["window_bytes"], windows[0]["worst_case_bytes"]);
+  EXPECT_GT(windows[1]["worst_case_rows"].get<int64_t>(), 40000) << windows[1].dump();
+  EXPECT_EQ(windows[1]["recv_rows"], 40000);
+  EXPECT_EQ(r.plan["buckets"][1]["window_bytes"], windows[1]["bound_bytes"]);
+}
+
 // The plan is compared with the GPU when there is one; without, it says so and still succeeds.
 TEST(Tools, BenchPlanComparesWithTheGpuOrSaysThereIsNone) {
   SKIP_WITHOUT("MOEGRAPH_BENCH");
@@ -325,6 +345,8 @@ nlohmann::json torch_results_for(const Config& c) {
   }
   const nlohmann::json cfg = {{"name", c.name}, {"step", "moe_layer"}, {"experts", c.layer.experts},
                               {"hidden", c.layer.hidden}, {"ffn", c.layer.ffn}, {"top_k", c.layer.top_k},
+                              {"bias", c.layer.bias}, {"score", std::string(router_score_name(c.router.score))},
+                              {"renormalize", c.router.renormalize}, {"aux_coef", c.router.aux_loss_coef},
                               {"dtype", "bf16"}, {"training", c.training.enabled}, {"buckets", c.buckets},
                               {"fill", c.bench.fill}, {"replays", 10}};
   const nlohmann::json entry = {{"file", "config.json"}, {"config", cfg}, {"grouped_mm", "torch._grouped_mm"},
@@ -355,6 +377,31 @@ TEST(Tools, TorchResultsGiveEachBucketsGraphReplay) {
   EXPECT_FALSE(r.at(256).graph_ms.has_value());
 }
 
+// A layer the PyTorch bench does not model is refused whatever the file says: a capacity bound (it
+// routes dropless) and the expert MLP alone (it times the whole layer).
+TEST(Tools, TorchResultsRefuseALayerThePyTorchBenchDoesNotModel) {
+  Config c = default_config();
+  c.buckets = {64};
+  const std::string path = fresh_temp_path("torch-model.json");
+  std::ofstream(path) << torch_results_for(c).dump();
+  EXPECT_NO_THROW(bench::load_torch_results(path, c));
+  Config capacity = c, experts = c;
+  capacity.router.capacity_factor = 1.25;
+  experts.step = StepKind::kExperts;
+  const std::pair<const Config*, const char*> cases[] = {
+      {&capacity, "the PyTorch layer routes dropless; this config has router.capacity_factor 1.25"},
+      {&experts, "the PyTorch layer is the whole MoE layer; this config's step is \"experts\""}};
+  for (const auto& [config, reason] : cases) {
+    try {
+      bench::load_torch_results(path, *config);
+      ADD_FAILURE() << "accepted: " << reason;
+    } catch (const std::exception& e) {
+      EXPECT_NE(std::string(e.what()).find(reason), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+}
+
 // The PyTorch results are read and matched to the config before any GPU is touched: a wrong or
 // stale file exits 2 with the reason, on a machine with or without a GPU.
 TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
@@ -374,6 +421,15 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
       {[](nlohmann::json& t) { t["configs"][0]["config"]["hidden"] = 4096; }, "it was run with layer.hidden 4096"},
       {[](nlohmann::json& t) { t["configs"][0]["config"]["training"] = false; },
        "it timed inference, this config training"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["bias"] = true; },
+       "it was run with layer.bias true, this config has false"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["renormalize"] = false; },
+       "it was run with router.renormalize false, this config has true"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["score"] = "sigmoid"; },
+       "it was run with router.score \"sigmoid\", this config has \"softmax\""},
+      {[](nlohmann::json& t) { t["configs"][0]["config"]["aux_coef"] = 0.0; },
+       "it was run with router.aux_loss_coef 0, this config has 0.001"},
+      {[](nlohmann::json& t) { t["configs"][0]["config"].erase("score"); }, "missing key \"config.score\""},
       {[](nlohmann::json& t) { t["configs"][0]["buckets"][1]["graph_ms"] = "fast"; },
        "buckets[1].graph_ms must be a number"},
       {[](nlohmann::json& t) { t["configs"].push_back(t["configs"][0]); }, "2 results of config \"torch-pair\""},

@@ -35,18 +35,20 @@ std::vector<EpWindow> ep_windows(const Config& config) {
   std::vector<EpWindow> out;
   if (config.parallel.expert_parallel <= 1) return out;
   for (int64_t tokens : config.buckets) {
-    MoeLayerOptions o = moe_layer_options(config, tokens);
+    const MoeLayerOptions o = moe_layer_options(config, tokens);
+    MoeLayerOptions dropless = o;
+    dropless.ep_recv_rows = 0;
     EpWindow w;
     w.tokens = tokens;
-    w.bound_rows = o.ep_recv_rows;
+    w.worst_case_rows = moe_ep_worst_case_rows(dropless);
+    w.worst_case_bytes = MoeLayer::window_bytes(dropless);
+    // A bound at or above this bucket's worst case bounds nothing here (the layer sizes the worst case).
+    w.bound_rows = o.ep_recv_rows < w.worst_case_rows ? o.ep_recv_rows : 0;
+    if (w.bound_rows > 0) w.bound_bytes = MoeLayer::window_bytes(o);
     if (o.ep_exchange == EpExchange::kSendRecv) {
       w.chunk_rows = moe_ep_chunk_rows(o);
       w.chunk_bytes = static_cast<std::size_t>(w.chunk_rows) * o.hidden * dtype_size(o.dtype);
     }
-    if (w.bound_rows > 0) w.bound_bytes = MoeLayer::window_bytes(o);
-    o.ep_recv_rows = 0;
-    w.worst_case_rows = moe_ep_worst_case_rows(o);
-    w.worst_case_bytes = MoeLayer::window_bytes(o);
     out.push_back(w);
   }
   return out;

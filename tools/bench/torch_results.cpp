@@ -74,6 +74,25 @@ void check_same_layer(const Json& cfg, const Config& c) {
   const std::string dtype = config_detail::string(member(cfg, "config", "dtype"), "config.dtype");
   MG_CONFIG_CHECK(dtype == dtype_name(c.precision.dtype), "it was run in ", dtype, ", this config in ",
                   dtype_name(c.precision.dtype), " (precision.dtype)");
+  // The router and the experts' bias change what the layer computes (and its cost).
+  auto flag = [&](const char* key, const char* config_key, bool want) {
+    const bool got = config_detail::boolean(member(cfg, "config", key), std::string("config.") + key);
+    MG_CONFIG_CHECK(got == want, "it was run with ", config_key, " ", got ? "true" : "false", ", this config has ",
+                    want ? "true" : "false");
+  };
+  flag("bias", "layer.bias", c.layer.bias);
+  flag("renormalize", "router.renormalize", c.router.renormalize);
+  const std::string score = config_detail::string(member(cfg, "config", "score"), "config.score");
+  MG_CONFIG_CHECK(score == router_score_name(c.router.score), "it was run with router.score \"", score,
+                  "\", this config has \"", router_score_name(c.router.score), "\"");
+  const double aux = config_detail::number(member(cfg, "config", "aux_coef"), "config.aux_coef");
+  MG_CONFIG_CHECK(aux == c.router.aux_loss_coef, "it was run with router.aux_loss_coef ", aux, ", this config has ",
+                  c.router.aux_loss_coef);
+  // What the PyTorch layer does not model: its times would be of another layer.
+  MG_CONFIG_CHECK(c.step == StepKind::kMoeLayer, "the PyTorch layer is the whole MoE layer; this config's step is \"",
+                  step_kind_name(c.step), "\"");
+  MG_CONFIG_CHECK(c.router.capacity_factor == 0.0, "the PyTorch layer routes dropless; this config has "
+                  "router.capacity_factor ", c.router.capacity_factor);
   std::vector<int64_t> buckets;
   for (const Json& b : config_detail::array(member(cfg, "config", "buckets"), "config.buckets"))
     buckets.push_back(config_detail::integer_in(b, "config.buckets[]", 1, int64_t{1} << 40));
