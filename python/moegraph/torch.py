@@ -15,7 +15,13 @@ Contracts the C layer brings (moegraph/moegraph.h):
 - Handles are created (and their device memory set up) on a module's first call for a shape:
   run each shape once before capturing it into a CUDA graph, as torch.cuda.graph's warm-up does.
 - main_grad=True: weight gradients accumulate into fp32 `param.main_grad` (their .grad stays None);
-  delay_wgrad=True (needs main_grad) queues them until module.backward_dw().
+  delay_wgrad=True (needs main_grad) queues them until module.backward_dw(). Eagerly, several
+  training forwards may be pending with main_grad (wgrad_slots > 1); under
+  torch.compile the compiled graph saves main_grad itself, so the second pending forward's backward
+  fails autograd's in-place check there (one pending forward at a time works).
+- Parameters and main_grad are read and written through their addresses: each must keep the shape
+  and dtype the module was built with (fp32 for main_grad), be contiguous and stay on the device of
+  the module's first call (ValueError otherwise; .half() or .to(another GPU) needs a new module).
 - Sharded parameters (docs/sharding.md): under FSDP2 (fully_shard) the modules see the full
   parameters FSDP2 gathers, wherever it puts them, and FSDP2 reduce-scatters their gradients.
   Parameters that are DTensors when forward runs (Shard(0) over a 1-D mesh, uneven splits and
@@ -90,6 +96,29 @@ class _Pending:
 def _check_device(t, device, name):
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, the module's parameters on {device}")
+
+
+def _check_read_by_address(t, name, shape, dtype, device):
+    """A tensor the C layer reads or writes through its address: the shape and dtype it was built
+    for (a module converted by .half() or .float() would be misread, a bf16 main_grad overrun by fp32
+    writes), on the parameters' device, and contiguous."""
+    if t is None:
+        return
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"{name} must be {list(shape)} {dtype} (as the module was built), got {list(t.shape)} "
+                         f"{t.dtype}")
+    _check_device(t, device, name)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous: the layer reads it through its address")
+
+
+def _check_same_device(handles, device):
+    """The C operators live on the device of the module's first call."""
+    if handles.device is None:
+        handles.device = device
+    elif handles.device != device:
+        raise ValueError(f"the module ran on {handles.device} and is now on {device}: its C operators and "
+                         f"workspace stay on the first; make a new module on {device}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -179,8 +208,10 @@ class _LinearHandles:
         self.delay_wgrad = delay_wgrad
         self.ops = {}  # rows -> (handle, workspace tensor)
         self.pending = collections.defaultdict(_Pending)  # rows -> training forwards awaiting backward
+        self.device = None  # of the first call: every handle and workspace lives there
 
     def op(self, rows, device):
+        _check_same_device(self, device)
         if rows not in self.ops:
             o = _lib.GroupedLinearOptions(capacity_rows=rows, **self.options)
             size = ctypes.c_size_t()
@@ -246,13 +277,16 @@ def _(dy, ticket, weight, bias, main_grad, handle, need_dx):
 
 def _linear_setup(ctx, inputs, output):
     x, splits, weight, bias, main_grad, handle, train = inputs
-    ctx.save_for_backward(output[1], weight, bias, main_grad)  # the ticket: which forward this is
+    ctx.save_for_backward(output[1], weight, bias)  # the ticket: which forward this is
+    # main_grad is accumulated into by every backward: saved as a tensor, the first of two pending
+    # micro-batches' backwards would fail the second's in-place check (see the module docstring).
+    ctx.main_grad = main_grad
     ctx.handle = handle
     ctx.mark_non_differentiable(output[1])
 
 
 def _linear_grad(ctx, dy, _ticket_grad):
-    ticket, weight, bias, main_grad = ctx.saved_tensors
+    (ticket, weight, bias), main_grad = ctx.saved_tensors, ctx.main_grad
     need_dx = ctx.needs_input_grad[0]
     dx, dw, db = torch.ops.moegraph.grouped_linear_backward(dy.contiguous(), ticket, weight, bias, main_grad,
                                                             ctx.handle, need_dx)
@@ -281,15 +315,15 @@ class GroupedLinear(torch.nn.Module):
         torch.nn.init.uniform_(self.weight, -bound, bound)
         if main_grad:
             self.weight.main_grad = torch.zeros(self.weight.shape, dtype=torch.float32, device=device)
-        self.main_grad = main_grad
+        self.main_grad, self._dtype = main_grad, dtype
         self._id = next(_ids)
         _handles[self._id] = _LinearHandles(num_groups, in_features, out_features, bias, dtype, 1, wgrad_slots,
                                             delay_wgrad)
 
     def forward(self, x, splits):
         groups, out_features, in_features = self.weight.shape
-        if x.dim() != 2 or x.shape[1] != in_features or x.dtype != self.weight.dtype:
-            raise ValueError(f"x must be [rows, {in_features}] {self.weight.dtype}, got {tuple(x.shape)} {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != in_features or x.dtype != self._dtype:
+            raise ValueError(f"x must be [rows, {in_features}] {self._dtype}, got {tuple(x.shape)} {x.dtype}")
         if splits.dim() != 1 or splits.shape[0] != groups or splits.dtype != torch.int32:
             raise ValueError(f"splits must be [{groups}] torch.int32, got {tuple(splits.shape)} {splits.dtype}")
         _check_device(x, self.weight.device, "x")
@@ -301,6 +335,10 @@ class GroupedLinear(torch.nn.Module):
         weight, bias = _full(self.weight), _full(self.bias)
         if main_grad is not None and (weight is not self.weight or bias is not self.bias):
             raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
+        device, shape = self.weight.device, (groups, out_features, in_features)
+        _check_read_by_address(weight, "weight", shape, self._dtype, device)
+        _check_read_by_address(bias, "bias", shape[:2], self._dtype, device)
+        _check_read_by_address(main_grad, "weight.main_grad", shape, torch.float32, device)
         y, _ = torch.ops.moegraph.grouped_linear(x, splits, weight, bias, main_grad, self._id, train)
         return y
 
@@ -331,6 +369,7 @@ class _LayerHandle:
         self.options = options
         self.handle, self.bound = None, None
         self.pending = _Pending()  # training forwards awaiting backward
+        self.device = None  # of the first call: the layer and its workspace live there
 
     def layer(self, params, main_grads, grads=None):
         router, w1, b1, w2, b2 = params
@@ -339,6 +378,7 @@ class _LayerHandle:
                                  main_grad_router=_ptr(main_grads[0]), main_grad1=_ptr(main_grads[1]),
                                  main_grad2=_ptr(main_grads[2]), **{k: _ptr(v) for k, v in g.items()})
         key = bytes(w)
+        _check_same_device(self, router.device)
         if self.handle is None:
             handle = ctypes.c_void_p()
             _lib.call("mg_moe_layer_create", ctypes.byref(self.options), ctypes.byref(w), None, ctypes.byref(handle))
@@ -428,14 +468,16 @@ def _(dy, x, ticket, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle):
 
 def _moe_setup(ctx, inputs, output):
     x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle, train = inputs
-    ctx.save_for_backward(x, output[2], router, w1, b1, w2, b2, mg_router, mg1, mg2)  # output[2]: the ticket
+    ctx.save_for_backward(x, output[2], router, w1, b1, w2, b2)  # output[2]: the ticket
+    ctx.main_grads = (mg_router, mg1, mg2)  # not saved tensors: as in _linear_setup
     ctx.handle = handle
     # aux loss: its gradient is applied inside the layer's backward; the ticket names the forward.
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _moe_grad(ctx, dy, _aux_grad, _ticket_grad):
-    x, ticket, router, w1, b1, w2, b2, mg_router, mg1, mg2 = ctx.saved_tensors
+    x, ticket, router, w1, b1, w2, b2 = ctx.saved_tensors
+    mg_router, mg1, mg2 = ctx.main_grads
     dx, dr, dw1, db1, dw2, db2 = torch.ops.moegraph.moe_layer_backward(dy.contiguous(), x, ticket, router, w1, b1,
                                                                        w2, b2, mg_router, mg1, mg2, ctx.handle)
     fp32 = mg1 is not None
@@ -481,13 +523,15 @@ class MoELayer(torch.nn.Module):
             for w in (self.router, self.w1, self.w2):
                 w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=device)
         self.main_grad, self.max_tokens, self.trainable = main_grad, max_tokens, bool(training)
-        self.hidden = hidden
+        self.hidden, self._dtype = hidden, dtype
+        self._shapes = dict(router=(experts, hidden), w1=(experts, 2 * ffn, hidden), b1=(experts, 2 * ffn),
+                            w2=(experts, hidden, ffn), b2=(experts, hidden))
         self._id = next(_ids)
         _handles[self._id] = _LayerHandle(o)
 
     def forward(self, x):
-        if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != self.w1.dtype:
-            raise ValueError(f"x must be [tokens, {self.hidden}] {self.w1.dtype}, got {tuple(x.shape)} {x.dtype}")
+        if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != self._dtype:
+            raise ValueError(f"x must be [tokens, {self.hidden}] {self._dtype}, got {tuple(x.shape)} {x.dtype}")
         _check_device(x, self.w1.device, "x")
         if x.shape[0] > self.max_tokens:
             raise ValueError(f"{x.shape[0]} tokens, more than max_tokens {self.max_tokens}")
@@ -498,6 +542,11 @@ class MoELayer(torch.nn.Module):
         router, w1, b1, w2, b2 = full = [_full(p) for p in own]
         if self.main_grad and any(f is not p for f, p in zip(full, own)):
             raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
+        device = self.w1.device
+        for name, t in zip(("router", "w1", "b1", "w2", "b2"), full):
+            _check_read_by_address(t, name, self._shapes[name], self._dtype, device)
+        for name, t in zip(("router", "w1", "w2"), mg):
+            _check_read_by_address(t, name + ".main_grad", self._shapes[name], torch.float32, device)
         y, aux, _ = torch.ops.moegraph.moe_layer(x.contiguous(), router, w1, b1, w2, b2, *mg, self._id, train)
         return y, aux
 

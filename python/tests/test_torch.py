@@ -146,6 +146,39 @@ class GroupedLinearTest(unittest.TestCase):
         y = layer(x.t().contiguous().t(), self.splits)  # a column-major view: made contiguous, not misread
         self.assertLess(rel_err(y, linear_reference(x.detach(), self.splits, layer.weight.detach(), None, y)[0]), TOL)
 
+    def test_main_grad_with_two_pending_forwards(self):
+        # Two micro-batches in flight (a pipeline schedule), each backward accumulating into main_grad:
+        # the first backward's update must not fail the second's saved-tensor check.
+        layer = GroupedLinear(5, 128, 64, main_grad=True, wgrad_slots=2)
+        (x1, dy1), (x2, dy2) = self.inputs(layer), self.inputs(layer)
+        y1, y2 = layer(x1, self.splits), layer(x2, self.splits)
+        y1.backward(dy1)
+        y2.backward(dy2)
+        w = layer.weight.detach()
+        want = sum(linear_reference(x.detach(), self.splits, w, None, dy)[2] for x, dy in ((x1, dy1), (x2, dy2)))
+        self.assertLess(rel_err(layer.weight.main_grad, want), TOL)
+
+    def test_parameters_the_layer_cannot_read_are_refused(self):
+        # Read and written through their addresses: each must be what the module was built for.
+        layer = GroupedLinear(5, 128, 64, bias=True, main_grad=True)
+        x, _ = self.inputs(layer)
+        good = layer.weight.main_grad
+        for bad, reason in ((good.bfloat16(), "weight.main_grad must be"),  # fp32 writes would overrun it
+                            (good[:4], "weight.main_grad must be"),
+                            (good.transpose(1, 2).contiguous().transpose(1, 2), "contiguous")):
+            layer.weight.main_grad = bad
+            with self.assertRaisesRegex(ValueError, reason):
+                layer(x, self.splits)
+        layer.weight.main_grad = good
+        with torch.no_grad():
+            layer.weight.data = layer.weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+        with self.assertRaisesRegex(ValueError, "weight must be contiguous"):
+            layer(x, self.splits)
+        layer.weight.data = layer.weight.data.contiguous()
+        layer.half()  # now fp16 parameters: the C operators were built for bf16
+        with self.assertRaisesRegex(ValueError, r"weight must be \[5, 64, 128\] torch.bfloat16"):
+            layer(x, self.splits)
+
     def test_backward_out_of_forward_order_is_refused(self):
         layer = GroupedLinear(5, 128, 64, wgrad_slots=2)
         (x1, dy1), (x2, dy2) = self.inputs(layer), self.inputs(layer)
@@ -240,6 +273,31 @@ class MoELayerTest(unittest.TestCase):
         for bad in (x[:, :128], x.float(), x.unsqueeze(0), x.detach().cpu()):
             with self.assertRaises(ValueError):
                 layer(bad)
+
+    def test_main_grad_with_two_pending_forwards(self):
+        layer, x1, dy1 = self.make(main_grad=True, wgrad_slots=2)
+        g = torch.Generator(device="cuda").manual_seed(6)
+        x2 = untied_tokens(self.N - 50, self.H, layer.router.detach(), self.K, g).requires_grad_()
+        dy2 = torch.randn(self.N - 50, self.H, generator=g, device="cuda").bfloat16()
+        (y1, _), (y2, _) = layer(x1), layer(x2)
+        y1.backward(dy1)
+        y2.backward(dy2)
+        refs = [moe_reference(x, layer.router, layer.w1, layer.b1, layer.w2, layer.b2, dy, self.K, True, 0.01)[2]
+                for x, dy in ((x1, dy1), (x2, dy2))]
+        for name, got, i in (("router", layer.router.main_grad, 1), ("w1", layer.w1.main_grad, 2),
+                             ("w2", layer.w2.main_grad, 4)):
+            self.assertLess(rel_err(got, refs[0][i] + refs[1][i]), TOL, name)
+
+    def test_parameters_the_layer_cannot_read_are_refused(self):
+        layer, x, _ = self.make(main_grad=True)
+        good = layer.w1.main_grad
+        layer.w1.main_grad = good.bfloat16()  # fp32 writes would overrun it
+        with self.assertRaisesRegex(ValueError, "w1.main_grad must be"):
+            layer(x)
+        layer.w1.main_grad = good
+        layer.half()
+        with self.assertRaisesRegex(ValueError, "router must be"):
+            layer(x)
 
     def test_no_tokens(self):
         layer, x, _ = self.make()
