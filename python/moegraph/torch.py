@@ -339,6 +339,12 @@ class GroupedLinear(torch.nn.Module):
         _check_read_by_address(weight, "weight", shape, self._dtype, device)
         _check_read_by_address(bias, "bias", shape[:2], self._dtype, device)
         _check_read_by_address(main_grad, "weight.main_grad", shape, torch.float32, device)
+        if x.shape[0] == 0:
+            # No rows: no operator of capacity 0 exists, and there is nothing to compute. Plain torch
+            # gives the empty output, an empty dx and zero weight and bias gradients (main_grad: none).
+            w0 = weight[0].detach() if main_grad is not None else weight[0]
+            y = x @ w0.t()
+            return y + bias[0] if bias is not None else y
         y, _ = torch.ops.moegraph.grouped_linear(x, splits, weight, bias, main_grad, self._id, train)
         return y
 

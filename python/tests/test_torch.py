@@ -9,11 +9,11 @@ import unittest
 
 try:
     import torch
-    HAVE_GPU = torch.cuda.is_available()
+    HAVE_TORCH, HAVE_GPU = True, torch.cuda.is_available()
 except ImportError:
-    HAVE_GPU = False
+    HAVE_TORCH = HAVE_GPU = False
 
-if HAVE_GPU:
+if HAVE_TORCH:
     from moegraph import MoegraphError
     from moegraph.torch import GroupedLinear, MoELayer
 
@@ -76,6 +76,61 @@ def untied_tokens(n, hidden, router, top_k, generator):
             return x
         x[close] = torch.randn(int(close.sum()), hidden, generator=generator, device="cuda").bfloat16()
     raise AssertionError("could not draw untied tokens")
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs PyTorch")
+class ChecksBeforeTheLibraryTest(unittest.TestCase):
+    """What the modules decide before any C call, on CPU tensors (no GPU needed)."""
+
+    def test_parameters_the_layer_cannot_read_are_refused(self):
+        # Read and written through their addresses: each must be what the module was built for.
+        layer = GroupedLinear(5, 128, 64, bias=True, main_grad=True, device="cpu")
+        x = torch.randn(40, 128).bfloat16()
+        splits = torch.tensor([10, 0, 20, 5, 5], dtype=torch.int32)
+        good = layer.weight.main_grad
+        for bad, reason in ((good.bfloat16(), "weight.main_grad must be"),  # fp32 writes would overrun it
+                            (good[:4], "weight.main_grad must be"),
+                            (good.transpose(1, 2).contiguous().transpose(1, 2), "contiguous")):
+            layer.weight.main_grad = bad
+            with self.assertRaisesRegex(ValueError, reason):
+                layer(x, splits)
+        layer.weight.main_grad = good
+        with torch.no_grad():
+            layer.weight.data = layer.weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+        with self.assertRaisesRegex(ValueError, "weight must be contiguous"):
+            layer(x, splits)
+        layer.weight.data = layer.weight.data.contiguous()
+        layer.half()  # now fp16 parameters: the C operators were built for bf16
+        with self.assertRaisesRegex(ValueError, r"weight must be \[5, 64, 128\] torch.bfloat16"):
+            layer(x, splits)
+
+        moe = MoELayer(8, 256, 128, top_k=2, max_tokens=64, bias=True, main_grad=True, device="cpu")
+        xm = torch.randn(10, 256).bfloat16()
+        good = moe.w1.main_grad
+        moe.w1.main_grad = good.bfloat16()
+        with self.assertRaisesRegex(ValueError, "w1.main_grad must be"):
+            moe(xm)
+        moe.w1.main_grad = good
+        moe.half()
+        with self.assertRaisesRegex(ValueError, "router must be"):
+            moe(xm)
+
+    def test_no_rows(self):
+        # GroupedLinear of no rows: an empty output, an empty dx and zero weight and bias gradients
+        # (with main_grad, weight.grad stays None), without the library.
+        for main_grad in (False, True):
+            layer = GroupedLinear(5, 128, 64, bias=True, main_grad=main_grad, device="cpu")
+            x = torch.zeros(0, 128, dtype=torch.bfloat16, requires_grad=True)
+            y = layer(x, torch.zeros(5, dtype=torch.int32))
+            self.assertEqual((tuple(y.shape), y.dtype), ((0, 64), torch.bfloat16))
+            y.backward(torch.zeros_like(y))
+            self.assertEqual(tuple(x.grad.shape), (0, 128))
+            self.assertEqual(float(layer.bias.grad.abs().sum()), 0.0)
+            if main_grad:
+                self.assertIsNone(layer.weight.grad)
+                self.assertEqual(float(layer.weight.main_grad.abs().sum()), 0.0)
+            else:
+                self.assertEqual(float(layer.weight.grad.abs().sum()), 0.0)
 
 
 @unittest.skipUnless(HAVE_GPU, "needs PyTorch and a GPU")
@@ -157,27 +212,6 @@ class GroupedLinearTest(unittest.TestCase):
         w = layer.weight.detach()
         want = sum(linear_reference(x.detach(), self.splits, w, None, dy)[2] for x, dy in ((x1, dy1), (x2, dy2)))
         self.assertLess(rel_err(layer.weight.main_grad, want), TOL)
-
-    def test_parameters_the_layer_cannot_read_are_refused(self):
-        # Read and written through their addresses: each must be what the module was built for.
-        layer = GroupedLinear(5, 128, 64, bias=True, main_grad=True)
-        x, _ = self.inputs(layer)
-        good = layer.weight.main_grad
-        for bad, reason in ((good.bfloat16(), "weight.main_grad must be"),  # fp32 writes would overrun it
-                            (good[:4], "weight.main_grad must be"),
-                            (good.transpose(1, 2).contiguous().transpose(1, 2), "contiguous")):
-            layer.weight.main_grad = bad
-            with self.assertRaisesRegex(ValueError, reason):
-                layer(x, self.splits)
-        layer.weight.main_grad = good
-        with torch.no_grad():
-            layer.weight.data = layer.weight.data.transpose(1, 2).contiguous().transpose(1, 2)
-        with self.assertRaisesRegex(ValueError, "weight must be contiguous"):
-            layer(x, self.splits)
-        layer.weight.data = layer.weight.data.contiguous()
-        layer.half()  # now fp16 parameters: the C operators were built for bf16
-        with self.assertRaisesRegex(ValueError, r"weight must be \[5, 64, 128\] torch.bfloat16"):
-            layer(x, self.splits)
 
     def test_backward_out_of_forward_order_is_refused(self):
         layer = GroupedLinear(5, 128, 64, wgrad_slots=2)
@@ -287,17 +321,6 @@ class MoELayerTest(unittest.TestCase):
         for name, got, i in (("router", layer.router.main_grad, 1), ("w1", layer.w1.main_grad, 2),
                              ("w2", layer.w2.main_grad, 4)):
             self.assertLess(rel_err(got, refs[0][i] + refs[1][i]), TOL, name)
-
-    def test_parameters_the_layer_cannot_read_are_refused(self):
-        layer, x, _ = self.make(main_grad=True)
-        good = layer.w1.main_grad
-        layer.w1.main_grad = good.bfloat16()  # fp32 writes would overrun it
-        with self.assertRaisesRegex(ValueError, "w1.main_grad must be"):
-            layer(x)
-        layer.w1.main_grad = good
-        layer.half()
-        with self.assertRaisesRegex(ValueError, "router must be"):
-            layer(x)
 
     def test_no_tokens(self):
         layer, x, _ = self.make()
