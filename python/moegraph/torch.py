@@ -112,6 +112,32 @@ def _check_read_by_address(t, name, shape, dtype, device):
         raise ValueError(f"{name} must be contiguous: the layer reads it through its address")
 
 
+class _OwnsHandles:
+    """A module whose C handles live in _handles under its own id. A copy (copy.deepcopy, pickling,
+    torch.save of the module) gets a new id and new handles, made on its first call, instead of
+    sharing the original's: the two would share their saved micro-batches, and whichever was freed
+    first would take the other's handles with it."""
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_id", None)
+        # main_grad is an attribute of the parameter, which a copy of the parameter does not carry.
+        state["_main_grads"] = {n: p.main_grad for n, p in self._parameters.items() if hasattr(p, "main_grad")}
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        main_grads = state.pop("_main_grads", {})
+        super().__setstate__(state)
+        for name, main_grad in main_grads.items():
+            self._parameters[name].main_grad = main_grad
+        self._id = next(_ids)
+        _handles[self._id] = self._new_handles()
+
+    def __del__(self):
+        _handles.pop(getattr(self, "_id", None), None)
+
+
 def _check_same_device(handles, device):
     """The C operators live on the device of the module's first call."""
     if handles.device is None:
@@ -297,7 +323,7 @@ def _linear_grad(ctx, dy, _ticket_grad):
 torch.library.register_autograd("moegraph::grouped_linear", _linear_grad, setup_context=_linear_setup)
 
 
-class GroupedLinear(torch.nn.Module):
+class GroupedLinear(_OwnsHandles, torch.nn.Module):
     """G linear layers over rows grouped by expert: forward(x [rows, in], splits [G] int32 cuda) ->
     [rows, out]; group e is rows [sum(splits[:e]), sum(splits[:e+1])); rows past sum(splits) give 0.
     weight [G, out, in], bias [G, out]."""
@@ -316,9 +342,12 @@ class GroupedLinear(torch.nn.Module):
         if main_grad:
             self.weight.main_grad = torch.zeros(self.weight.shape, dtype=torch.float32, device=device)
         self.main_grad, self._dtype = main_grad, dtype
+        self._handle_args = (num_groups, in_features, out_features, bias, dtype, 1, wgrad_slots, delay_wgrad)
         self._id = next(_ids)
-        _handles[self._id] = _LinearHandles(num_groups, in_features, out_features, bias, dtype, 1, wgrad_slots,
-                                            delay_wgrad)
+        _handles[self._id] = self._new_handles()
+
+    def _new_handles(self):
+        return _LinearHandles(*self._handle_args)
 
     def forward(self, x, splits):
         groups, out_features, in_features = self.weight.shape
@@ -357,8 +386,12 @@ class GroupedLinear(torch.nn.Module):
         with torch.cuda.device(self.weight.device):
             _lib.call("mg_grouped_linear_backward_dw", handle, _stream(self.weight.device))
 
-    def __del__(self):
-        _handles.pop(getattr(self, "_id", None), None)
+    def check_device_errors(self):
+        """Synchronizes and raises MoegraphError if the device saw invalid splits since the last check
+        (splits are read on the device only: a negative one, or a sum past the rows)."""
+        for handle, _ in _handles[self._id].ops.values():
+            with torch.cuda.device(self.weight.device):
+                _lib.call("mg_grouped_linear_check_device_errors", handle, _stream(self.weight.device))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -494,7 +527,7 @@ def _moe_grad(ctx, dy, _aux_grad, _ticket_grad):
 torch.library.register_autograd("moegraph::moe_layer", _moe_grad, setup_context=_moe_setup)
 
 
-class MoELayer(torch.nn.Module):
+class MoELayer(_OwnsHandles, torch.nn.Module):
     """A whole MoE layer: forward(x [n, hidden]) -> (y [n, hidden], aux_loss [1] fp32), n <= max_tokens.
 
     Parameters: router [E, hidden], w1 [E, 2 * ffn, hidden] (gate | up), w2 [E, hidden, ffn], and
@@ -532,8 +565,12 @@ class MoELayer(torch.nn.Module):
         self.hidden, self._dtype = hidden, dtype
         self._shapes = dict(router=(experts, hidden), w1=(experts, 2 * ffn, hidden), b1=(experts, 2 * ffn),
                             w2=(experts, hidden, ffn), b2=(experts, hidden))
+        self._options = bytes(o)  # plain bytes: a copy or a pickle of the module carries them
         self._id = next(_ids)
-        _handles[self._id] = _LayerHandle(o)
+        _handles[self._id] = self._new_handles()
+
+    def _new_handles(self):
+        return _LayerHandle(_lib.MoeLayerOptions.from_buffer_copy(self._options))
 
     def forward(self, x):
         if x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != self._dtype:
@@ -570,6 +607,3 @@ class MoELayer(torch.nn.Module):
         if h.handle is not None:
             with torch.cuda.device(self.w1.device):
                 _lib.call("mg_moe_layer_check_device_errors", h.handle, _stream(self.w1.device))
-
-    def __del__(self):
-        _handles.pop(getattr(self, "_id", None), None)

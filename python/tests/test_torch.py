@@ -115,6 +115,34 @@ class ChecksBeforeTheLibraryTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "router must be"):
             moe(xm)
 
+    def test_copies_get_their_own_handles(self):
+        # A deep copy, a pickle or torch.save of a module: new handles, main_grad carried, and the copy
+        # outlives the original (they used to share one handle id, freed with whichever went first).
+        import copy
+        import gc
+        import io
+        import pickle
+        from moegraph.torch import _handles
+        a = GroupedLinear(5, 128, 64, bias=True, main_grad=True, device="cpu")
+        a.weight.main_grad.fill_(3.0)
+        m = MoELayer(8, 256, 128, top_k=2, max_tokens=64, main_grad=True, device="cpu")
+        buf = io.BytesIO()
+        torch.save(a, buf)
+        buf.seek(0)
+        copies = [copy.deepcopy(a), torch.load(buf, weights_only=False), pickle.loads(pickle.dumps(m))]
+        for original, c in zip((a, a, m), copies):
+            self.assertNotEqual(c._id, original._id)
+            self.assertIsNot(_handles[c._id], _handles[original._id])
+        self.assertEqual(_handles[copies[2]._id].options.max_tokens, 64)
+        for c in copies[:2]:
+            self.assertIsNot(c.weight.main_grad, a.weight.main_grad)
+            self.assertTrue(torch.equal(c.weight.main_grad, a.weight.main_grad))
+        self.assertEqual(tuple(copies[2].w1.main_grad.shape), (8, 256, 256))
+        ids = [c._id for c in copies]
+        del a, m
+        gc.collect()
+        self.assertTrue(all(i in _handles for i in ids))
+
     def test_no_rows(self):
         # GroupedLinear of no rows: an empty output, an empty dx and zero weight and bias gradients
         # (with main_grad, weight.grad stays None), without the library.
@@ -200,6 +228,17 @@ class GroupedLinearTest(unittest.TestCase):
                 layer(bad_x, bad_splits)
         y = layer(x.t().contiguous().t(), self.splits)  # a column-major view: made contiguous, not misread
         self.assertLess(rel_err(y, linear_reference(x.detach(), self.splits, layer.weight.detach(), None, y)[0]), TOL)
+
+    def test_invalid_splits_are_reported(self):
+        layer = GroupedLinear(5, 128, 64)
+        x, _ = self.inputs(layer)
+        bad = self.splits.clone()
+        bad[0] += 1000  # more rows than x holds: seen on the device only
+        with torch.no_grad():
+            layer(x, bad)
+        with self.assertRaises(MoegraphError):
+            layer.check_device_errors()
+        layer.check_device_errors()  # the record was taken by the first check
 
     def test_main_grad_with_two_pending_forwards(self):
         # Two micro-batches in flight (a pipeline schedule), each backward accumulating into main_grad:
