@@ -540,7 +540,9 @@ typedef struct {
 
 /* Fills *out (the caller sets out->struct_size). */
 MOEGRAPH_API mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out);
-/* Overrides before mg_step_graphs_create: training 0 captures the forward phase only (a server). */
+/* Overrides before mg_step_graphs_create: training 0 captures the forward phase only (a server), and
+ * turns delay_wgrad off. The config's rules are checked again: a config that cannot train (the mxfp8
+ * recipe at row_align 1 or 16) refuses training 1 with MG_ERR_CONFIG and stays as it was. */
 MOEGRAPH_API mg_status mg_config_set_training(mg_config* config, int training);
 
 /* ---- Capture and replay (moegraph::StepGraphs): one step per shape bucket, in CUDA graphs ---- */

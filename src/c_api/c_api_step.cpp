@@ -141,7 +141,13 @@ mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out) {
 mg_status mg_config_set_training(mg_config* config, int training) {
   return guarded([&] {
     check_handle(config, HandleKind::kConfig, "mg_config");
-    config->config.training.enabled = training != 0;
+    moegraph::Config c = config->config;
+    c.training.enabled = training != 0;
+    if (!c.training.enabled) c.training.delay_wgrad = false;  // a forward-only step has no wgrad to delay
+    // The whole config's rules again, as if it had been written so (e.g. the mxfp8 recipe trains only
+    // at row_align 32 or 128); refused, the config stays as it was.
+    config->config = moegraph::parse_config(moegraph::to_json(c), "mg_config_set_training(" +
+                                                                     std::to_string(training != 0) + ")");
   });
 }
 

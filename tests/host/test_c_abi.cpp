@@ -126,7 +126,25 @@ TEST(CAbiConfig, ParseLoadAndShape) {
   EXPECT_EQ(s.num_buckets, static_cast<int>(d.buckets.size()));
   EXPECT_EQ(s.max_tokens, d.buckets.back());
   EXPECT_EQ(s.training, d.training.enabled ? 1 : 0);
+  EXPECT_EQ(s.delay_wgrad, 1);  // the preset delays its wgrad
   ASSERT_EQ(mg_config_set_training(c, 0), MG_OK);
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
+  EXPECT_EQ(s.training, 0);
+  EXPECT_EQ(s.delay_wgrad, 0) << "a forward-only config delays no wgrad";
+  ASSERT_EQ(mg_config_set_training(c, 1), MG_OK) << mg_last_error();
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
+  EXPECT_EQ(s.training, 1);
+  mg_config_destroy(c);
+
+  // A config that can only serve: training is refused and the config stays forward-only.
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 512, "top_k": 2},
+                               "precision": {"recipe": "mxfp8"}, "training": {"enabled": false},
+                               "buckets": [16]})",
+                            &c),
+            MG_OK)
+      << mg_last_error();
+  EXPECT_EQ(mg_config_set_training(c, 1), MG_ERR_CONFIG);
+  EXPECT_NE(std::string(mg_last_error()).find("row_align"), std::string::npos) << mg_last_error();
   ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
   EXPECT_EQ(s.training, 0);
   mg_config_destroy(c);
