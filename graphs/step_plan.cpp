@@ -36,6 +36,10 @@ StepGraphsOptions step_graphs_options(const Config& config) {
 
 void validate(const StepGraphsOptions& o) {
   MG_CHECK(!o.buckets.empty(), "buckets must list at least one capacity in tokens");
+  // Each bucket's layer is given prequantized weights exactly under the mxfp8 recipe (the step's
+  // shared copies or the caller's), which hides what the caller asked: check it here.
+  MG_CHECK(!o.layer.prequantized_weights || o.layer.recipe == Recipe::kMXFP8,
+           "layer.prequantized_weights needs the mxfp8 recipe, got recipe ", recipe_name(o.layer.recipe));
   MG_CHECK(o.layer.expert_parallel == 1 || o.step == StepKind::kMoeLayer, "expert_parallel = ",
            o.layer.expert_parallel, " needs step \"moe_layer\": the experts-only step has no dispatch to exchange rows");
   const WeightSharding& sh = o.sharding;

@@ -647,8 +647,10 @@ MOEGRAPH_API mg_status mg_step_graphs_create(const mg_config* config, const mg_s
                                              const mg_step_graphs_options* options, mg_step_graphs** out);
 /* NULL or a destroyed handle: nothing happens. */
 MOEGRAPH_API void mg_step_graphs_destroy(mg_step_graphs* step);
+/* The number of buckets (0 on a refused call). */
 MOEGRAPH_API mg_status mg_step_graphs_num_buckets(const mg_step_graphs* step, int* out);
-/* The bucket's capacity in tokens; MG_ERR_INVALID_ARGUMENT for a bucket outside 0..num_buckets - 1. */
+/* The bucket's capacity in tokens; MG_ERR_INVALID_ARGUMENT for a bucket outside 0..num_buckets - 1
+ * (and *out 0). */
 MOEGRAPH_API mg_status mg_step_graphs_bucket_tokens(const mg_step_graphs* step, int bucket, int64_t* out);
 /* The smallest bucket holding `tokens` (0..the largest capacity; 0 gives the first bucket);
  * MG_ERR_INVALID_ARGUMENT for a negative count or one above the largest capacity. */
@@ -656,7 +658,8 @@ MOEGRAPH_API mg_status mg_step_graphs_bucket_for(const mg_step_graphs* step, int
 /* Fills *out (the caller sets out->struct_size). */
 MOEGRAPH_API mg_status mg_step_graphs_io(const mg_step_graphs* step, int bucket, mg_bucket_io* out);
 /* Replays the bucket's graph of `phase` on `stream`. Buckets share one arena: while one bucket has
- * training contexts in flight, another bucket's training phases are refused. */
+ * training contexts in flight (forward_train awaiting backward, or queued wgrads), every forward
+ * (of any bucket, the same one included) and another bucket's training phases are refused. */
 MOEGRAPH_API mg_status mg_step_graphs_replay(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
 /* The same phase enqueued without graphs (same rules), for checks and timing. */
 MOEGRAPH_API mg_status mg_step_graphs_run_eager(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);

@@ -164,8 +164,9 @@ mg_status mg_ep_comm_abort(mg_ep_comm* comm) {
 mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, int rank, int64_t* first_row,
                         int64_t* rows) {
   return guarded([&] {
+    if (first_row != nullptr) *first_row = 0;  // what a refused call leaves, a missing output's too
+    if (rows != nullptr) *rows = 0;
     MG_CHECK(first_row != nullptr && rows != nullptr, "mg_shard_rows needs both outputs");
-    *first_row = 0, *rows = 0;  // what a refused call leaves
     MG_CHECK(policy == MG_SHARD_CHUNK || policy == MG_SHARD_BALANCED, "mg_shard_rows: policy ",
              static_cast<int>(policy), " is neither MG_SHARD_CHUNK (0) nor MG_SHARD_BALANCED (1)");
     const moegraph::Shard s = moegraph::shard_for(

@@ -193,6 +193,7 @@ void mg_step_graphs_destroy(mg_step_graphs* step) {
 mg_status mg_step_graphs_num_buckets(const mg_step_graphs* step, int* out) {
   return guarded([&] {
     MG_CHECK(out != nullptr, "mg_step_graphs_num_buckets needs an output");
+    *out = 0;  // what a refused call leaves
     *out = unwrap(step).num_buckets();
   });
 }
@@ -200,6 +201,7 @@ mg_status mg_step_graphs_num_buckets(const mg_step_graphs* step, int* out) {
 mg_status mg_step_graphs_bucket_tokens(const mg_step_graphs* step, int bucket, int64_t* out) {
   return guarded([&] {
     MG_CHECK(out != nullptr, "mg_step_graphs_bucket_tokens needs an output");
+    *out = 0;  // what a refused call leaves
     *out = unwrap(step).io(bucket).tokens;  // io() refuses a bucket out of range, naming it
   });
 }

@@ -102,8 +102,12 @@ TEST(CAbiHandles, NullHandlesAreRefusedAsInvalidHandles) {
   EXPECT_TRUE(last_error_has("null mg_grouped_linear handle")) << mg_last_error();
   EXPECT_EQ(mg_step_graphs_replay(nullptr, 0, MG_PHASE_FORWARD, nullptr), MG_ERR_INVALID_HANDLE);
   EXPECT_TRUE(last_error_has("null mg_step_graphs handle")) << mg_last_error();
-  int n = 0;
+  int n = 5;
   EXPECT_EQ(mg_step_graphs_num_buckets(nullptr, &n), MG_ERR_INVALID_HANDLE);
+  EXPECT_EQ(n, 0) << "a refused call leaves its output 0";
+  int64_t tokens = 5;
+  EXPECT_EQ(mg_step_graphs_bucket_tokens(nullptr, 0, &tokens), MG_ERR_INVALID_HANDLE);
+  EXPECT_EQ(tokens, 0);
   mg_config_shape shape = sized<mg_config_shape>();
   EXPECT_EQ(mg_config_shape_of(nullptr, &shape), MG_ERR_INVALID_HANDLE);
   mg_grouped_linear_destroy(nullptr);  // no-ops

@@ -160,7 +160,12 @@ TEST(Sharding, CAbiRowsMatchThePolicies) {
   EXPECT_EQ(rows, 0);
   EXPECT_NE(std::string(mg_last_error()).find("rank 4"), std::string::npos) << mg_last_error();
   EXPECT_EQ(mg_shard_rows(static_cast<mg_shard_policy>(7), 5, 4, 0, &first, &rows), MG_ERR_INVALID_ARGUMENT);
+  rows = 7;
   EXPECT_EQ(mg_shard_rows(MG_SHARD_CHUNK, 5, 4, 0, nullptr, &rows), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(rows, 0) << "the output given is zeroed when the other is missing";
+  first = 7;
+  EXPECT_EQ(mg_shard_rows(MG_SHARD_CHUNK, 5, 4, 0, &first, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(first, 0);
 }
 
 }  // namespace

@@ -411,4 +411,23 @@ TEST(ExpertParallelOptions, NcclCommunicatorInputsAreCheckedFirst) {
   }
   o.step = StepKind::kExperts;
   EXPECT_THROW(validate(o), Error);
+
+  // Prequantized weights belong to the mxfp8 recipe: each bucket's layer is given the flag by the
+  // recipe, so the step checks what its caller asked (the plan sized the bf16 weights as MXFP8).
+  StepGraphsOptions bf16;
+  bf16.layer.experts = 8, bf16.layer.hidden = 256, bf16.layer.ffn = 256, bf16.layer.top_k = 2;
+  bf16.buckets = {64, 128};
+  EXPECT_NO_THROW(validate(bf16));
+  bf16.layer.prequantized_weights = true;
+  for (StepKind step : {StepKind::kMoeLayer, StepKind::kExperts}) {
+    bf16.step = step;
+    try {
+      plan_step(bf16);
+      ADD_FAILURE() << "prequantized bf16 weights were planned";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("layer.prequantized_weights needs the mxfp8 recipe, got recipe bf16"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
