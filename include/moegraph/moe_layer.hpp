@@ -28,9 +28,9 @@ class EpComm;  // moegraph/expert_parallel.hpp
 
 // Upper bounds of the options. validate() refuses past them, naming the field, its value and the
 // limit, so every size derived from the options stays exact in 64-bit arithmetic. The products
-// moe_layer_rows * 2 * ffn * element size (FC1's output) and experts * 2 * ffn * hidden * 4 (FC1's
-// fp32 main_grad) must also be at most 2^48 bytes, and so must the whole workspace (the buffer that
-// would pass it is named).
+// moe_layer_rows * max(2 * ffn, hidden) * element size (the widest row buffer: FC1's output or the
+// rows of x) and experts * 2 * ffn * hidden * 4 (FC1's fp32 main_grad) must also be at most 2^48
+// bytes, and so must the whole workspace (the buffer that would pass it is named).
 inline constexpr int64_t kMaxLayerWidth = int64_t{1} << 20;   // hidden and ffn (as the JSON config's layer)
 inline constexpr int64_t kMaxLayerTokens = int64_t{1} << 24;  // max_tokens
 

@@ -349,7 +349,7 @@ typedef enum { MG_ROUTER_SOFTMAX = 0, MG_ROUTER_SIGMOID = 1, MG_ROUTER_FORCE_INT
 
 /* Limits (MG_ERR_INVALID_ARGUMENT past them, and mg_last_error names the field, its value and the
  * limit): as commented per field; the permuted rows (max_tokens * top_k plus alignment padding)
- * below 2^31; rows * 2 * ffn * element size and experts * 2 * ffn * hidden * 4 at most 2^48 bytes,
+ * below 2^31; rows * max(2 * ffn, hidden) * element size and experts * 2 * ffn * hidden * 4 at most 2^48 bytes,
  * and so the whole workspace. */
 typedef struct {
   size_t struct_size;      /* sizeof(mg_moe_layer_options) */

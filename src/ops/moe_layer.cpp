@@ -51,6 +51,8 @@ void validate(const MoeLayerOptions& o) {
   MG_CHECK(o.ffn <= kMaxLayerWidth, "ffn must be at most ", kMaxLayerWidth, ", got ", o.ffn);
   MG_CHECK(o.top_k >= 1 && o.top_k <= 8 && o.top_k <= o.experts, "top_k must be in [1, min(8, experts = ", o.experts,
            ")], got ", o.top_k);
+  MG_CHECK(o.score == RouterScore::kSoftmax || o.score == RouterScore::kSigmoid,
+           "score: unknown value ", static_cast<int>(o.score), " (softmax or sigmoid)");
   MG_CHECK(std::isfinite(o.aux_loss_coef) && o.aux_loss_coef >= 0, "aux_loss_coef must be finite and >= 0, got ",
            o.aux_loss_coef);
   MG_CHECK(std::isfinite(o.capacity_factor) && o.capacity_factor >= 0,
@@ -99,12 +101,13 @@ void validate(const MoeLayerOptions& o) {
   MG_CHECK(o.ep_chunk_rows >= 0, "ep_chunk_rows must be 0 (the worst case) or a positive bound, got ",
            o.ep_chunk_rows);
   // Each field is bounded above, so these products are exact; what they may not pass is one layout.
-  // FC1 has the widest rows (2 * ffn) and the largest weights; every other buffer is smaller.
+  // The widest row buffer is FC1's output (2 * ffn) or the rows of x (hidden), and FC1 has the
+  // largest weights; every other buffer is smaller.
   const std::size_t es = dtype_size(o.dtype), max_bytes = LayoutWalker::kMaxBytes;
-  const int64_t expert_rows = moe_expert_rows(o);
-  const std::size_t fc1_out = checked_mul("fc1 output bytes", expert_rows, 2, o.ffn, es);
-  MG_CHECK(fc1_out <= max_bytes, "rows * 2 * ffn * ", es, " bytes (fc1's output) must be at most ", max_bytes,
-           ", got ", expert_rows, " * 2 * ", o.ffn, " * ", es, " = ", fc1_out);
+  const int64_t expert_rows = moe_expert_rows(o), widest = std::max<int64_t>(2 * o.ffn, o.hidden);
+  const std::size_t row_buffer = checked_mul("the widest row buffer's bytes", expert_rows, widest, es);
+  MG_CHECK(row_buffer <= max_bytes, "rows * max(2 * ffn, hidden) * ", es, " bytes (the widest row buffer) must be at "
+           "most ", max_bytes, ", got ", expert_rows, " * ", widest, " * ", es, " = ", row_buffer);
   const std::size_t main_grad = checked_mul("fc1 main_grad bytes", o.experts, 2, o.ffn, o.hidden, 4);
   MG_CHECK(main_grad <= max_bytes, "experts * 2 * ffn * hidden * 4 bytes (fc1's fp32 main_grad) must be at most ",
            max_bytes, ", got ", o.experts, " * 2 * ", o.ffn, " * ", o.hidden, " * 4 = ", main_grad);

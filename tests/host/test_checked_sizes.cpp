@@ -209,6 +209,7 @@ mg_moe_layer_options c_moe(const MoeLayerOptions& cpp) {
   o.ffn = cpp.ffn;
   o.top_k = cpp.top_k;
   o.max_tokens = cpp.max_tokens;
+  o.row_align = cpp.row_align;
   o.training = cpp.training;
   return o;
 }
@@ -271,8 +272,16 @@ TEST(CheckedSizes, MoeLayerFieldsAndProductsHaveUpperBounds) {
       {moe(kMaxGroups + 1, 4096, 4096, 2, 1024), "experts must be in [1, 1024], got 1025"},
       // Each field within its bound, their product past one layout.
       {moe(8, 16, kMaxLayerWidth, 8, kMaxLayerTokens),
-       "rows * 2 * ffn * 2 bytes (fc1's output) must be at most " + kLayoutMax +
-           ", got 134217728 * 2 * 1048576 * 2 = 562949953421312"},
+       "rows * max(2 * ffn, hidden) * 2 bytes (the widest row buffer) must be at most " + kLayoutMax +
+           ", got 134217728 * 2097152 * 2 = 562949953421312"},
+      // The rows of x wider than FC1's output (hidden > 2 * ffn), padded past 2^27 rows.
+      {[] {
+         MoeLayerOptions o = moe(8, kMaxLayerWidth, 16, 8, kMaxLayerTokens);
+         o.row_align = 16;
+         return o;
+       }(),
+       "rows * max(2 * ffn, hidden) * 2 bytes (the widest row buffer) must be at most " + kLayoutMax +
+           ", got 134217856 * 1048576 * 2 = 281475245146112"},
       {moe(kMaxGroups, kMaxLayerWidth, kMaxLayerWidth, 1, 16),
        "experts * 2 * ffn * hidden * 4 bytes (fc1's fp32 main_grad) must be at most " + kLayoutMax +
            ", got 1024 * 2 * 1048576 * 1048576 * 4 = 9007199254740992"},

@@ -72,8 +72,27 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"no_capacity", [](auto& o) { o.capacity_rows = 0; }, "capacity_rows must be at least 1, got 0"},
         BadCase{"fp32_activations", [](auto& o) { o.dtype = DType::kFP32; }, "dtype must be bf16 or fp16, got fp32"},
         BadCase{"no_slots", [](auto& o) { o.wgrad_slots = 0; }, "wgrad_slots must be in [1, 64], got 0"},
-        BadCase{"bad_tile", [](auto& o) { o.tile_n = 64; }, "tile_n must be 0 (automatic), 128 or 256, got 64"}),
+        BadCase{"bad_tile", [](auto& o) { o.tile_n = 64; }, "tile_n must be 0 (automatic), 128 or 256, got 64"},
+        BadCase{"bad_pipeline", [](auto& o) { o.pipeline = static_cast<GemmPipeline>(9); },
+                "pipeline: unknown value 9 (auto, cp_async or tma)"}),
     [](const auto& info) { return info.param.name; });
+
+// The C++ options' enums are checked too (the C ABI checks its own): an unknown router score ran
+// sigmoid, the router kernel testing only for softmax.
+TEST(Validation, MoeLayerRefusesAnUnknownScore) {
+  MoeLayerOptions o;
+  o.experts = 8, o.hidden = 256, o.ffn = 256, o.top_k = 2, o.max_tokens = 64;
+  EXPECT_NO_THROW(validate(o));
+  o.score = static_cast<RouterScore>(2);
+  try {
+    validate(o);
+    ADD_FAILURE() << "an unknown score was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("score: unknown value 2 (softmax or sigmoid)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(MoeLayer::workspace_bytes(o), Error);
+}
 
 TEST(Validation, ErrorCarriesFileAndLine) {
   GroupedLinearOptions o = good();

@@ -137,6 +137,9 @@ void validate(const GroupedLinearOptions& o) {
   MG_CHECK(o.wgrad_slots >= 1 && o.wgrad_slots <= 64, "wgrad_slots must be in [1, 64], got ", o.wgrad_slots);
   MG_CHECK(o.tile_n == 0 || o.tile_n == 128 || o.tile_n == 256, "tile_n must be 0 (automatic), 128 or 256, got ",
            o.tile_n);
+  MG_CHECK(o.pipeline == GemmPipeline::kAuto || o.pipeline == GemmPipeline::kCpAsync ||
+               o.pipeline == GemmPipeline::kTma,
+           "pipeline: unknown value ", static_cast<int>(o.pipeline), " (auto, cp_async or tma)");
   MG_CHECK(o.wgrad_ping_pong >= -1 && o.wgrad_ping_pong <= 1,
            "wgrad_ping_pong must be -1 (automatic), 0 or 1, got ", o.wgrad_ping_pong);
   MG_CHECK(!o.prequantized_weights || o.recipe == Recipe::kMXFP8,
