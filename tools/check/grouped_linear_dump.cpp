@@ -38,7 +38,7 @@ Checked: y, dx and dbias_scale on rows < offsets[G] (padding rows past the last 
 
 void dump_grouped_linear(const testing::Problem& p, CaseStep last_step, const std::string& run_label,
                          const std::string& case_json, const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
+  prepare_dump_dir(dir);
   const int64_t rows = p.layout.capacity_rows, g = p.spec.groups, n = p.spec.n, k = p.spec.k;
   write_npy(dir / "x.npy", as_float32(p.x), {rows, k});
   write_npy(dir / "dy.npy", as_float32(p.dy), {rows, n});

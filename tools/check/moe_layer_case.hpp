@@ -82,7 +82,7 @@ struct MoeLayerOutput {
   bool checked = false;  // the case's phases asked for it (else written by the step, not compared)
 };
 
-// The last run of a case: its token count, inputs (rows < n) and every output the step wrote.
+// One run of a case (for --dump): its token count, inputs (rows < n) and every output the step wrote.
 struct MoeLayerRun {
   std::string label;  // e.g. "graph replay 2 of forward_train+backward, 96 tokens"
   int64_t tokens = 0;

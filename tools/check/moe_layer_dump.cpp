@@ -1,5 +1,5 @@
-// --dump for moe_layer cases: the inputs, the device outputs and the fp64 references of a case's
-// last run as .npy files, and case.json with the layer's settings, so a failure can be examined in
+// --dump for moe_layer cases: the inputs, the device outputs and the fp64 references of one run of a
+// case (the failing one, or the passing run of the most tokens) as .npy files, and case.json with the layer's settings, so a failure can be examined in
 // NumPy and scripts/torch-moe-crosscheck can rebuild the layer in PyTorch, without a rerun.
 #include <fstream>
 #include <string>
@@ -49,10 +49,7 @@ An element passes when |got - ref| <= rtol * |ref| + atol * rms(ref), and each o
 
 void dump_moe_layer(const MoeLayerCase& c, const MoeLayerParams& params, const MoeLayerRun& run, bool passed,
                     const std::filesystem::path& dir) {
-  std::filesystem::create_directories(dir);
-  // A folder from an earlier dump may hold outputs this run did not write: they would be misread.
-  for (const auto& entry : std::filesystem::directory_iterator(dir))
-    if (entry.path().extension() == ".npy") std::filesystem::remove(entry.path());
+  prepare_dump_dir(dir);
 
   const int64_t n = run.tokens, e = c.experts, h = c.hidden, f = c.ffn;
   write_npy(dir / "x.npy", as_float32(run.x), {n, h});
@@ -76,6 +73,7 @@ void dump_moe_layer(const MoeLayerCase& c, const MoeLayerParams& params, const M
   }
 
   Json info = Json::object();
+  info["op"] = "moe_layer";  // what scripts/torch-moe-crosscheck reads
   info["name"] = c.name;
   info["experts"] = c.experts;
   info["hidden"] = c.hidden;
@@ -104,7 +102,7 @@ void dump_moe_layer(const MoeLayerCase& c, const MoeLayerParams& params, const M
   std::ofstream(dir / "case.json") << info.dump(2) << "\n";
 
   std::ofstream readme(dir / "README.txt");
-  readme << "moegraph-check dump of case '" << c.name << "': " << (passed ? "the last run, " : "the failing run, ")
+  readme << "moegraph-check dump of case '" << c.name << "': " << (passed ? "the passing run of the most tokens, " : "the failing run, ")
          << run.label << ".\n\n"
          << kReadme;
   MG_CHECK(readme.good(), "error writing ", (dir / "README.txt").string());

@@ -36,4 +36,10 @@ void write_npy_bytes(const std::filesystem::path& path, const void* data, std::s
   MG_CHECK(out.good(), "error writing ", path.string());
 }
 
+void prepare_dump_dir(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().extension() == ".npy") std::filesystem::remove(entry.path());
+}
+
 }  // namespace moegraph::check

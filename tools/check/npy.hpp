@@ -14,6 +14,10 @@ namespace moegraph::check {
 
 static_assert(std::endian::native == std::endian::little, "the .npy writer stores host bytes as little-endian");
 
+// Creates `dir` and removes the .npy files an earlier dump left there: one this run does not write
+// would be read back as this run's.
+void prepare_dump_dir(const std::filesystem::path& dir);
+
 // Writes `bytes` bytes of element type `descr` (e.g. "<f4") with `shape`; throws on I/O errors or
 // when the shape does not match the byte count.
 void write_npy_bytes(const std::filesystem::path& path, const void* data, std::size_t bytes, std::string_view descr,
