@@ -541,8 +541,9 @@ typedef struct {
 /* Fills *out (the caller sets out->struct_size). */
 MOEGRAPH_API mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out);
 /* Overrides before mg_step_graphs_create: training 0 captures the forward phase only (a server), and
- * turns delay_wgrad off. The config's rules are checked again: a config that cannot train (the mxfp8
- * recipe at row_align 1 or 16) refuses training 1 with MG_ERR_CONFIG and stays as it was. */
+ * turns delay_wgrad off until training 1 restores it. The config's rules are checked again: a config
+ * that cannot train (the mxfp8 recipe at row_align 1 or 16) refuses training 1 with MG_ERR_CONFIG
+ * and stays as it was. */
 MOEGRAPH_API mg_status mg_config_set_training(mg_config* config, int training);
 
 /* ---- Capture and replay (moegraph::StepGraphs): one step per shape bucket, in CUDA graphs ---- */
@@ -658,8 +659,9 @@ MOEGRAPH_API mg_status mg_step_graphs_bucket_for(const mg_step_graphs* step, int
 /* Fills *out (the caller sets out->struct_size). */
 MOEGRAPH_API mg_status mg_step_graphs_io(const mg_step_graphs* step, int bucket, mg_bucket_io* out);
 /* Replays the bucket's graph of `phase` on `stream`. Buckets share one arena: while one bucket has
- * training contexts in flight (forward_train awaiting backward, or queued wgrads), every forward
- * (of any bucket, the same one included) and another bucket's training phases are refused. */
+ * training contexts in flight (forward_train awaiting backward, or queued wgrads), every inference
+ * forward (MG_PHASE_FORWARD, of any bucket, the same one included) and another bucket's training
+ * phases are refused. */
 MOEGRAPH_API mg_status mg_step_graphs_replay(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
 /* The same phase enqueued without graphs (same rules), for checks and timing. */
 MOEGRAPH_API mg_status mg_step_graphs_run_eager(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);

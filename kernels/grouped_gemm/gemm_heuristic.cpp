@@ -109,12 +109,12 @@ constexpr int64_t kWideMinCols = 1536, kNarrowWideMinCols = 768, kNarrowWideMinR
 // memory, and it reads 1.5 operand bytes from L2 per output element against the 128 x 128 tile's 2;
 // the ping-pong kernel's consumers wait mostly on their stages' loads (Nsight Compute, fine64). On one
 // H200, each shape forced both ways in the same call (docs/PERF.md, "wgrad into dW: the shared wide
-// tile from 24 rows a group"): 7-18% faster under uniform routing on every shape measured (24-500 rows
-// a group, K of 512-7168); under Zipf routing 4-14% faster, except 1-2% slower with K of 512-768 at
+// tile from 24 rows a group"; time saved): 7-18% under uniform routing on every shape measured (24-500
+// rows a group, K of 512-7168); under Zipf routing 4-14%, except 1-3% slower with K of 512-768 at
 // 96-256 rows and 7% slower at 160 rows with K = 1024. Fewer rows and K under 512 were not measured and
 // keep ping-pong. (On an H100, with older kernels, the bound was 160 rows and K = 1024: mixed at 40-128
 // rows there, -8% to +13%.) Into fp32 main_grad every tile's epilogue waits for its main_grad boxes to
-// load, which only ping-pong hides under the other warpgroup's MMAs: there the shared tile measured 1%
+// load, which only ping-pong hides under the other warpgroup's MMAs: there the shared tile measured 2%
 // faster to 29% slower (one H200), so main_grad keeps ping-pong.
 constexpr int64_t kSharedDwMinRows = 24, kSharedDwMinK = 512;
 bool shared_wide_dweight(const GemmProblem& p) {

@@ -371,6 +371,7 @@ class GroupedLinear(_OwnsHandles, torch.nn.Module):
         if x.shape[0] == 0:
             # No rows: no operator of capacity 0 exists, and there is nothing to compute. Plain torch
             # gives the empty output, an empty dx and zero weight and bias gradients (main_grad: none).
+            # With delay_wgrad nothing is queued either: backward_dw() has no wgrad for this forward.
             w0 = weight[0].detach() if main_grad is not None else weight[0]
             y = x @ w0.t()
             return y + bias[0] if bias is not None else y
@@ -378,7 +379,8 @@ class GroupedLinear(_OwnsHandles, torch.nn.Module):
         return y
 
     def backward_dw(self):
-        """Runs the oldest queued weight gradient (delay_wgrad) into weight.main_grad, on the current stream."""
+        """Runs the oldest queued weight gradient (delay_wgrad) into weight.main_grad, on the current stream.
+        A forward of zero rows queues none (it adds nothing to main_grad)."""
         h = _handles[self._id]
         if len(h.ops) != 1:
             raise RuntimeError("backward_dw needs the module to have run one row count")

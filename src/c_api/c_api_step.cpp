@@ -10,6 +10,7 @@
 
 struct mg_config {
   moegraph::Config config;
+  bool delay_wgrad_when_training = false;  // what mg_config_set_training(0) turned off, for (1) to restore
 };
 
 struct mg_step_graphs {
@@ -142,12 +143,16 @@ mg_status mg_config_set_training(mg_config* config, int training) {
   return guarded([&] {
     check_handle(config, HandleKind::kConfig, "mg_config");
     moegraph::Config c = config->config;
+    bool delayed = config->delay_wgrad_when_training;
+    if (training == 0 && c.training.enabled) delayed = c.training.delay_wgrad;
     c.training.enabled = training != 0;
-    if (!c.training.enabled) c.training.delay_wgrad = false;  // a forward-only step has no wgrad to delay
+    // A forward-only step has no wgrad to delay; turning training back on restores the setting.
+    c.training.delay_wgrad = c.training.enabled && (c.training.delay_wgrad || delayed);
     // The whole config's rules again, as if it had been written so (e.g. the mxfp8 recipe trains only
     // at row_align 32 or 128); refused, the config stays as it was.
     config->config = moegraph::parse_config(moegraph::to_json(c), "mg_config_set_training(" +
                                                                      std::to_string(training != 0) + ")");
+    config->delay_wgrad_when_training = delayed;
   });
 }
 

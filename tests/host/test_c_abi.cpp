@@ -135,9 +135,11 @@ TEST(CAbiConfig, ParseLoadAndShape) {
   ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
   EXPECT_EQ(s.training, 0);
   EXPECT_EQ(s.delay_wgrad, 0) << "a forward-only config delays no wgrad";
+  ASSERT_EQ(mg_config_set_training(c, 0), MG_OK);  // again: still restores the preset's setting
   ASSERT_EQ(mg_config_set_training(c, 1), MG_OK) << mg_last_error();
   ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
   EXPECT_EQ(s.training, 1);
+  EXPECT_EQ(s.delay_wgrad, 1) << "training on again restores the delayed wgrad";
   mg_config_destroy(c);
 
   // A config that can only serve: training is refused and the config stays forward-only.

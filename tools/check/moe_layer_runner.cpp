@@ -74,9 +74,10 @@ class CaseRun {
   double max_rel_err() const { return max_rel_err_; }
   const std::string& failure() const { return failure_; }
   const std::string& where() const { return where_; }
-  // What --dump writes: the failing run, or else the passing run of the most tokens (a run with a
-  // backward before one without), not merely the last: a case's last token count may be 0.
-  const MoeLayerRun& dump_run() const { return failure_.empty() && kept_.has_value() ? *kept_ : last_; }
+  // What --dump writes: the failing run (the one in progress when a check failed or something threw),
+  // or after a pass the passing run of the most tokens (a run with a backward before one without),
+  // not merely the last: a case's last token count may be 0.
+  const MoeLayerRun& dump_run(bool passed) const { return passed && kept_.has_value() ? *kept_ : last_; }
 
  private:
   bool run_step(const StepPlan& plan, const std::string& where, const std::function<void()>& launch) {
@@ -166,7 +167,7 @@ CaseOutcome MoeLayerRunner::run(const RunSettings& settings) {
   if (run) outcome.max_rel_err = run->max_rel_err();
   if (settings.dump_dir && run) {
     try {
-      dump_moe_layer(case_, problem->params(), run->dump_run(), outcome.passed, *settings.dump_dir / name());
+      dump_moe_layer(case_, problem->params(), run->dump_run(outcome.passed), outcome.passed, *settings.dump_dir / name());
     } catch (const std::exception& e) {
       outcome.failure += detail::concat(outcome.passed ? "" : "; ", "dump failed: ", e.what());
       outcome.passed = false;
