@@ -330,6 +330,10 @@ MOEGRAPH_API mg_status mg_ep_comm_abort(mg_ep_comm* comm);
  * FSDP2). MG_SHARD_BALANCED: the first R mod W ranks floor(R / W) + 1 rows, the others floor(R / W). */
 typedef enum { MG_SHARD_CHUNK = 0, MG_SHARD_BALANCED = 1, MG_SHARD_POLICY_FORCE_INT32 = 0x7fffffff,
                MG_SHARD_POLICY_FORCE_SIGNED = -0x7fffffff - 1 } mg_shard_policy;
+/* What a row of a sharded weight is (config parallel.sharding.unit): an expert (dim 0 of [E, N, K], as
+ * FSDP2's Shard(0)), or one of the E*N rows. */
+typedef enum { MG_SHARD_UNIT_EXPERT = 0, MG_SHARD_UNIT_ROW = 1, MG_SHARD_UNIT_FORCE_INT32 = 0x7fffffff,
+               MG_SHARD_UNIT_FORCE_SIGNED = -0x7fffffff - 1 } mg_shard_unit;
 /* Rank `rank`'s rows [*first_row, *first_row + *rows) of a tensor of global_rows rows (1 to 2^62) over
  * `ranks` ranks (1 to 64). Touches no GPU. A refused call leaves both outputs 0. */
 MOEGRAPH_API mg_status mg_shard_rows(mg_shard_policy policy, int64_t global_rows, int ranks, int rank,
@@ -536,6 +540,14 @@ typedef struct {
   /* precision.dequantized_weights (bool): with prequantized_weights, mg_step_weights also carries the
      bf16 values (w1_mxfp8_dequantized, ...). Appended after prequantized_weights */
   int dequantized_weights;
+  /* parallel.sharding (docs/sharding.md), what sizes this rank's shards in mg_step_weights:
+     mg_shard_rows(shard_policy, rows, shard_ranks, rank, ...) with rows the experts (per rank with
+     expert parallelism) for MG_SHARD_UNIT_EXPERT, or those experts times a weight's N for
+     MG_SHARD_UNIT_ROW. Appended after dequantized_weights; 64-bit so that it begins past the
+     previous release's tail padding. shard_ranks 1: not sharded */
+  int64_t shard_ranks;
+  mg_shard_policy shard_policy;
+  mg_shard_unit shard_unit;
 } mg_config_shape;
 
 /* Fills *out (the caller sets out->struct_size). */

@@ -96,7 +96,8 @@ class ConfigShape(_Sized):
                 ("ffn", c_int64), ("top_k", c_int), ("bias", c_int), ("dtype", c_int), ("recipe", c_int),
                 ("training", c_int), ("delay_wgrad", c_int), ("main_grad_fp32", c_int), ("num_buckets", c_int),
                 ("max_tokens", c_int64), ("expert_parallel", c_int), ("prequantized_weights", c_int),
-                ("dequantized_weights", c_int)]
+                ("dequantized_weights", c_int), ("shard_ranks", c_int64), ("shard_policy", c_int),
+                ("shard_unit", c_int)]
 
 
 class StepWeights(_Sized):

@@ -178,6 +178,10 @@ class LibraryWithoutAGpu(unittest.TestCase):
         s = c.shape()
         self.assertEqual((s["experts"], s["hidden"], s["ffn"], s["top_k"], s["max_tokens"]), (16, 512, 256, 2, 64))
         self.assertEqual(moegraph.Config.default().shape()["whole_layer"], 1)
+        self.assertEqual((s["shard_ranks"], s["shard_policy"], s["shard_unit"]), (1, 0, 0))
+        sharded = moegraph.Config.parse('{"layer": {"experts": 8, "hidden": 256, "ffn": 128}, "buckets": [32], '
+                                        '"parallel": {"sharding": {"ranks": 4, "policy": "balanced", "unit": "row"}}}')
+        self.assertEqual([sharded.shape()[k] for k in ("shard_ranks", "shard_policy", "shard_unit")], [4, 1, 1])
         with self.assertRaises(moegraph.MoegraphError) as e:
             moegraph.Config.parse('{"layer": {"expertz": 1}}')
         self.assertEqual(e.exception.status_name, "MG_ERR_CONFIG")

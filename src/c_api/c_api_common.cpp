@@ -28,7 +28,7 @@ static_assert(ends_are<mg_backward_args>({72, 104}), "mg_backward_args: fields m
 static_assert(ends_are<mg_moe_layer_options>({108, 120, 124, 136}),
               "mg_moe_layer_options: fields may only be appended");
 static_assert(ends_are<mg_moe_layer_weights>({112, 176}), "mg_moe_layer_weights: fields may only be appended");
-static_assert(ends_are<mg_config_shape>({72, 76, 80}), "mg_config_shape: fields may only be appended");
+static_assert(ends_are<mg_config_shape>({72, 76, 80, 88}), "mg_config_shape: fields may only be appended");
 static_assert(ends_are<mg_step_weights>({112, 176}), "mg_step_weights: fields may only be appended");
 static_assert(ends_are<mg_step_graphs_options>({16, 24}), "mg_step_graphs_options: fields may only be appended");
 

@@ -51,8 +51,8 @@ void check_handle(const void* handle, HandleKind kind, const char* type);
 // A field appended inside the current sizeof's tail padding leaves sizeof unchanged, so a caller of
 // the previous release could not be told apart and its padding bytes would be read as the field:
 // such a field must be wide enough to begin past the padding (mg_grouped_linear_options'
-// dequantized_weights is 64-bit for this). mg_moe_layer_options and mg_config_shape end with 4
-// bytes of padding today.
+// dequantized_weights and mg_config_shape's shard_ranks are 64-bit for this). mg_moe_layer_options
+// ends with 4 bytes of padding today.
 template <class T>
 struct Releases {
   static constexpr std::array<std::size_t, 1> ends{sizeof(T)};
@@ -90,7 +90,8 @@ template <>
 struct Releases<mg_config_shape> {
   static constexpr std::array ends{offsetof(mg_config_shape, expert_parallel),
                                    offsetof(mg_config_shape, prequantized_weights),
-                                   offsetof(mg_config_shape, dequantized_weights), sizeof(mg_config_shape)};
+                                   offsetof(mg_config_shape, dequantized_weights),
+                                   offsetof(mg_config_shape, shard_ranks), sizeof(mg_config_shape)};
 };
 template <>
 struct Releases<mg_step_weights> {

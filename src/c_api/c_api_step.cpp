@@ -135,6 +135,10 @@ mg_status mg_config_shape_of(const mg_config* config, mg_config_shape* out) {
     s.expert_parallel = c.parallel.expert_parallel;
     s.prequantized_weights = c.precision.prequantized_weights;
     s.dequantized_weights = c.precision.dequantized_weights;
+    const moegraph::WeightSharding& sh = c.parallel.sharding;
+    s.shard_ranks = sh.ranks;
+    s.shard_policy = sh.policy == moegraph::ShardPolicy::kChunk ? MG_SHARD_CHUNK : MG_SHARD_BALANCED;
+    s.shard_unit = sh.unit == moegraph::ShardUnit::kExpert ? MG_SHARD_UNIT_EXPERT : MG_SHARD_UNIT_ROW;
     write_struct(out, "mg_config_shape", s);
   });
 }

@@ -180,6 +180,43 @@ TEST(CAbiConfig, ParseLoadAndShape) {
   EXPECT_EQ(n.known.struct_size, sizeof(Newer));
   EXPECT_EQ(n.known.experts, 16);
   EXPECT_EQ(n.future, 0);
+  EXPECT_EQ(n.known.shard_ranks, 1);  // not sharded
+  mg_config_destroy(c);
+}
+
+// A sharded config says how its shards are cut, so that a C caller can size them (mg_shard_rows);
+// a caller of the release before these fields keeps its struct as it was past its end.
+TEST(CAbiConfig, ShapeCarriesTheSharding) {
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 128, "top_k": 2}, "buckets": [32],
+                               "parallel": {"sharding": {"ranks": 4, "policy": "balanced", "unit": "row"}}})",
+                            &c),
+            MG_OK)
+      << mg_last_error();
+  mg_config_shape s = sized<mg_config_shape>();
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK) << mg_last_error();
+  EXPECT_EQ(s.shard_ranks, 4);
+  EXPECT_EQ(s.shard_policy, MG_SHARD_BALANCED);
+  EXPECT_EQ(s.shard_unit, MG_SHARD_UNIT_ROW);
+  mg_config_destroy(c);
+  ASSERT_EQ(mg_config_parse(R"({"layer": {"experts": 8, "hidden": 256, "ffn": 128, "top_k": 2}, "buckets": [32],
+                               "parallel": {"sharding": {"ranks": 2}}})",
+                            &c),
+            MG_OK);
+  s = sized<mg_config_shape>();
+  ASSERT_EQ(mg_config_shape_of(c, &s), MG_OK);
+  EXPECT_EQ(s.shard_ranks, 2);
+  EXPECT_EQ(s.shard_policy, MG_SHARD_CHUNK);
+  EXPECT_EQ(s.shard_unit, MG_SHARD_UNIT_EXPERT);
+
+  mg_config_shape older;
+  std::memset(&older, 0x5a, sizeof older);
+  older.struct_size = offsetof(mg_config_shape, shard_ranks);
+  ASSERT_EQ(mg_config_shape_of(c, &older), MG_OK) << mg_last_error();
+  EXPECT_EQ(older.experts, 8);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&older);
+  for (std::size_t i = offsetof(mg_config_shape, shard_ranks); i < sizeof older; ++i)
+    EXPECT_EQ(bytes[i], 0x5a) << "byte " << i << " past an older caller's struct was written";
   mg_config_destroy(c);
 }
 
