@@ -105,8 +105,8 @@ class Problem {
   enum class Operand { kFpropX, kFpropW, kDgradDy, kDgradW, kWgradDy, kWgradX };
   const Mat& operand(Operand which) const;
   const Mat& reference(const std::string& name, const std::function<Mat()>& compute) const;
-  Tolerance tolerance(DType output) const;
-  Tolerance gemm_tolerance(DType output) const;  // y, dx, dweight, main_grad
+  Tolerance tolerance(DType output) const;       // dbias, dbias_scale: the table's row
+  Tolerance gemm_tolerance(DType output) const;  // y, dx, dweight, main_grad: the case's override or the recipe's
 
   mutable std::map<std::string, Mat> references_;  // by output name (and MXFP8 operand), for the current routing
 };
