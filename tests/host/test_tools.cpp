@@ -470,6 +470,37 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
 
 // ---- moegraph-check ----
 
+// A case past what its host fp64 reference can hold or run is refused with the file (exit 2, GPU or
+// not), where each key alone is within its range.
+TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  const std::string path = fresh_temp_path("huge-case.json");
+  const std::pair<nlohmann::json, const char*> cases[] = {
+      {{{"name", "c"},
+        {"op", "grouped_linear"},
+        {"shape", {{"groups", 1024}, {"k", 65536}, {"n", 65536}}},
+        {"routing", {{"kind", "random"}, {"rows", 4096}, {"seed", 1}}}},
+       "shape: groups * n * k = 4398046511104 weight elements, more than the 2^30"},
+      {{{"name", "c"},
+        {"op", "grouped_linear"},
+        {"shape", {{"groups", 8}, {"k", 8192}, {"n", 8192}}},
+        {"routing", {{"kind", "random"}, {"rows", 4194304}, {"seed", 1}}}},
+       "shape: rows * n * k = 281474976710656 multiply-adds a step, more than the 2^37"},
+      {{{"name", "c"},
+        {"op", "moe_layer"},
+        {"shape", {{"experts", 1024}, {"hidden", 65536}, {"ffn", 65536}, {"max_tokens", 16}}},
+        {"tokens", {4}}},
+       "shape: experts * 3 * ffn * hidden = 13194139533312 weight elements"},
+  };
+  for (const auto& [json, reason] : cases) {
+    std::ofstream(path) << json.dump();
+    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(path);
+}
+
 // A moe_layer case's recipe is checked with the file, GPU or not: the name, then each linear's shape
 // rules (FC1: K hidden, N 2 ffn; FC2: K ffn, N hidden), named by the case's keys.
 TEST(Tools, CheckRefusesMoeLayerRecipesTheLayerCannotRun) {

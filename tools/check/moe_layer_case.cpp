@@ -133,6 +133,8 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
   if (const Json* tol = o.find("tolerance"))
     c.tolerance = read_tolerance(*tol, testing::layer_tolerance_for(c.dtype, c.recipe));
 
+  check_case_size(c.experts * 3 * c.ffn * c.hidden, c.max_tokens * c.top_k * 3 * c.ffn * c.hidden,
+                  "experts * 3 * ffn * hidden", "max_tokens * top_k * 3 * ffn * hidden");
   check_recipe_accepts(c);
   check_layer_accepts(c);
   // Printed only now that every value has passed the schema: dump() recurses once per nesting level,
