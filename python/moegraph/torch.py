@@ -11,7 +11,10 @@ Contracts the C layer brings (moegraph/moegraph.h):
   is refused (RuntimeError): summing the losses of several pending micro-batches and calling one
   backward runs their backwards last-first. With one slot, a second training forward before the
   first one's backward is refused. Inference (torch.no_grad, or no input requiring grad) saves
-  nothing.
+  nothing; a training forward whose output is dropped without a backward (an evaluation pass run
+  with grad enabled) keeps its slot, so evaluate under torch.no_grad().
+- GroupedLinear makes one C operator, with its workspace, per distinct row count it is called with:
+  feed it a few fixed row counts (pad to buckets), not every batch's own.
 - Handles are created (and their device memory set up) on a module's first call for a shape:
   run each shape once before capturing it into a CUDA graph, as torch.cuda.graph's warm-up does.
 - main_grad=True: weight gradients accumulate into fp32 `param.main_grad` (their .grad stays None);

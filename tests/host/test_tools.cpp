@@ -501,6 +501,33 @@ TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
   std::filesystem::remove(path);
 }
 
+// A key that would do nothing is refused: where weight gradients go, in a case that writes none.
+TEST(Tools, CheckRefusesWgradInAForwardOnlyCase) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  const std::string path = fresh_temp_path("forward-wgrad-case.json");
+  for (const char* op : {"grouped_linear", "moe_layer"}) {
+    nlohmann::json c = {{"name", "c"}, {"op", op}, {"phases", {"forward"}}, {"wgrad", "main_grad"}};
+    if (std::string(op) == "moe_layer") {
+      c["shape"] = {{"experts", 8}, {"hidden", 256}, {"ffn", 128}, {"max_tokens", 16}};
+      c["tokens"] = {4};
+    } else {
+      c["shape"] = {{"groups", 4}, {"k", 128}, {"n", 128}};
+      c["routing"] = {{"kind", "random"}, {"rows", 64}, {"seed", 1}};
+    }
+    std::ofstream(path) << c.dump();
+    ToolRun r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, 2) << op << ": " << r.output;
+    EXPECT_NE(r.output.find("wgrad says where the weight gradients go, but the case's phases are [\"forward\"] only"),
+              std::string::npos)
+        << r.output;
+    c.erase("wgrad");
+    std::ofstream(path) << c.dump();
+    r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, gpu_present() ? 0 : 77) << op << ": " << r.output;
+  }
+  std::filesystem::remove(path);
+}
+
 // A moe_layer case's recipe is checked with the file, GPU or not: the name, then each linear's shape
 // rules (FC1: K hidden, N 2 ffn; FC2: K ffn, N hidden), named by the case's keys.
 TEST(Tools, CheckRefusesMoeLayerRecipesTheLayerCannotRun) {

@@ -52,7 +52,10 @@ Recipe read_recipe(const JsonObject& c) {
   return recipe == "mxfp8" ? Recipe::kMXFP8 : Recipe::kBF16;
 }
 
-bool read_main_grad(const JsonObject& c, DType dtype, std::string_view gradients) {
+bool read_main_grad(const JsonObject& c, DType dtype, std::string_view gradients, const PhaseSet& phases) {
+  MG_CONFIG_CHECK(c.find("wgrad") == nullptr || phases.training(), c.path("wgrad"),
+                  " says where the weight gradients go, but the case's phases are [\"forward\"] only: it "
+                  "writes none (remove the key or add a training phase)");
   const std::string name(dtype_name(dtype));
   const std::string wgrad = optional_value(c, "wgrad", name, [&](const Json& v, const std::string& p) {
     const std::string w = choice(v, p, {"bf16", "fp16", "main_grad"});

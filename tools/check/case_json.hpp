@@ -48,11 +48,6 @@ DType read_dtype(const JsonObject& c);
 // (on MXFP8 copies, docs/mxfp8.md); the op's shape rules are checked by its parser.
 Recipe read_recipe(const JsonObject& c);
 
-// `c["wgrad"]`: true for "main_grad" (weight gradients accumulated into fp32 main_grad), false for
-// the layer's `dtype` (the default: they are written in it); another dtype is refused, naming the
-// gradients as `gradients` ("dweight").
-bool read_main_grad(const JsonObject& c, DType dtype, std::string_view gradients);
-
 // `c["replays"]`: graph replays, in [1, 1000] (default 3).
 int read_replays(const JsonObject& c);
 
@@ -69,6 +64,11 @@ struct PhaseSet {
 
 // `c["phases"]`: a non-empty list of distinct phase names; all four when the key is absent.
 PhaseSet read_phases(const JsonObject& c);
+
+// `c["wgrad"]`: true for "main_grad" (weight gradients accumulated into fp32 main_grad), false for
+// the layer's `dtype` (the default: they are written in it); another dtype is refused, naming the
+// gradients as `gradients` ("dweight"), and so is the key in a case that runs no training phase.
+bool read_main_grad(const JsonObject& c, DType dtype, std::string_view gradients, const PhaseSet& phases);
 
 // What one step of a case enqueues: a forward; a forward_train and its backward; the same with
 // the weight gradients queued by the backward and computed by the delayed wgrad call.

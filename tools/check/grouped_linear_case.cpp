@@ -69,7 +69,7 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   gl.phases = read_phases(c);
   spec.delay_wgrad = gl.phases.wgrad_delayed;
 
-  spec.main_grad = read_main_grad(c, spec.dtype, "dweight");
+  spec.main_grad = read_main_grad(c, spec.dtype, "dweight", gl.phases);
   gl.replays = read_replays(c);
   if (const Json* tol = c.find("tolerance"))
     spec.tolerance = read_tolerance(*tol, spec.recipe == Recipe::kMXFP8 ? testing::mxfp8_gemm_tolerance()

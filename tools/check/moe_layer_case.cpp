@@ -128,7 +128,7 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
                   o.path("dequantized_weights"), " needs \"recipe\": \"mxfp8\" and \"dtype\": \"bf16\"");
   c.phases = read_phases(o);
 
-  c.main_grad = read_main_grad(o, c.dtype, "the weight gradients");
+  c.main_grad = read_main_grad(o, c.dtype, "the weight gradients", c.phases);
   c.replays = read_replays(o);
   if (const Json* tol = o.find("tolerance"))
     c.tolerance = read_tolerance(*tol, testing::layer_tolerance_for(c.dtype, c.recipe));
