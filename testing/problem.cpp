@@ -175,14 +175,17 @@ const Mat& Problem::operand(Operand which) const {
   throw std::logic_error("unknown operand");
 }
 
-Tolerance Problem::tolerance(DType output) const { return tolerance_for(output); }
-
-Tolerance Problem::gemm_tolerance(DType output) const {
+Tolerance case_tolerance(const CaseSpec& spec, bool gemm_output, DType output) {
   // The case's override is for the GEMM outputs in its dtype: a bias gradient keeps the table's
   // row (an override loosened for MXFP8 GEMMs would have loosened it too).
+  if (!gemm_output) return tolerance_for(output);
   if (spec.tolerance && output == spec.dtype) return *spec.tolerance;
   return spec.recipe == Recipe::kMXFP8 ? mxfp8_gemm_tolerance() : tolerance_for(output);
 }
+
+Tolerance Problem::tolerance(DType output) const { return case_tolerance(spec, false, output); }
+
+Tolerance Problem::gemm_tolerance(DType output) const { return case_tolerance(spec, true, output); }
 
 std::vector<Output> Problem::outputs(OutputSet set) const {
   const int64_t rows = layout.capacity_rows, g = spec.groups, n = spec.n, k = spec.k;

@@ -35,8 +35,9 @@ struct CaseSpec {
   int tile_n = 0;                  // wgmma tile width (0: the heuristic's choice)
   GemmPipeline pipeline = GemmPipeline::kAuto;  // 16-bit wgmma operand loads
   int wgrad_ping_pong = -1;        // TMA wgrad with ping-pong consumers (-1: the heuristic's choice)
-  // Tolerance of the outputs in `dtype` (default: tolerance_for(dtype)). The fp32 outputs
-  // (main_grad, dbias_scale) always use the fp32 entry of the table.
+  // Tolerance of the GEMM outputs in `dtype` (y, dx, dweight; default: the recipe's, see below).
+  // The bias gradients keep the table's row, and main_grad (fp32) the fp32 row, or under kMXFP8
+  // mxfp8_gemm_tolerance() (case_tolerance).
   std::optional<Tolerance> tolerance = std::nullopt;
   // kMXFP8: the GEMMs read MXFP8 copies (docs/mxfp8.md), and so do their references: x, dy and W
   // quantized as the device does (only data rows; gap and padding rows count as zero) and
@@ -50,6 +51,11 @@ struct CaseSpec {
 // any routing of those rows, plus `extra` padding rows. With extra = 0 and row_align = 1 the
 // buffer is exactly full.
 int64_t capacity_rows_for(int64_t rows, int groups, int row_align, int64_t extra);
+
+// The tolerance a case checks an output of type `output` with: a GEMM's (y, dx, dweight, main_grad)
+// is the case's override when the output is in its dtype, else the recipe's (mxfp8_gemm_tolerance()
+// under kMXFP8, the table's row otherwise); any other output's (dbias, dbias_scale) is the table's.
+Tolerance case_tolerance(const CaseSpec& spec, bool gemm_output, DType output);
 
 // The outputs a check covers, by the computation that writes them.
 enum class OutputSet { kForward, kDgrad, kBiasGrads, kWgrad };

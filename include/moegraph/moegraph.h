@@ -544,7 +544,8 @@ typedef struct {
      mg_shard_rows(shard_policy, rows, shard_ranks, rank, ...) with rows the experts (per rank with
      expert parallelism) for MG_SHARD_UNIT_EXPERT, or those experts times a weight's N for
      MG_SHARD_UNIT_ROW. Appended after dequantized_weights; 64-bit so that it begins past the
-     previous release's tail padding. shard_ranks 1: not sharded */
+     previous release's tail padding. shard_ranks 1: not sharded; 0: a library older than these
+     fields filled the struct (not sharded either) */
   int64_t shard_ranks;
   mg_shard_policy shard_policy;
   mg_shard_unit shard_unit;

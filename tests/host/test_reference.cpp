@@ -103,5 +103,33 @@ TEST(Data, SplitsSumToRowsAndSkewConcentrates) {
   EXPECT_GT(*std::max_element(z.begin(), z.end()), 3 * *std::max_element(u.begin(), u.end()) / 2);
 }
 
+// A case's tolerance override covers its GEMM outputs in its dtype only: the bias gradients keep the
+// table's row (under mxfp8 the override, based on the MXFP8 GEMM tolerance, used to loosen them too),
+// and main_grad (fp32) the fp32 row or, under mxfp8, the MXFP8 GEMM tolerance.
+TEST(CaseTolerance, TheOverrideCoversTheGemmOutputsOnly) {
+  auto same = [](const testing::Tolerance& a, const testing::Tolerance& b) {
+    return a.rtol == b.rtol && a.atol == b.atol && a.rel_fro == b.rel_fro;
+  };
+  const testing::Tolerance loose{0.05, 0.01, 0.04};
+  for (Recipe recipe : {Recipe::kBF16, Recipe::kMXFP8})
+    for (DType dtype : {DType::kBF16, DType::kFP16})
+      for (bool override : {false, true}) {
+        testing::CaseSpec spec;
+        spec.recipe = recipe, spec.dtype = dtype;
+        if (override) spec.tolerance = loose;
+        const testing::Tolerance gemm_default =
+            recipe == Recipe::kMXFP8 ? testing::mxfp8_gemm_tolerance() : testing::tolerance_for(dtype);
+        SCOPED_TRACE(::testing::Message() << recipe_name(recipe) << " " << dtype_name(dtype) << " override "
+                                          << override);
+        EXPECT_TRUE(same(testing::case_tolerance(spec, true, dtype), override ? loose : gemm_default));  // y, dx
+        EXPECT_TRUE(same(testing::case_tolerance(spec, false, dtype), testing::tolerance_for(dtype)));  // dbias
+        EXPECT_TRUE(same(testing::case_tolerance(spec, false, DType::kFP32),
+                         testing::tolerance_for(DType::kFP32)));  // dbias_scale
+        EXPECT_TRUE(same(testing::case_tolerance(spec, true, DType::kFP32),  // main_grad
+                         recipe == Recipe::kMXFP8 ? testing::mxfp8_gemm_tolerance()
+                                                  : testing::tolerance_for(DType::kFP32)));
+      }
+}
+
 }  // namespace
 }  // namespace moegraph::test

@@ -118,11 +118,12 @@ uint64_t seed_from_name(std::string_view name) {
   return hash;
 }
 
-void check_case_size(int64_t weight_elements, int64_t multiply_adds, std::string_view weights_formula,
-                     std::string_view work_formula) {
-  MG_CONFIG_CHECK(weight_elements <= kMaxCaseWeightElements, "shape: ", weights_formula, " = ", weight_elements,
+void check_case_size(const CaseSize& s) {
+  MG_CONFIG_CHECK(s.weights <= kMaxCaseWeightElements, "shape: ", s.weights_formula, " = ", s.weights,
                   " weight elements, more than the 2^30 a case's fp64 reference may hold");
-  MG_CONFIG_CHECK(multiply_adds <= kMaxCaseMultiplyAdds, "shape: ", work_formula, " = ", multiply_adds,
+  MG_CONFIG_CHECK(s.activations <= kMaxCaseActivationElements, "shape: ", s.activations_formula, " = ",
+                  s.activations, " activation elements, more than the 2^28 a case's fp64 reference may hold");
+  MG_CONFIG_CHECK(s.multiply_adds <= kMaxCaseMultiplyAdds, "shape: ", s.work_formula, " = ", s.multiply_adds,
                   " multiply-adds a step, more than the 2^37 a case's fp64 reference may run");
 }
 

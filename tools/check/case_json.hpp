@@ -86,13 +86,18 @@ struct StepPlan {
 // gives the bits the delayed weight gradients must reproduce.
 std::vector<StepPlan> plan_steps(const PhaseSet& phases);
 
-// The fp64 reference runs on the host: a case whose weights or reference work pass these bounds is
-// refused with its file (a mistyped shape would otherwise end in an out-of-memory error or a time
-// limit on the GPU machine). The shipped cases stay below 2^26 elements and 2^30 multiply-adds.
-inline constexpr int64_t kMaxCaseWeightElements = int64_t{1} << 30, kMaxCaseMultiplyAdds = int64_t{1} << 37;
-// Both products exact in 64 bits for every shape the keys' own bounds allow.
-void check_case_size(int64_t weight_elements, int64_t multiply_adds, std::string_view weights_formula,
-                     std::string_view work_formula);
+// The fp64 reference runs on the host: a case whose weights, activations (the widest row buffer)
+// or reference work a step pass these bounds is refused with its file (a mistyped shape would
+// otherwise end in an out-of-memory error on the host or the GPU). The bound on work is per step:
+// replays and token counts multiply it. The shipped cases stay below 2^25 weight elements, 2^22
+// activation elements and 2^30 multiply-adds.
+inline constexpr int64_t kMaxCaseWeightElements = int64_t{1} << 30, kMaxCaseActivationElements = int64_t{1} << 28,
+                         kMaxCaseMultiplyAdds = int64_t{1} << 37;
+struct CaseSize {
+  int64_t weights, activations, multiply_adds;  // exact in 64 bits within the keys' own bounds
+  std::string_view weights_formula, activations_formula, work_formula;
+};
+void check_case_size(const CaseSize& size);
 
 // The default data seed of a case: a hash of its name (FNV-1a), stable across platforms and runs.
 uint64_t seed_from_name(std::string_view name);

@@ -2,6 +2,7 @@
 // can check case files on machines that cannot run them.
 #include "tools/check/grouped_linear_case.hpp"
 
+#include <algorithm>
 #include <numeric>
 
 #include "moegraph/error.hpp"
@@ -78,7 +79,9 @@ std::unique_ptr<CaseRunner> parse_grouped_linear_case(const Json& value, const s
   const int64_t rows = gl.routing.kind == RoutingKind::kExplicit
                            ? std::accumulate(gl.routing.splits.begin(), gl.routing.splits.end(), int64_t{0})
                            : gl.routing.rows;
-  check_case_size(spec.groups * spec.n * spec.k, rows * spec.n * spec.k, "groups * n * k", "rows * n * k");
+  const int64_t capacity = testing::capacity_rows_for(rows, spec.groups, spec.row_align, spec.capacity_extra);
+  check_case_size({spec.groups * spec.n * spec.k, capacity * std::max(spec.k, spec.n), rows * spec.n * spec.k,
+                   "groups * n * k", "capacity rows * max(k, n)", "rows * n * k"});
   check_operator_accepts(gl, rows);
   // Printed only now that every value has passed the schema: dump() recurses once per nesting level,
   // and an unchecked value may be nested deep enough to overflow the stack.

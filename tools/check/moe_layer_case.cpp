@@ -2,6 +2,8 @@
 // check case files on machines that cannot run them.
 #include "tools/check/moe_layer_case.hpp"
 
+#include <algorithm>
+
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "src/ops/moe/op_spec.hpp"
@@ -133,8 +135,10 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
   if (const Json* tol = o.find("tolerance"))
     c.tolerance = read_tolerance(*tol, testing::layer_tolerance_for(c.dtype, c.recipe));
 
-  check_case_size(c.experts * 3 * c.ffn * c.hidden, c.max_tokens * c.top_k * 3 * c.ffn * c.hidden,
-                  "experts * 3 * ffn * hidden", "max_tokens * top_k * 3 * ffn * hidden");
+  check_case_size({c.experts * (3 * c.ffn * c.hidden + c.hidden), c.max_tokens * std::max(c.hidden, c.top_k * 2 * c.ffn),
+                   c.max_tokens * (c.experts * c.hidden + c.top_k * 3 * c.ffn * c.hidden),
+                   "experts * (3 * ffn * hidden + hidden)", "max_tokens * max(hidden, top_k * 2 * ffn)",
+                   "max_tokens * (experts * hidden + top_k * 3 * ffn * hidden)"});
   check_recipe_accepts(c);
   check_layer_accepts(c);
   // Printed only now that every value has passed the schema: dump() recurses once per nesting level,
