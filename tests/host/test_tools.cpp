@@ -475,38 +475,27 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
 TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
   SKIP_WITHOUT("MOEGRAPH_CHECK");
   const std::string path = fresh_temp_path("huge-case.json");
+  auto linear = [](nlohmann::json shape, int rows) {
+    return nlohmann::json{{"name", "c"}, {"op", "grouped_linear"}, {"shape", std::move(shape)},
+                          {"routing", {{"kind", "random"}, {"rows", rows}, {"seed", 1}}}};
+  };
+  auto moe = [](nlohmann::json shape) {
+    return nlohmann::json{{"name", "c"}, {"op", "moe_layer"}, {"shape", std::move(shape)}, {"tokens", {4}}};
+  };
   const std::pair<nlohmann::json, const char*> cases[] = {
-      {{{"name", "c"},
-        {"op", "grouped_linear"},
-        {"shape", {{"groups", 1024}, {"k", 65536}, {"n", 65536}}},
-        {"routing", {{"kind", "random"}, {"rows", 4096}, {"seed", 1}}}},
+      {linear({{"groups", 1024}, {"k", 65536}, {"n", 65536}}, 4096),
        "shape: groups * n * k = 4398046511104 weight elements, more than the 2^30"},
-      {{{"name", "c"},
-        {"op", "grouped_linear"},
-        {"shape", {{"groups", 1}, {"k", 32768}, {"n", 32768}}},
-        {"routing", {{"kind", "random"}, {"rows", 4096}, {"seed", 1}}}},
+      {linear({{"groups", 1}, {"k", 32768}, {"n", 32768}}, 4096),
        "shape: rows * n * k = 4398046511104 multiply-adds a step, more than the 2^37"},
-      {{{"name", "c"},
-        {"op", "moe_layer"},
-        {"shape", {{"experts", 1024}, {"hidden", 65536}, {"ffn", 65536}, {"max_tokens", 16}}},
-        {"tokens", {4}}},
+      {moe({{"experts", 1024}, {"hidden", 65536}, {"ffn", 65536}, {"max_tokens", 16}}),
        "shape: experts * (3 * ffn * hidden + hidden) = 13194206642176 weight elements"},
       // The rows' width alone: capacity_extra rows count, though they hold no data.
-      {{{"name", "c"},
-        {"op", "grouped_linear"},
-        {"shape", {{"groups", 1}, {"k", 65536}, {"n", 16}, {"capacity_extra", 1048576}}},
-        {"routing", {{"kind", "random"}, {"rows", 0}, {"seed", 1}}}},
+      {linear({{"groups", 1}, {"k", 65536}, {"n", 16}, {"capacity_extra", 1048576}}, 0),
        "shape: capacity rows * max(k, n) = 68719476736 activation elements, more than the 2^28"},
-      {{{"name", "c"},
-        {"op", "moe_layer"},
-        {"shape", {{"experts", 256}, {"hidden", 65536}, {"ffn", 16}, {"max_tokens", 43690}}},
-        {"tokens", {4}}},
+      {moe({{"experts", 256}, {"hidden", 65536}, {"ffn", 16}, {"max_tokens", 43690}}),
        "shape: max_tokens * max(hidden, top_k * 2 * ffn) = 2863267840 activation elements"},
       // The router's GEMM counts too (experts * hidden a token).
-      {{{"name", "c"},
-        {"op", "moe_layer"},
-        {"shape", {{"experts", 320}, {"hidden", 65536}, {"ffn", 16}, {"top_k", 8}, {"max_tokens", 4096}}},
-        {"tokens", {4}}},
+      {moe({{"experts", 320}, {"hidden", 65536}, {"ffn", 16}, {"top_k", 8}, {"max_tokens", 4096}}),
        "shape: max_tokens * (experts * hidden + top_k * 3 * ffn * hidden) = 188978561024 multiply-adds a step"},
   };
   for (const auto& [json, reason] : cases) {

@@ -75,7 +75,7 @@ class CaseRun {
   const std::string& failure() const { return failure_; }
   const std::string& where() const { return where_; }
   // What --dump writes: the failing run (the one in progress when a check failed or something threw),
-  // or after a pass the passing run of the most tokens (a run with a backward before one without),
+  // or after a pass the first passing run of the most tokens (a run with a backward before one without),
   // not merely the last: a case's last token count may be 0.
   const MoeLayerRun& dump_run(bool passed) const { return passed && kept_.has_value() ? *kept_ : last_; }
 
@@ -125,7 +125,8 @@ class CaseRun {
           return fail(detail::concat(where, ": the delayed ", delayed[i].first,
                                      " is not bit-identical to the immediate step's"));
     }
-    if (!kept_ || std::pair(last_.backward, last_.tokens) >= std::pair(kept_->backward, kept_->tokens)) kept_ = last_;
+    // Copied only when it beats the kept one: a tie (the next replay, plan) keeps the first.
+    if (!kept_ || std::pair(last_.backward, last_.tokens) > std::pair(kept_->backward, kept_->tokens)) kept_ = last_;
     return true;
   }
 
