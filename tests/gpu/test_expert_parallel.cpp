@@ -174,9 +174,18 @@ TEST(ExpertParallel, OptionsAreChecked) {
   o = ep_options(kEpCases[0], 2);
   o.capacity_factor = 1.0;
   EXPECT_THROW(validate(o), Error);
+  // One receive bound serves every bucket: above a bucket's worst case it is accepted and the
+  // buffers hold that worst case; it must keep the row alignment.
   o = ep_options(kEpCases[0], 2);
   o.ep_recv_rows = moe_ep_worst_case_rows(o) + 1;
+  EXPECT_NO_THROW(validate(o));
+  EXPECT_EQ(moe_expert_rows(o), moe_ep_worst_case_rows(o));
+  o = ep_options(kEpCases[1], 4);
+  o.ep_recv_rows = 16 * 3 + 8;
   EXPECT_THROW(validate(o), Error);
+  o.ep_recv_rows = 16 * 3;
+  EXPECT_NO_THROW(validate(o));
+  EXPECT_EQ(moe_expert_rows(o), 16 * 3);
   o = ep_options(kEpCases[0], 2);
   const MoeLayerWeights none{};
   EXPECT_THROW({ MoeLayer layer(o, none, nullptr, nullptr); }, Error);  // no communicator
