@@ -55,8 +55,11 @@ struct RoutingConfig {
   uint64_t seed = 1234;
 };
 
+// Most timed (or warm-up) replays a config or moegraph-bench --replays may ask for.
+inline constexpr int kMaxBenchReplays = 1'000'000;
+
 struct BenchConfig {
-  int replays = 50;                   // timed replays per measurement, >= 1
+  int replays = 50;                   // timed replays per measurement, in [1, kMaxBenchReplays]
   int warmup = 3;                     // untimed replays first, >= 0
   double fill = 1.0;                  // fraction of each bucket's tokens actually routed, (0, 1]
 };

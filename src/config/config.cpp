@@ -22,7 +22,7 @@ namespace {
 constexpr int64_t kMaxWidth = int64_t{1} << 20;
 constexpr int64_t kMaxBucketTokens = int64_t{1} << 20;
 constexpr int kMaxTopK = 8;
-constexpr int64_t kMaxReplays = 1'000'000;
+constexpr int64_t kMaxReplays = kMaxBenchReplays;
 
 // Identical in content to configs/qwen3-30b-a3b.json (a host test compares the two).
 constexpr const char* kDefaultConfigJson = R"json({

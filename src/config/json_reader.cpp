@@ -30,6 +30,7 @@ class StrictSax final : public nlohmann::json_sax<Json> {
   std::size_t error_position = 0;
   std::string error_reason;
   std::string duplicate_key;  // path of the repeated key
+  std::string too_deep;       // path of the first container past kMaxJsonDepth
 
   bool null() override { return value_done(); }
   bool boolean(bool) override { return value_done(); }
@@ -80,6 +81,10 @@ class StrictSax final : public nlohmann::json_sax<Json> {
     return true;
   }
   bool open(bool is_object) {
+    if (frames_.size() >= kMaxJsonDepth) {
+      too_deep = current_path();
+      return false;
+    }
     frames_.push_back(Frame{is_object, {}, 0, {}});
     return true;
   }
@@ -126,6 +131,14 @@ std::string reason_of(std::string what) {
   if (what.rfind("parse error", 0) == 0) {
     const std::size_t colon = what.find(": ");
     if (colon != std::string::npos) what.erase(0, colon + 2);
+  }
+  // It quotes the whole token it last read, which may be a string of megabytes: cut it as we cut
+  // strings everywhere else (a UTF-8 sequence cut in half becomes '?' below).
+  constexpr std::string_view kLastRead = "last read: '";
+  constexpr std::size_t kMaxQuoted = 64;
+  if (const std::size_t at = what.find(kLastRead); at != std::string::npos) {
+    const std::size_t start = at + kLastRead.size();
+    if (what.size() > start + kMaxQuoted + 1) what = what.substr(0, start + kMaxQuoted) + "...'";
   }
   return replace_ill_formed_utf8(what);
 }
@@ -181,6 +194,10 @@ Json parse_document(const std::string& text) {
   if (!ok) {
     MG_CONFIG_CHECK(sax.duplicate_key.empty(), "duplicate key ", quoted_excerpt(sax.duplicate_key),
                     " (each key may appear only once per object)");
+    // The DOM copies nested values recursively (ordered keys in a vector): a deep enough document
+    // would exhaust the stack there, so none is built past this depth.
+    MG_CONFIG_CHECK(sax.too_deep.empty(), "objects and arrays nested deeper than ", kMaxJsonDepth, " levels (at ",
+                    quoted_excerpt(sax.too_deep), ")");
     const auto [line, column] = line_column(text, sax.error_position);
     MG_CONFIG_FAIL("invalid JSON at line ", line, ", column ", column, ": ", reason_of(sax.error_reason));
   }
@@ -240,7 +257,10 @@ int64_t integer_in(const Json& value, const std::string& path, int64_t lo, int64
 
 uint64_t non_negative_integer(const Json& value, const std::string& path) {
   if (value.is_number_unsigned()) return value.get<uint64_t>();
-  if (value.is_number_integer()) MG_CONFIG_FAIL(path, " must be a non-negative integer, got ", value.dump());
+  if (value.is_number_integer()) {  // signed: "-0" (zero) or a negative number
+    MG_CONFIG_CHECK(value.get<int64_t>() >= 0, path, " must be a non-negative integer, got ", value.dump());
+    return 0;
+  }
   const bool huge = value.is_number_float() && std::fabs(value.get<double>()) >= 2 * kTwoTo63;
   MG_CONFIG_CHECK(!huge, path, " must be a non-negative integer below 2^64, got ", value.get<double>(),
                   " (out of range)");

@@ -36,6 +36,8 @@ Json parse_document(const std::string& text);
 // The text of a JSON document file (`what`: "config file", "case file"): a directory, an unreadable
 // file (with the OS reason) or one over kMaxDocumentBytes (e.g. /dev/zero) is a ConfigError.
 inline constexpr std::size_t kMaxDocumentBytes = std::size_t{16} << 20;
+// Objects and arrays nest at most this deep in a config or case file (they need four levels).
+inline constexpr std::size_t kMaxJsonDepth = 64;
 std::string read_document_file(const std::string& path, const char* what);
 
 // For messages: a JSON-quoted string, cut short so a huge input cannot flood the message.

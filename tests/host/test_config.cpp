@@ -331,8 +331,27 @@ TEST(ConfigSyntax, NeverCrashesOnTruncatedOrCorruptedText) {
     }
   }
   const std::string deep = std::string(100000, '[') + std::string(100000, ']');
-  EXPECT_TRUE(contains(error_of(deep), "the config must be a JSON object, got array"));
+  EXPECT_TRUE(contains(error_of(deep), "nested deeper than 64 levels"));
   EXPECT_TRUE(contains(error_of(std::string(100000, '{')), "invalid JSON at line 1"));
+  // Deep inside an object with later siblings: building the document copied the nest recursively
+  // and overflowed the stack before the depth was bounded.
+  const auto nested = [](std::size_t depth) {
+    return "{\"a\":" + std::string(depth, '[') + std::string(depth, ']') + ",\"b\":1,\"c\":1}";
+  };
+  const std::string m = error_of(nested(100000));
+  EXPECT_TRUE(contains(m, "nested deeper than 64 levels (at \"a[0][0]")) << m;
+  EXPECT_TRUE(contains(error_of(nested(63)), "unknown key \"a\"")) << error_of(nested(63));  // 64 levels: read
+}
+
+TEST(ConfigErrorsMisc, MinusZeroIsZeroForEveryInteger) {
+  EXPECT_EQ(parse_config(with({{"/routing/seed", "-0"}}), "t").routing.seed, 0u);
+  EXPECT_EQ(parse_config(with({{"/bench/warmup", "-0"}}), "t").bench.warmup, 0);
+}
+
+TEST(ConfigErrorsMisc, ALongTokenInASyntaxErrorIsCutShort) {
+  const std::string m = error_of("{\"name\": \"" + std::string(1000000, 'a') + "\x01\"}");
+  EXPECT_TRUE(contains(m, "last read: '\"aaaa")) << m.substr(0, 300);
+  EXPECT_LT(m.size(), 400u);
 }
 
 TEST(ConfigErrorsMisc, LongKeysAreCutShortInMessages) {

@@ -319,8 +319,8 @@ TEST(Tools, BenchRefusesAmbiguousOptions) {
       {"--kernels --recipe mxfp8", "--recipe goes with a config's step, not --kernels"},
       {"--kernels --expert-parallel 2", "--expert-parallel goes with a config's step, not --kernels"},
       {"--kernels some.json", "--kernels takes no config ('some.json')"},
-      {"--replays +5 --plan", "--replays needs an integer in [1, 100000], got '+5'"},
-      {"--replays ' 5' --plan", "--replays needs an integer in [1, 100000], got ' 5'"},
+      {"--replays +5 --plan", "--replays needs an integer in [1, 1000000], got '+5'"},
+      {"--replays ' 5' --plan", "--replays needs an integer in [1, 1000000], got ' 5'"},
       {"--expert-parallel +2 --plan", "--expert-parallel needs an integer in [1, 64], got '+2'"},
   };
   expect_refusals("MOEGRAPH_BENCH", cases);
@@ -331,6 +331,34 @@ TEST(Tools, CheckRefusesAnOptionGivenTwice) {
   const std::pair<const char*, const char*> cases[] = {{"--dump /tmp/a --dump /tmp/b x.json", "--dump given twice"},
                                                        {"--filter a --filter b x.json", "--filter given twice"}};
   expect_refusals("MOEGRAPH_CHECK", cases);
+}
+
+TEST(Tools, CheckTakesNoOptionAsAValue) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  const std::pair<const char*, const char*> cases[] = {
+      {"--dump --filter a x.json", "--dump needs a value, got the option '--filter'"},
+      {"--filter --dump /tmp/a x.json", "--filter needs a value, got the option '--dump'"}};
+  expect_refusals("MOEGRAPH_CHECK", cases);
+}
+
+// The check that --json can be written ran before anything else and removed what it had not
+// created: a dangling link given as --json was deleted.
+TEST(Tools, BenchJsonCheckRemovesOnlyWhatItCreated) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("moegraph-json-link-" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path link = dir / "link.json", target = dir / "target.json";
+  fs::create_symlink(target, link);
+  const ToolRun r = run_tool("MOEGRAPH_BENCH", "--kernels --plan --json " + link.string());  // refused after the check
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link))) << "the link given as --json was removed";
+  const fs::path fresh = dir / "fresh.json";
+  const ToolRun f = run_tool("MOEGRAPH_BENCH", "--kernels --plan --json " + fresh.string());
+  EXPECT_EQ(f.exit_code, 2) << f.output;
+  EXPECT_FALSE(fs::exists(fresh)) << "the file the check created was left behind";
+  fs::remove_all(dir);
 }
 
 // ---- moegraph-bench CONFIG --torch T.json ----
@@ -493,10 +521,14 @@ TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
       {linear({{"groups", 1}, {"k", 65536}, {"n", 16}, {"capacity_extra", 1048576}}, 0),
        "shape: capacity rows * max(k, n) = 68719476736 activation elements, more than the 2^28"},
       {moe({{"experts", 256}, {"hidden", 65536}, {"ffn", 16}, {"max_tokens", 43690}}),
-       "shape: max_tokens * max(hidden, top_k * 2 * ffn) = 2863267840 activation elements"},
+       "shape: rows (max_tokens * top_k + experts * (row_align - 1), aligned) * max(hidden, 2 * ffn) = 2863267840 "
+       "activation elements"},
+      // The rows' alignment padding counts: one token, yet 130176 rows of 2 * ffn in the reference.
+      {moe({{"experts", 1024}, {"hidden", 16}, {"ffn", 16384}, {"row_align", 128}, {"max_tokens", 4}}),
+       "= 4265607168 activation elements, more than the 2^28"},
       // The router's GEMM counts too (experts * hidden a token).
-      {moe({{"experts", 320}, {"hidden", 65536}, {"ffn", 16}, {"top_k", 8}, {"max_tokens", 4096}}),
-       "shape: max_tokens * (experts * hidden + top_k * 3 * ffn * hidden) = 188978561024 multiply-adds a step"},
+      {moe({{"experts", 512}, {"hidden", 16384}, {"ffn", 16}, {"max_tokens", 16384}}),
+       "shape: max_tokens * (experts * hidden + top_k * 3 * ffn * hidden) = 150323855360 multiply-adds a step"},
   };
   for (const auto& [json, reason] : cases) {
     std::ofstream(path) << json.dump();

@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <set>
 #include <string>
 #include <vector>
@@ -62,16 +63,18 @@ int usage_error(const std::string& what) {
 }
 
 // Why `path` cannot be written ("" when it can), found before any measurement runs rather than
-// after it: the file is opened for appending (an existing one keeps its bytes), and one this check
-// created is removed again.
+// after it: the file is opened for appending (an existing one keeps its bytes), and only a file
+// this check created is removed again. Whether the path existed is asked of the name itself, so
+// an unreadable file or a link (even a dangling one) is never removed.
 std::string unwritable_reason(const std::string& path) {
-  std::FILE* existing = std::fopen(path.c_str(), "r");
-  if (existing != nullptr) std::fclose(existing);
+  std::error_code ec;
+  const std::filesystem::file_type type = std::filesystem::symlink_status(path, ec).type();
+  const bool existed = type != std::filesystem::file_type::not_found;  // an error counts as existing
   errno = 0;
   std::FILE* f = std::fopen(path.c_str(), "a");
   if (f == nullptr) return std::strerror(errno != 0 ? errno : EIO);
   std::fclose(f);
-  if (existing == nullptr) std::remove(path.c_str());
+  if (!existed) std::remove(path.c_str());
   return "";
 }
 
@@ -160,7 +163,9 @@ int main(int argc, char** argv) {
       const char* v = value("--replays");
       if (!v) return 2;
       long n = 0;
-      if (!parse_count(v, 1, 100000, n)) return usage_error("--replays needs an integer in [1, 100000], got '" + std::string(v) + "'");
+      if (!parse_count(v, 1, moegraph::kMaxBenchReplays, n))
+        return usage_error("--replays needs an integer in [1, " + std::to_string(moegraph::kMaxBenchReplays) + "], got '" +
+                           std::string(v) + "'");
       options.replays = static_cast<int>(n);
     } else if (!a.empty() && a[0] == '-') {
       return usage_error("unknown option '" + a + "'");

@@ -48,7 +48,10 @@ Arguments parse_arguments(int argc, char** argv) {
     const std::string arg = argv[i];
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) throw UsageError(arg + " needs a value");
-      return argv[++i];
+      const std::string v = argv[++i];
+      // "--dump --filter x" would make a folder named "--filter": an option is never a value.
+      if (v.rfind("--", 0) == 0) throw UsageError(arg + " needs a value, got the option '" + v + "'");
+      return v;
     };
     if (arg == "-h" || arg == "--help") {
       args.help = true;

@@ -135,9 +135,12 @@ std::unique_ptr<CaseRunner> parse_moe_layer_case(const Json& value, const std::s
   if (const Json* tol = o.find("tolerance"))
     c.tolerance = read_tolerance(*tol, testing::layer_tolerance_for(c.dtype, c.recipe));
 
-  check_case_size({c.experts * (3 * c.ffn * c.hidden + c.hidden), c.max_tokens * std::max(c.hidden, c.top_k * 2 * c.ffn),
+  // The reference's expert buffers hold the layer's routed rows with their alignment padding.
+  const int64_t rows = moe_layer_rows(moe_layer_options(c, false));
+  check_case_size({c.experts * (3 * c.ffn * c.hidden + c.hidden), rows * std::max(c.hidden, 2 * c.ffn),
                    c.max_tokens * (c.experts * c.hidden + c.top_k * 3 * c.ffn * c.hidden),
-                   "experts * (3 * ffn * hidden + hidden)", "max_tokens * max(hidden, top_k * 2 * ffn)",
+                   "experts * (3 * ffn * hidden + hidden)",
+                   "rows (max_tokens * top_k + experts * (row_align - 1), aligned) * max(hidden, 2 * ffn)",
                    "max_tokens * (experts * hidden + top_k * 3 * ffn * hidden)"});
   check_recipe_accepts(c);
   check_layer_accepts(c);
