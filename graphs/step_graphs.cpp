@@ -1,6 +1,7 @@
 #include "moegraph/step_graphs.hpp"
 
 #include <chrono>
+#include <exception>
 #include <utility>
 
 #include "graphs/bucket_step.hpp"
@@ -268,10 +269,21 @@ void StepGraphs::backward(int bucket, cudaStream_t stream) { launch(bucket, Step
 void StepGraphs::wgrad(int bucket, cudaStream_t stream) { launch(bucket, StepPhase::kWgrad, true, stream); }
 void StepGraphs::run_eager(int bucket, StepPhase phase, cudaStream_t stream) { launch(bucket, phase, false, stream); }
 
+// Every bucket's record (and the shards') is read, and so cleared, before the first error found is
+// thrown: the next call reports only what happened after this one.
 void StepGraphs::check_device_errors(cudaStream_t stream) {
   const DeviceScope on_device(memory_->device);
-  for (auto& b : buckets_) b->check_device_errors(stream);
-  if (sharded_) sharded_->check_device_errors(stream);
+  std::exception_ptr first;
+  const auto check = [&](auto&& f) {
+    try {
+      f();
+    } catch (const Error&) {
+      if (!first) first = std::current_exception();
+    }
+  };
+  for (auto& b : buckets_) check([&] { b->check_device_errors(stream); });
+  if (sharded_) check([&] { sharded_->check_device_errors(stream); });
+  if (first) std::rethrow_exception(first);
 }
 
 // The full weights from the shards, and with the mxfp8 recipe their quantized copies: every forward

@@ -159,7 +159,10 @@ typedef struct {
   const void* bias;         /* [G, N] or NULL */
   const float* bias_scale;  /* [capacity_rows] or NULL */
   void* y;                  /* [capacity_rows, N] */
-  const int64_t* offsets;   /* NULL, or [G + 1] group offsets already computed for these splits */
+  const int64_t* offsets;   /* NULL, or [G + 1] group offsets already computed for these splits; a
+                               training forward given offsets keeps pointers to splits and offsets
+                               (no copies): both must stay unchanged until that micro-batch's
+                               backward (and delayed wgrad) has run */
   /* Appended (an older struct_size means NULL): W as MXFP8 with prequantized_weights, which the
      forward reads through mxfp8_data and mxfp8_scales (see MXFP8 weights) */
   const uint8_t* mxfp8_data;     /* [G, N, K] */
@@ -464,7 +467,10 @@ MOEGRAPH_API mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* 
 MOEGRAPH_API mg_status mg_moe_layer_window_bytes(const mg_moe_layer_options* options, size_t* out);
 /* workspace: device memory of mg_moe_layer_workspace_bytes(options) bytes, 256-byte aligned, or NULL
  * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture.
- * Refuses expert_parallel > 1 (use mg_moe_layer_create_ep). */
+ * Refuses expert_parallel > 1 (use mg_moe_layer_create_ep), and weights a forward reads that are
+ * NULL (router, w1 and w2 or their MXFP8 tensors, b1 and b2 with bias: MG_ERR_INVALID_ARGUMENT,
+ * before the device is touched). The gradient buffers are checked by each backward, before it
+ * enqueues anything, as is every pointer of mg_moe_layer_io a call needs. */
 MOEGRAPH_API mg_status mg_moe_layer_create(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
                                            void* workspace, mg_moe_layer** out);
 /* mg_moe_layer_create for one rank of an expert-parallel group: `comm` is this rank's communicator

@@ -384,9 +384,11 @@ mg_status mg_moe_layer_check_device_errors(mg_moe_layer* layer, cudaStream_t str
 
 mg_status mg_mxfp8_weight_bytes(int groups, int64_t n, int64_t k, size_t* data_bytes, size_t* scale_bytes) {
   return guarded([&] {
+    // Both are 0 on any failure, the missing-output one included (the header's contract).
+    if (data_bytes != nullptr) *data_bytes = 0;
+    if (scale_bytes != nullptr) *scale_bytes = 0;
     MG_CHECK(data_bytes != nullptr && scale_bytes != nullptr,
              "mg_mxfp8_weight_bytes needs both outputs (data_bytes and scale_bytes)");
-    *data_bytes = 0, *scale_bytes = 0;
     const std::size_t data = moegraph::mxfp8_weight_data_bytes(groups, n, k);
     *scale_bytes = moegraph::mxfp8_weight_scale_bytes(groups, n, k);
     *data_bytes = data;

@@ -23,8 +23,8 @@ class DeviceScope {
   // (the TMA encoder of a Hopper GEMM) would fail with CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice
   // makes the device's primary context current.
   explicit DeviceScope(int device) {
+    if (device < 0) return;  // stay on the caller's device: nothing to switch or restore
     MG_CUDA_CHECK(cudaGetDevice(&caller_));
-    if (device < 0) return;
     MG_CUDA_CHECK(cudaSetDevice(device));
     restore_ = device != caller_;
   }

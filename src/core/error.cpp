@@ -18,8 +18,13 @@ void throw_cuda_error(const char* file, int line, const char* expr, cudaError_t 
   // smaller bucket after an allocation failure) would see its next kernel launch "fail" with this
   // error. A sticky error (a kernel fault) stays: every later call reports it again.
   (void)cudaGetLastError();
-  throw Error(file, line, concat(expr, " failed: ", cudaGetErrorName(status), ": ", cudaGetErrorString(status)),
-              ErrorKind::kCuda);
+  // Whichever call first meets a machine without a usable device, the caller sees one kind for it
+  // (MG_ERR_NO_DEVICE through the C ABI), as set-up's own device check reports it.
+  const bool no_device = status == cudaErrorNoDevice || status == cudaErrorInsufficientDriver;
+  throw Error(file, line,
+              concat(no_device ? "no CUDA device is available: " : "", expr, " failed: ", cudaGetErrorName(status),
+                     ": ", cudaGetErrorString(status)),
+              no_device ? ErrorKind::kNoDevice : ErrorKind::kCuda);
 }
 
 }  // namespace detail

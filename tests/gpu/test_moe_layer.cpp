@@ -245,6 +245,46 @@ TEST(MoeLayer, PhaseOrderIsChecked) {
   MG_CUDA_CHECK(cudaStreamSynchronize(h.stream()));
 }
 
+// A call refused for a missing pointer enqueues nothing and changes no state: the operators before
+// the one that read the pointer used to run (FC1 and FC2 took slots, gradients were accumulated)
+// and the layer's queues then disagreed with theirs. After each refusal the same steps give the
+// bits of a layer that never saw one.
+TEST(MoeLayer, ARefusedCallLeavesTheLayerAsItWas) {
+  const LayerCase c = kCases[1];  // aux loss, delayed 16-bit dW
+  LayerHarness refused(options_of(c), 11), clean(options_of(c), 11);
+  for (LayerHarness* h : {&refused, &clean}) {
+    h->set_inputs(c.max_tokens - 3);
+    h->poison();
+  }
+  MoeLayer& layer = refused.layer();
+  const cudaStream_t s = refused.stream();
+  const MoeLayerIO io = refused.io();
+  MoeLayerIO bad = io;
+  bad.y = nullptr;
+  EXPECT_THROW(layer.forward_train(bad, s), Error);
+  bad = io, bad.aux_loss = nullptr;
+  EXPECT_THROW(layer.forward_train(bad, s), Error);
+  bad = io, bad.num_tokens = nullptr;
+  EXPECT_THROW(layer.forward(bad, s), Error);
+  EXPECT_EQ(layer.pending_backwards(), 0);
+  layer.forward_train(io, s);
+  bad = io, bad.dx = nullptr;
+  EXPECT_THROW(layer.backward(bad, s), Error);
+  MoeLayerWeights no_dw1 = refused.weights();
+  no_dw1.dw1 = nullptr;
+  layer.set_weights(no_dw1);
+  EXPECT_THROW(layer.backward(io, s), Error) << "dw1 is missing";
+  layer.set_weights(refused.weights());
+  EXPECT_EQ(layer.pending_backwards(), 1);
+  EXPECT_EQ(layer.queued_wgrads(), 0);
+  refused.train_step();  // a whole step after the refusals, both forwards pending before backwards
+  layer.backward(io, s);
+  layer.backward_dw(s);
+  clean.train_step();
+  clean.train_step();
+  EXPECT_TRUE(refused.read() == clean.read());
+}
+
 // FSDP2 gathers parameters into new storage for forward and again for backward. A layer re-bound
 // (set_weights) between forward_train and backward, with a micro-batch saved, and again before the
 // next step, gives the bits of a layer never moved; the old storage is poisoned, so any stale read

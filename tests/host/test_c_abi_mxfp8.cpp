@@ -87,8 +87,10 @@ TEST(CAbiMxfp8, WeightBytesFollowTheCppApi) {
   EXPECT_EQ(mg_mxfp8_weight_bytes(1, 32, 32, &one, nullptr), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has("mg_mxfp8_weight_bytes needs both outputs (data_bytes and scale_bytes)"))
       << mg_last_error();
-  EXPECT_EQ(one, 1u) << "nothing is written when an output is missing";
+  EXPECT_EQ(one, 0u) << "on failure both outputs are 0, the given one too";
+  one = 1;
   EXPECT_EQ(mg_mxfp8_weight_bytes(1, 32, 32, nullptr, &one), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(one, 0u);
 }
 
 // Every refusal comes before the quantizer touches a device (the pointers below are never read),

@@ -284,6 +284,7 @@ const int64_t* GroupedLinear::group_offsets(const ForwardArgs& args, int64_t* co
 void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
   const DeviceScope on_device(scratch_->device);
   check_forward_args(options_, args);
+  backend_->require_weights_ready();
   const linear::Groups groups{args.splits, group_offsets(args, scratch_->offsets, stream),
                               scratch_->error.as<DeviceErrorRecord>()};
   backend_->fprop(args, groups, -1, stream);
@@ -301,6 +302,7 @@ void GroupedLinear::forward_train(const ForwardArgs& args, cudaStream_t stream) 
   MG_CHECK(cannot_train.empty(), "forward_train: ", cannot_train);
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold forward contexts: run backward / backward_dw before the next forward_train");
+  backend_->require_weights_ready();
   const int index = free_slots_.back();
   Slot& slot = slots_[index];
   if (args.offsets != nullptr) {
@@ -351,6 +353,7 @@ void GroupedLinear::backward(const BackwardArgs& args, WgradMode mode, cudaStrea
     MG_CHECK(args.dbias == nullptr && args.dbias_scale == nullptr,
              "BackwardArgs::dy_swiglu_gate_up cannot give bias gradients: they read dy itself, which is never made");
   }
+  if (args.dx != nullptr) backend_->require_weights_ready();
   const int index = backward_queue_.front();
   const Slot& slot = slots_[index];
   MG_CHECK(args.dbias_scale == nullptr || slot.has_scale, "dbias_scale asked for, but forward had no bias_scale");

@@ -39,6 +39,9 @@ class LinearBackend {
 
   // The weights changed (an enqueue path).
   virtual void weights_changed(const void* weight, cudaStream_t stream) = 0;
+  // Throws unless the GEMMs that read the weights (fprop, dgrad) can run: called before a call
+  // enqueues anything, so a refused call leaves nothing behind.
+  virtual void require_weights_ready() const {}
   // y = x W^T (+ s b); with save_slot >= 0 also keeps in that slot what wgrad reads of x.
   virtual void fprop(const ForwardArgs& args, Groups groups, int save_slot, cudaStream_t stream) = 0;
   // dx = dy W (when args.dx), and the weight gradient now (kImmediate) or dy kept in the slot for

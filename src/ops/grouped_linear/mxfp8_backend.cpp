@@ -97,6 +97,11 @@ class Mxfp8Backend final : public LinearBackend {
     weights_quantized_ = true;
   }
 
+  void require_weights_ready() const override {
+    MG_CHECK(o_.prequantized_weights || weights_quantized_,
+             "the mxfp8 recipe needs weights_changed() before the first forward or dgrad");
+  }
+
   void fprop(const ForwardArgs& a, Groups g, int save_slot, cudaStream_t stream) override {
     const Mxfp8Weights& w = weights(a.mxfp8_weights);
     // The saved activation is the column-wise copy, quantized in the same read as fprop's operand.

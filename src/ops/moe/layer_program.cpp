@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "moegraph/error.hpp"
@@ -13,6 +14,48 @@
 namespace moegraph::layer {
 namespace {
 int slots_of(const MoeLayerOptions& o) { return o.training ? o.wgrad_slots : 1; }
+
+// The weights every forward reads, checked at creation (which of them are set may not change).
+void require_weights(const MoeLayerOptions& o, const MoeLayerWeights& w) {
+  MG_CHECK(w.router != nullptr, "MoeLayerWeights needs router");
+  if (o.prequantized_weights) {
+    for (const auto& [name, m] : {std::pair{"w1_mxfp8", &w.w1_mxfp8}, std::pair{"w2_mxfp8", &w.w2_mxfp8}}) {
+      MG_CHECK(m->data != nullptr && m->scales != nullptr, "MoeLayerWeights needs ", name,
+               ".data and .scales (prequantized_weights)");
+      MG_CHECK(!o.training || (m->data_t != nullptr && m->scales_t != nullptr), "MoeLayerWeights needs ", name,
+               ".data_t and .scales_t for training (dgrad reads them)");
+      MG_CHECK(!o.dequantized_weights || m->dequantized != nullptr, "MoeLayerWeights needs ", name,
+               ".dequantized (prequantized_weights with dequantized_weights)");
+      MG_CHECK(!o.dequantized_weights || !o.training || m->dequantized_t != nullptr, "MoeLayerWeights needs ", name,
+               ".dequantized_t for training (dgrad reads it; prequantized_weights with dequantized_weights)");
+    }
+  } else {
+    MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "MoeLayerWeights needs w1 and w2");
+  }
+  MG_CHECK(!o.bias || (w.b1 != nullptr && w.b2 != nullptr), "MoeLayerWeights needs b1 and b2 (bias)");
+}
+
+// What a forward reads and writes through the caller's pointers, checked before its first
+// operator enqueues anything: a refused call leaves the layer, its slots and (with expert
+// parallelism) its peers as they were.
+void require_forward_io(const MoeLayerOptions& o, const MoeLayerIO& io, bool train) {
+  MG_CHECK(io.x != nullptr && io.num_tokens != nullptr, "MoeLayerIO needs x and num_tokens");
+  MG_CHECK(io.y != nullptr, "MoeLayerIO needs y");
+  MG_CHECK(!train || o.aux_loss_coef == 0.0 || io.aux_loss != nullptr, "aux_loss_coef is ", o.aux_loss_coef,
+           ": forward_train needs MoeLayerIO::aux_loss");
+}
+
+// The same for backward, with the weight-gradient buffers it (or its delayed wgrad) writes.
+void require_backward_io(const MoeLayerOptions& o, const MoeLayerWeights& w, const MoeLayerIO& io) {
+  MG_CHECK(io.dx != nullptr && io.dy != nullptr, "backward needs MoeLayerIO::dy and dx");
+  if (o.main_grad_fp32)
+    MG_CHECK(w.main_grad_router != nullptr && w.main_grad1 != nullptr && w.main_grad2 != nullptr,
+             "backward needs MoeLayerWeights::main_grad_router, main_grad1 and main_grad2 (main_grad_fp32)");
+  else
+    MG_CHECK(w.d_router != nullptr && w.dw1 != nullptr && w.dw2 != nullptr,
+             "backward needs MoeLayerWeights::d_router, dw1 and dw2 (without main_grad_fp32)");
+  MG_CHECK(!o.bias || (w.db1 != nullptr && w.db2 != nullptr), "backward needs MoeLayerWeights::db1 and db2 (bias)");
+}
 }  // namespace
 
 LayerProgram::LayerProgram(const MoeLayerOptions& options) : options_(options), tensors_(slots_of(options)) {
@@ -32,6 +75,7 @@ LayerProgram::LayerProgram(const MoeLayerOptions& options, const MoeLayerWeights
     MG_CHECK(comm_->ranks() == options.expert_parallel, "the communicator has ", comm_->ranks(),
              " ranks but expert_parallel is ", options.expert_parallel);
   }
+  require_weights(options, weights);
   // With a communicator, set-up runs on its device (the creating thread may have another current).
   const DeviceScope on_device(comm_ != nullptr ? comm_->device() : -1);
   device_ = require_supported_device().device;
@@ -95,6 +139,7 @@ void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
   MG_CHECK(std::find(free_slots_.begin(), free_slots_.end(), 0) != free_slots_.end(),
            "inference forward shares slot 0 with a training micro-batch in flight (", backward_queue_.size(),
            " awaiting backward, ", wgrad_queue_.size(), " awaiting wgrad): finish them first");
+  require_forward_io(options_, io, false);
   run_forward(io, 0, false, stream);
 }
 
@@ -104,6 +149,7 @@ void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
   MG_CHECK(options_.training, "forward_train needs MoeLayerOptions::training");
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold micro-batches in flight: run backward / backward_dw first");
+  require_forward_io(options_, io, true);
   const int slot = free_slots_.back();
   run_forward(io, slot, true, stream);
   free_slots_.pop_back();
@@ -114,6 +160,7 @@ void LayerProgram::backward(const MoeLayerIO& io, cudaStream_t stream) {
   const DeviceScope on_device(device_);
   if (comm_ != nullptr) comm_->require_not_aborted("MoeLayer backward");
   MG_CHECK(!backward_queue_.empty(), "backward without a forward_train");
+  require_backward_io(options_, weights_, io);
   const int slot = backward_queue_.front();
   const WgradMode mode = options_.delay_wgrad ? WgradMode::kDelayed : WgradMode::kImmediate;
   const Phase p{&io, slot, true, mode, &tensors_};
