@@ -221,6 +221,10 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
             " forward_train awaiting backward and ", awaiting_wgrad_.size(),
             " queued wgrads; buckets share one arena, so ", step_phase_name(phase), " of bucket ", b,
             " must wait until they finish");
+  MG_CHECK(active_bucket_ < 0 || !training_phase || use_graph == in_flight_replayed_, "bucket ", b, " has ",
+           awaiting_backward_.size(), " forward_train awaiting backward and ", awaiting_wgrad_.size(),
+           " queued wgrads that ran ", in_flight_replayed_ ? "replayed" : "eagerly", "; their micro-batches' ",
+           step_phase_name(phase), " must run the same way (", in_flight_replayed_ ? "replay" : "run_eager", ")");
   BucketStep& bucket = *buckets_[b];
   // Eager runs also happen during set-up, before the graphs exist.
   auto graphs = [&]() -> Graphs& { return *graphs_.at(b); };
@@ -238,6 +242,7 @@ void StepGraphs::launch(int b, StepPhase phase, bool use_graph, cudaStream_t str
       free_slots_.pop_back();
       awaiting_backward_.push_back(slot);
       active_bucket_ = b;
+      in_flight_replayed_ = use_graph;
       return;
     }
     case StepPhase::kBackward: {

@@ -682,7 +682,9 @@ MOEGRAPH_API mg_status mg_step_graphs_io(const mg_step_graphs* step, int bucket,
  * forward (MG_PHASE_FORWARD, of any bucket, the same one included) and another bucket's training
  * phases are refused. */
 MOEGRAPH_API mg_status mg_step_graphs_replay(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
-/* The same phase enqueued without graphs (same rules), for checks and timing. */
+/* The same phase enqueued without graphs (same rules), for checks and timing. Micro-batches in
+ * flight finish the way their forward_train ran: replayed ones by replays, eager ones eagerly (a
+ * mix is refused, MG_ERR_INVALID_ARGUMENT). */
 MOEGRAPH_API mg_status mg_step_graphs_run_eager(mg_step_graphs* step, int bucket, mg_phase phase, cudaStream_t stream);
 /* The weights were updated: MXFP8 re-quantizes w1 and w2 into the copies every bucket shares;
  * nothing for bf16, with prequantized_weights (the caller keeps them current) or with sharded

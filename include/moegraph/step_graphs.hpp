@@ -210,7 +210,10 @@ class MOEGRAPH_API StepGraphs {
   void wgrad(int bucket, cudaStream_t stream);  // needs training.delay_wgrad
   // Sharded weights: every rank's rows of every expert tensor (empty when not sharded).
   std::string describe_shards() const;
-  // The same phases enqueued without graphs (same ordering rules), for checks and timing.
+  // The same phases enqueued without graphs (same ordering rules), for checks and timing. While
+  // micro-batches are in flight, their remaining phases run the way their forward_train ran
+  // (replayed or eager): the graphs pin each slot's saved tensors, the eager layer keeps its own
+  // slot order, so a mix would pair a backward with another micro-batch's context (refused).
   void run_eager(int bucket, StepPhase phase, cudaStream_t stream);
   // The weights were updated (e.g. by the optimizer): with precision.recipe "mxfp8" the step
   // re-quantizes w1 and w2 into the copies all buckets share; nothing to do for bf16 or with
@@ -245,6 +248,7 @@ class MOEGRAPH_API StepGraphs {
   std::vector<double> capture_ms_;
   // Host-side order of the micro-batches in flight (slot indices).
   int active_bucket_ = -1;
+  bool in_flight_replayed_ = false;  // how the micro-batches in flight ran (with active_bucket_ >= 0)
   std::vector<int> free_slots_;
   std::deque<int> awaiting_backward_, awaiting_wgrad_;
 };

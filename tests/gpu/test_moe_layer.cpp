@@ -387,6 +387,19 @@ TEST_P(MoeLayerStep, StepGraphsReplayTheWholeLayer) {
       nan += std::isnan(from_bits(std::get<0>(replay)[i], DType::kBF16));
     EXPECT_EQ(nan, 0u) << "every routed token's output is written";
   }
+  // Micro-batches in flight finish the way they started: the graphs pin each slot's saved tensors
+  // and the eager layer keeps its own slot order, so a mix would pair contexts wrongly.
+  step.forward_train(b, s);
+  EXPECT_THROW(step.run_eager(b, StepPhase::kBackward, s), Error);
+  EXPECT_THROW(step.run_eager(b, StepPhase::kForwardTrain, s), Error);
+  step.backward(b, s);
+  EXPECT_THROW(step.run_eager(b, StepPhase::kWgrad, s), Error);
+  step.wgrad(b, s);
+  step.run_eager(b, StepPhase::kForwardTrain, s);
+  EXPECT_THROW(step.backward(b, s), Error);
+  step.run_eager(b, StepPhase::kBackward, s);
+  step.run_eager(b, StepPhase::kWgrad, s);
+  step.check_device_errors(s);
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, MoeLayerStep, ::testing::Values(Recipe::kBF16, Recipe::kMXFP8));
