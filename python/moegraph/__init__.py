@@ -51,6 +51,17 @@ class Config:
         _lib.call("mg_config_shape_of", self._handle, ctypes.byref(s))
         return {name: getattr(s, name) for name, _ in _lib.ConfigShape._fields_ if name != "struct_size"}
 
+    # A copy would share the C handle, and the first of the two destroyed would free it under the
+    # other (or under a Config later given the same address): load or parse the config again instead.
+    def __copy__(self):
+        raise TypeError("a moegraph.Config owns a C handle and cannot be copied: load or parse the config again")
+
+    def __deepcopy__(self, memo):
+        return self.__copy__()
+
+    def __reduce__(self):
+        raise TypeError("a moegraph.Config owns a C handle and cannot be pickled: save the JSON text instead")
+
     def __del__(self):
         if getattr(self, "_handle", None) and _lib._lib is not None:
             _lib.lib().mg_config_destroy(self._handle)

@@ -222,12 +222,18 @@ def lib():
             raise OSError("libmoegraph not found: set MOEGRAPH_LIBRARY to its path, or install moegraph "
                           "where pkg-config finds moegraph.pc")
         handle = ctypes.CDLL(path)
-        for name, (restype, argtypes) in SIGNATURES.items():
-            fn = getattr(handle, name)
-            fn.restype, fn.argtypes = restype, argtypes
+        # The version first (every release has mg_version): a library without a newer symbol then
+        # reads as the wrong version, not as a missing attribute.
+        handle.mg_version.restype, handle.mg_version.argtypes = ctypes.c_int, []
         major = handle.mg_version() // 10000
         if major != ABI_MAJOR:
             raise OSError(f"{path} is moegraph {handle.mg_version()}, these bindings need major version {ABI_MAJOR}")
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(handle, name, None)
+            if fn is None:
+                raise OSError(f"{path} (moegraph {handle.mg_version()}) lacks {name}: these bindings need a library "
+                              f"at least as new as themselves")
+            fn.restype, fn.argtypes = restype, argtypes
         _lib = handle
     return _lib
 

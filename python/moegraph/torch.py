@@ -15,6 +15,12 @@ Contracts the C layer brings (moegraph/moegraph.h):
   with grad enabled) keeps its slot, so evaluate under torch.no_grad().
 - GroupedLinear makes one C operator, with its workspace, per distinct row count it is called with:
   feed it a few fixed row counts (pad to buckets), not every batch's own.
+- Activation checkpointing: torch.utils.checkpoint with use_reentrant=True works. The non-reentrant
+  variant re-runs forward inside backward as a second training forward, which the slot rules
+  refuse (and the first forward's slot stays taken): do not checkpoint through these modules that way.
+- torch.compile guards on each module's handle id (a constant to the compiler), so every instance
+  compiles its own graph: compile the enclosing model once, or raise
+  torch._dynamo.config.recompile_limit when compiling more than its default of 8 modules one by one.
 - Handles are created (and their device memory set up) on a module's first call for a shape:
   run each shape once before capturing it into a CUDA graph, as torch.cuda.graph's warm-up does.
 - main_grad=True: weight gradients accumulate into fp32 `param.main_grad` (their .grad stays None);
@@ -74,19 +80,21 @@ def _ticket(device):
 
 
 class _Pending:
-    """The training forwards whose backward has not run, oldest first, by their tickets' addresses.
-    The library pairs every backward with the oldest; autograd may run them in another order (one
-    backward of a sum of micro-batch losses runs the last one first), which would pair a backward
-    with another micro-batch's saved context."""
+    """The training forwards whose backward has not run, oldest first, by their tickets. The library
+    pairs every backward with the oldest; autograd may run them in another order (one backward of a
+    sum of micro-batch losses runs the last one first), which would pair a backward with another
+    micro-batch's saved context. The queue holds the tickets themselves, not their addresses: a
+    ticket of a forward whose output was dropped stays allocated while it is pending, so the
+    allocator cannot give its address to a later forward's ticket, which would then pass as it."""
 
     def __init__(self):
         self.queue = collections.deque()
 
     def push(self, ticket):
-        self.queue.append(ticket.data_ptr())
+        self.queue.append(ticket)
 
     def check(self, ticket, what):
-        if self.queue and self.queue[0] != ticket.data_ptr():
+        if self.queue and self.queue[0].data_ptr() != ticket.data_ptr():
             raise RuntimeError(f"moegraph {what}: this backward is not the oldest pending training forward's "
                                f"({len(self.queue)} pending); the library runs backwards in forward order: call "
                                f"backward on each micro-batch's loss in the order of their forwards")
@@ -94,6 +102,15 @@ class _Pending:
     def pop(self):
         if self.queue:
             self.queue.popleft()
+
+
+def _main_grad_of(param, name):
+    """param.main_grad, which main_grad=True needs the caller to have set (fp32, the parameter's shape)."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise ValueError(f"main_grad=True needs {name}.main_grad, an fp32 tensor of the parameter's shape: the module "
+                         f"sets it when built, but a parameter replaced since (e.g. by FSDP2) has none")
+    return main_grad
 
 
 def _check_device(t, device, name):
@@ -138,7 +155,17 @@ class _OwnsHandles:
         _handles[self._id] = self._new_handles()
 
     def __del__(self):
-        _handles.pop(getattr(self, "_id", None), None)
+        if _handles is not None:  # None once the module is torn down at exit
+            _handles.pop(getattr(self, "_id", None), None)
+
+
+def _handles_of(handle_id):
+    """The C handles an op names by its module's id."""
+    h = _handles.get(handle_id)
+    if h is None:
+        raise RuntimeError("moegraph: the module this op belongs to was deleted (its C operators with it): keep a "
+                           "module alive until the backward of each of its training forwards has run")
+    return h
 
 
 def _check_same_device(handles, device):
@@ -237,6 +264,7 @@ class _LinearHandles:
         self.delay_wgrad = delay_wgrad
         self.ops = {}  # rows -> (handle, workspace tensor)
         self.pending = collections.defaultdict(_Pending)  # rows -> training forwards awaiting backward
+        self.queued_wgrads = collections.deque()  # delay_wgrad: the row count of each queued wgrad, oldest first
         self.device = None  # of the first call: every handle and workspace lives there
 
     def op(self, rows, device):
@@ -249,18 +277,20 @@ class _LinearHandles:
             handle = ctypes.c_void_p()
             _lib.call("mg_grouped_linear_create", ctypes.byref(o), ctypes.c_void_p(workspace.data_ptr()),
                       ctypes.byref(handle))
+            self.destroy = _lib.lib().mg_grouped_linear_destroy
             self.ops[rows] = (handle, workspace)
         return self.ops[rows][0]
 
     def __del__(self):
+        destroy = getattr(self, "destroy", None)  # bound at creation: module globals may be gone at exit
         for handle, _ in getattr(self, "ops", {}).values():
-            _lib.lib().mg_grouped_linear_destroy(handle)
+            destroy(handle)
 
 
 @torch.library.custom_op("moegraph::grouped_linear", mutates_args=())
 def _linear_forward(x: Tensor, splits: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor],
                     handle: int, train: bool) -> Tuple[Tensor, Tensor]:
-    h = _handles[handle]
+    h = _handles_of(handle)
     with torch.cuda.device(x.device):
         op = h.op(x.shape[0], x.device)
         y = torch.zeros((x.shape[0], weight.shape[1]), dtype=x.dtype, device=x.device)  # rows past sum(splits): 0
@@ -281,7 +311,7 @@ def _(x, splits, weight, bias, main_grad, handle, train):
 @torch.library.custom_op("moegraph::grouped_linear_backward", mutates_args=("main_grad",))
 def _linear_backward(dy: Tensor, ticket: Tensor, weight: Tensor, bias: Optional[Tensor], main_grad: Optional[Tensor],
                      handle: int, need_dx: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    h = _handles[handle]
+    h = _handles_of(handle)
     pending = h.pending[dy.shape[0]]
     pending.check(ticket, "GroupedLinear")
     with torch.cuda.device(dy.device):
@@ -293,6 +323,8 @@ def _linear_backward(dy: Tensor, ticket: Tensor, weight: Tensor, bias: Optional[
                                  dbias=_ptr(db), dweight=_ptr(dw), main_grad=_ptr(main_grad))
         _lib.call("mg_grouped_linear_backward", op, ctypes.byref(args), int(h.delay_wgrad), _stream(dy.device))
     pending.pop()
+    if h.delay_wgrad:
+        h.queued_wgrads.append(dy.shape[0])  # backward_dw runs it on the operator of this row count
     return dx, dw, db
 
 
@@ -363,10 +395,10 @@ class GroupedLinear(_OwnsHandles, torch.nn.Module):
         x, splits = x.contiguous(), splits.contiguous()
         params = [self.weight] + ([self.bias] if self.bias is not None else [])
         train = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-        main_grad = self.weight.main_grad if self.main_grad else None
         weight, bias = _full(self.weight), _full(self.bias)
-        if main_grad is not None and (weight is not self.weight or bias is not self.bias):
+        if self.main_grad and (weight is not self.weight or bias is not self.bias):
             raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
+        main_grad = _main_grad_of(self.weight, "weight") if self.main_grad else None
         device, shape = self.weight.device, (groups, out_features, in_features)
         _check_read_by_address(weight, "weight", shape, self._dtype, device)
         _check_read_by_address(bias, "bias", shape[:2], self._dtype, device)
@@ -385,11 +417,13 @@ class GroupedLinear(_OwnsHandles, torch.nn.Module):
         """Runs the oldest queued weight gradient (delay_wgrad) into weight.main_grad, on the current stream.
         A forward of zero rows queues none (it adds nothing to main_grad)."""
         h = _handles[self._id]
-        if len(h.ops) != 1:
-            raise RuntimeError("backward_dw needs the module to have run one row count")
-        handle = next(iter(h.ops.values()))[0]
+        if not h.queued_wgrads:
+            raise RuntimeError("backward_dw without a queued weight gradient (run a training backward with "
+                               "delay_wgrad=True first)")
+        handle = h.ops[h.queued_wgrads[0]][0]  # the operator of that micro-batch's row count
         with torch.cuda.device(self.weight.device):
             _lib.call("mg_grouped_linear_backward_dw", handle, _stream(self.weight.device))
+        h.queued_wgrads.popleft()
 
     def check_device_errors(self):
         """Synchronizes and raises MoegraphError if the device saw invalid splits since the last check
@@ -426,6 +460,7 @@ class _LayerHandle:
         if self.handle is None:
             handle = ctypes.c_void_p()
             _lib.call("mg_moe_layer_create", ctypes.byref(self.options), ctypes.byref(w), None, ctypes.byref(handle))
+            self.destroy = _lib.lib().mg_moe_layer_destroy  # bound now: module globals may be gone at exit
             self.handle = handle
         elif key != self.bound:
             _lib.call("mg_moe_layer_set_weights", self.handle, ctypes.byref(w))
@@ -433,8 +468,8 @@ class _LayerHandle:
         return self.handle
 
     def close(self):
-        if self.handle is not None:
-            _lib.lib().mg_moe_layer_destroy(self.handle)
+        if getattr(self, "handle", None) is not None:
+            self.destroy(self.handle)
             self.handle = None
 
     def __del__(self):
@@ -453,7 +488,7 @@ def _main_grads(mg_router, mg1, mg2):
 def _moe_forward(x: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
                  mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor], handle: int,
                  train: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    h = _handles[handle]
+    h = _handles_of(handle)
     with torch.cuda.device(x.device):
         layer = h.layer([router, w1, b1, w2, b2], _main_grads(mg_router, mg1, mg2))
         y = torch.empty_like(x)
@@ -479,7 +514,7 @@ def _(x, router, w1, b1, w2, b2, mg_router, mg1, mg2, handle, train):
 def _moe_backward(dy: Tensor, x: Tensor, ticket: Tensor, router: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor,
                   b2: Optional[Tensor], mg_router: Optional[Tensor], mg1: Optional[Tensor], mg2: Optional[Tensor],
                   handle: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    h = _handles[handle]
+    h = _handles_of(handle)
     # Fresh gradient tensors for every backward, bound before it runs: autograd owns them from here
     # on, and a later backward writes its own (no copies, no gradient buffer kept by the layer).
     grads = {}
@@ -548,6 +583,8 @@ class MoELayer(_OwnsHandles, torch.nn.Module):
             raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
         if delay_wgrad and not main_grad:
             raise ValueError("delay_wgrad needs main_grad=True (the queued gradients land in .main_grad)")
+        if score not in _lib.ROUTER_SCORE:
+            raise ValueError(f"score must be one of {sorted(_lib.ROUTER_SCORE)}, got {score!r}")
         o = _lib.MoeLayerOptions(experts=experts, hidden=hidden, ffn=ffn, top_k=top_k, bias=int(bias),
                                  score=_lib.ROUTER_SCORE[score], renormalize=int(renormalize),
                                  aux_loss_coef=aux_loss_coef, capacity_factor=capacity_factor, max_tokens=max_tokens,
@@ -585,11 +622,12 @@ class MoELayer(_OwnsHandles, torch.nn.Module):
             raise ValueError(f"{x.shape[0]} tokens, more than max_tokens {self.max_tokens}")
         params = (self.router, self.w1, self.w2) + ((self.b1, self.b2) if self.b1 is not None else ())
         train = self.trainable and torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in params))
-        mg = [w.main_grad for w in (self.router, self.w1, self.w2)] if self.main_grad else [None] * 3
         own = (self.router, self.w1, self.b1, self.w2, self.b2)
         router, w1, b1, w2, b2 = full = [_full(p) for p in own]
         if self.main_grad and any(f is not p for f, p in zip(full, own)):
             raise ValueError("main_grad=True with DTensor parameters: their gradients are DTensors in .grad")
+        mg = ([_main_grad_of(w, n) for n, w in (("router", self.router), ("w1", self.w1), ("w2", self.w2))]
+              if self.main_grad else [None] * 3)
         device = self.w1.device
         for name, t in zip(("router", "w1", "b1", "w2", "b2"), full):
             _check_read_by_address(t, name, self._shapes[name], self._dtype, device)

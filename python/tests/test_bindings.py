@@ -187,6 +187,17 @@ class LibraryWithoutAGpu(unittest.TestCase):
         self.assertEqual(e.exception.status_name, "MG_ERR_CONFIG")
         self.assertIn("expertz", str(e.exception))
 
+    def test_a_config_cannot_be_copied(self):
+        # A copy shared the C handle; the first of the two destroyed freed it under the other.
+        import copy
+        import pickle
+        import moegraph
+        c = moegraph.Config.default()
+        for make_copy in (copy.copy, copy.deepcopy, pickle.dumps):
+            with self.assertRaisesRegex(TypeError, "owns a C handle"):
+                make_copy(c)
+        self.assertEqual(c.shape()["whole_layer"], 1)
+
 
 if __name__ == "__main__":
     unittest.main()

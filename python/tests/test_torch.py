@@ -143,6 +143,35 @@ class ChecksBeforeTheLibraryTest(unittest.TestCase):
         gc.collect()
         self.assertTrue(all(i in _handles for i in ids))
 
+    def test_pending_forwards_keep_their_tickets(self):
+        # By address alone, a dropped forward's freed ticket could be reallocated to a later forward's,
+        # whose backward would then pass as the oldest and take the dropped forward's saved context.
+        import weakref
+        from moegraph.torch import _Pending
+        pending = _Pending()
+        ticket = torch.empty(1, dtype=torch.int32)
+        alive = weakref.ref(ticket)
+        pending.push(ticket)
+        del ticket
+        self.assertIsNotNone(alive(), "a pending ticket stays allocated, so no later ticket gets its address")
+        with self.assertRaisesRegex(RuntimeError, "not the oldest pending"):
+            pending.check(torch.empty(1, dtype=torch.int32), "GroupedLinear")
+        pending.pop()
+        self.assertIsNone(alive())
+
+    def test_plain_errors(self):
+        from moegraph.torch import _handles_of
+        with self.assertRaisesRegex(ValueError, "score must be one of"):
+            MoELayer(8, 256, 128, score="relu", device="cpu")
+        with self.assertRaisesRegex(RuntimeError, "was deleted"):  # a backward after its module was deleted
+            _handles_of(-1)
+        layer = GroupedLinear(5, 128, 64, main_grad=True, delay_wgrad=True, device="cpu")
+        with self.assertRaisesRegex(RuntimeError, "backward_dw without a queued weight gradient"):
+            layer.backward_dw()  # it used to ask for one row count instead
+        del layer.weight.main_grad
+        with self.assertRaisesRegex(ValueError, "needs weight.main_grad"):
+            layer(torch.randn(40, 128).bfloat16(), torch.tensor([10, 0, 20, 5, 5], dtype=torch.int32))
+
     def test_no_rows(self):
         # GroupedLinear of no rows: an empty output, an empty dx and zero weight and bias gradients
         # (with main_grad, weight.grad stays None), without the library.
