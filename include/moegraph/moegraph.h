@@ -467,10 +467,12 @@ MOEGRAPH_API mg_status mg_moe_layer_workspace_bytes(const mg_moe_layer_options* 
 MOEGRAPH_API mg_status mg_moe_layer_window_bytes(const mg_moe_layer_options* options, size_t* out);
 /* workspace: device memory of mg_moe_layer_workspace_bytes(options) bytes, 256-byte aligned, or NULL
  * to have the layer allocate its own. The weights' pointers are kept, not copied. Before capture.
- * Refuses expert_parallel > 1 (use mg_moe_layer_create_ep), and weights a forward reads that are
- * NULL (router, w1 and w2 or their MXFP8 tensors, b1 and b2 with bias: MG_ERR_INVALID_ARGUMENT,
- * before the device is touched). The gradient buffers are checked by each backward, before it
- * enqueues anything, as is every pointer of mg_moe_layer_io a call needs. */
+ * Refuses expert_parallel > 1 (use mg_moe_layer_create_ep), and NULL weights the layer will read
+ * (router, w1 and w2 or their MXFP8 tensors, for training also the transposed ones dgrad reads, b1
+ * and b2 with bias: MG_ERR_INVALID_ARGUMENT, before the device is touched). The gradient buffers
+ * are checked by each backward, before it enqueues anything, as is every pointer of
+ * mg_moe_layer_io a call needs; with the mxfp8 recipe from the layer's own copies, a forward
+ * before the first mg_moe_layer_weights_changed is refused the same way. */
 MOEGRAPH_API mg_status mg_moe_layer_create(const mg_moe_layer_options* options, const mg_moe_layer_weights* weights,
                                            void* workspace, mg_moe_layer** out);
 /* mg_moe_layer_create for one rank of an expert-parallel group: `comm` is this rank's communicator

@@ -134,11 +134,21 @@ std::string reason_of(std::string what) {
   }
   // It quotes the whole token it last read, which may be a string of megabytes: cut it as we cut
   // strings everywhere else (a UTF-8 sequence cut in half becomes '?' below).
-  constexpr std::string_view kLastRead = "last read: '";
+  constexpr std::string_view kLastRead = "last read: '", kExpected = "'; expected";
   constexpr std::size_t kMaxQuoted = 64;
   if (const std::size_t at = what.find(kLastRead); at != std::string::npos) {
     const std::size_t start = at + kLastRead.size();
-    if (what.size() > start + kMaxQuoted + 1) what = what.substr(0, start + kMaxQuoted) + "...'";
+    // The token ends at its closing quote: before "; expected ..." when nlohmann adds that, else last.
+    std::size_t end = what.find(kExpected, start);
+    if (end == std::string::npos) end = what.rfind('\'');
+    if (end != std::string::npos && end >= start && end - start > kMaxQuoted) {
+      std::size_t cut = start + kMaxQuoted;
+      // Not inside one of its "<U+XXXX>" escapes of a control character.
+      if (const std::size_t open = what.rfind('<', cut - 1); open != std::string::npos && open >= start &&
+                                                               what.find('>', open) >= cut)
+        cut = open;
+      what = what.substr(0, cut) + "..." + what.substr(end);
+    }
   }
   return replace_ill_formed_utf8(what);
 }
@@ -257,9 +267,9 @@ int64_t integer_in(const Json& value, const std::string& path, int64_t lo, int64
 
 uint64_t non_negative_integer(const Json& value, const std::string& path) {
   if (value.is_number_unsigned()) return value.get<uint64_t>();
-  if (value.is_number_integer()) {  // signed: "-0" (zero) or a negative number
+  if (value.is_number_integer()) {  // signed: "-0" from text, or a value built in code
     MG_CONFIG_CHECK(value.get<int64_t>() >= 0, path, " must be a non-negative integer, got ", value.dump());
-    return 0;
+    return static_cast<uint64_t>(value.get<int64_t>());
   }
   const bool huge = value.is_number_float() && std::fabs(value.get<double>()) >= 2 * kTwoTo63;
   MG_CONFIG_CHECK(!huge, path, " must be a non-negative integer below 2^64, got ", value.get<double>(),

@@ -352,6 +352,11 @@ TEST(ConfigErrorsMisc, ALongTokenInASyntaxErrorIsCutShort) {
   const std::string m = error_of("{\"name\": \"" + std::string(1000000, 'a') + "\x01\"}");
   EXPECT_TRUE(contains(m, "last read: '\"aaaa")) << m.substr(0, 300);
   EXPECT_LT(m.size(), 400u);
+  // Only the token is cut: what nlohmann says after it (what it expected) stays whole.
+  const std::string e = error_of("{\"layer\" \"" + std::string(100, 'x') + "\n\"}");
+  EXPECT_TRUE(contains(e, "xxx...'")) << e;
+  EXPECT_FALSE(contains(e, "<U+00")) << "the cut token keeps no half escape: " << e;
+  EXPECT_LT(e.size(), 400u);
 }
 
 TEST(ConfigErrorsMisc, LongKeysAreCutShortInMessages) {

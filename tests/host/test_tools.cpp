@@ -354,6 +354,10 @@ TEST(Tools, BenchJsonCheckRemovesOnlyWhatItCreated) {
   const ToolRun r = run_tool("MOEGRAPH_BENCH", "--kernels --plan --json " + link.string());  // refused after the check
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_TRUE(fs::is_symlink(fs::symlink_status(link))) << "the link given as --json was removed";
+  EXPECT_FALSE(fs::exists(target)) << "the file the check created through the link was left behind";
+  std::ofstream(target) << "kept";
+  EXPECT_EQ(run_tool("MOEGRAPH_BENCH", "--kernels --plan --json " + link.string()).exit_code, 2);
+  EXPECT_TRUE(fs::exists(target)) << "a file that existed was removed";
   const fs::path fresh = dir / "fresh.json";
   const ToolRun f = run_tool("MOEGRAPH_BENCH", "--kernels --plan --json " + fresh.string());
   EXPECT_EQ(f.exit_code, 2) << f.output;

@@ -64,17 +64,21 @@ int usage_error(const std::string& what) {
 
 // Why `path` cannot be written ("" when it can), found before any measurement runs rather than
 // after it: the file is opened for appending (an existing one keeps its bytes), and only a file
-// this check created is removed again. Whether the path existed is asked of the name itself, so
-// an unreadable file or a link (even a dangling one) is never removed.
+// this check created is removed again: the file the name leads to (through links), never the name
+// of a link; a file whose existence cannot be told counts as existing.
 std::string unwritable_reason(const std::string& path) {
-  std::error_code ec;
-  const std::filesystem::file_type type = std::filesystem::symlink_status(path, ec).type();
-  const bool existed = type != std::filesystem::file_type::not_found;  // an error counts as existing
+  namespace fs = std::filesystem;
+  std::error_code exists_error;
+  const bool existed = fs::exists(path, exists_error) || exists_error;  // follows links
   errno = 0;
   std::FILE* f = std::fopen(path.c_str(), "a");
   if (f == nullptr) return std::strerror(errno != 0 ? errno : EIO);
   std::fclose(f);
-  if (!existed) std::remove(path.c_str());
+  if (!existed) {
+    std::error_code resolve_error;
+    const fs::path file = fs::canonical(path, resolve_error);  // the file just created, past any links
+    if (!resolve_error) std::remove(file.c_str());
+  }
   return "";
 }
 

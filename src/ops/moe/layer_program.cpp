@@ -38,7 +38,11 @@ void require_weights(const MoeLayerOptions& o, const MoeLayerWeights& w) {
 // What a forward reads and writes through the caller's pointers, checked before its first
 // operator enqueues anything: a refused call leaves the layer, its slots and (with expert
 // parallelism) its peers as they were.
-void require_forward_io(const MoeLayerOptions& o, const MoeLayerIO& io, bool train) {
+void require_forward_io(const MoeLayerOptions& o, const MoeLayerIO& io, bool train, bool weights_quantized) {
+  // FC1 would refuse too, but only after the router and the dispatch (with expert parallelism, its
+  // exchange with the peers) had run.
+  MG_CHECK(o.recipe != Recipe::kMXFP8 || o.prequantized_weights || weights_quantized,
+           "the mxfp8 recipe needs weights_changed() before the first forward");
   MG_CHECK(io.x != nullptr && io.num_tokens != nullptr, "MoeLayerIO needs x and num_tokens");
   MG_CHECK(io.y != nullptr, "MoeLayerIO needs y");
   MG_CHECK(!train || o.aux_loss_coef == 0.0 || io.aux_loss != nullptr, "aux_loss_coef is ", o.aux_loss_coef,
@@ -139,7 +143,7 @@ void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
   MG_CHECK(std::find(free_slots_.begin(), free_slots_.end(), 0) != free_slots_.end(),
            "inference forward shares slot 0 with a training micro-batch in flight (", backward_queue_.size(),
            " awaiting backward, ", wgrad_queue_.size(), " awaiting wgrad): finish them first");
-  require_forward_io(options_, io, false);
+  require_forward_io(options_, io, false, weights_quantized_);
   run_forward(io, 0, false, stream);
 }
 
@@ -149,7 +153,7 @@ void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
   MG_CHECK(options_.training, "forward_train needs MoeLayerOptions::training");
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold micro-batches in flight: run backward / backward_dw first");
-  require_forward_io(options_, io, true);
+  require_forward_io(options_, io, true, weights_quantized_);
   const int slot = free_slots_.back();
   run_forward(io, slot, true, stream);
   free_slots_.pop_back();
@@ -182,6 +186,7 @@ void LayerProgram::backward_dw(cudaStream_t stream) {
 void LayerProgram::weights_changed(cudaStream_t stream) {
   const DeviceScope on_device(device_);
   for (auto& op : ops_) op->weights_changed(stream);
+  weights_quantized_ = true;
 }
 
 namespace {

@@ -51,6 +51,7 @@ class LayerProgram {
 
   MoeLayerOptions options_;
   MoeLayerWeights weights_;  // as bound now (set_weights keeps which of them are set)
+  bool weights_quantized_ = false;  // mxfp8 from the layer's own copies: weights_changed has run
   std::vector<OpSpec> specs_;
   std::vector<std::unique_ptr<LayerOp>> ops_;
   TensorTable tensors_;
