@@ -8,6 +8,7 @@
 #include "graphs/sharded_weights.hpp"
 #include "graphs/step_weights.hpp"
 #include "src/core/device_buffer.hpp"
+#include "src/ops/moe/op_spec.hpp"
 #include "graphs/graph_exec.hpp"
 #include "moegraph/expert_parallel.hpp"
 #include "src/core/device_info.hpp"
@@ -38,16 +39,7 @@ void check_weights(const StepGraphsOptions& o, const StepWeights& w) {
   const MoeLayerOptions& l = o.layer;
   const bool layer = o.step == StepKind::kMoeLayer;
   if (l.prequantized_weights) {
-    for (const auto& [name, m] : {std::pair{"w1_mxfp8", &w.w1_mxfp8}, std::pair{"w2_mxfp8", &w.w2_mxfp8}}) {
-      MG_CHECK(m->data != nullptr && m->scales != nullptr, "StepWeights needs ", name,
-               ".data and .scales (prequantized_weights)");
-      MG_CHECK(!l.training || (m->data_t != nullptr && m->scales_t != nullptr), "StepWeights needs ", name,
-               ".data_t and .scales_t for training (dgrad reads them)");
-      MG_CHECK(!l.dequantized_weights || m->dequantized != nullptr, "StepWeights needs ", name,
-               ".dequantized (prequantized_weights with dequantized_weights)");
-      MG_CHECK(!l.dequantized_weights || !l.training || m->dequantized_t != nullptr, "StepWeights needs ", name,
-               ".dequantized_t for training (dgrad reads it; prequantized_weights with dequantized_weights)");
-    }
+    layer::require_prequantized_weights(l, w.w1_mxfp8, w.w2_mxfp8, "StepWeights");
   } else if (o.sharding.ranks == 1) {  // shards are checked by ShardedWeights (a rank may hold none)
     MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "StepWeights needs w1 and w2");
   }

@@ -195,6 +195,20 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& o, int layer, 
   return g;
 }
 
+void require_prequantized_weights(const MoeLayerOptions& o, const Mxfp8Weights& w1, const Mxfp8Weights& w2,
+                                  const char* owner) {
+  for (const auto& [name, m] : {std::pair{"w1_mxfp8", &w1}, std::pair{"w2_mxfp8", &w2}}) {
+    MG_CHECK(m->data != nullptr && m->scales != nullptr, owner, " needs ", name,
+             ".data and .scales (prequantized_weights)");
+    MG_CHECK(!o.training || (m->data_t != nullptr && m->scales_t != nullptr), owner, " needs ", name,
+             ".data_t and .scales_t for training (dgrad reads them)");
+    MG_CHECK(!o.dequantized_weights || m->dequantized != nullptr, owner, " needs ", name,
+             ".dequantized (prequantized_weights with dequantized_weights)");
+    MG_CHECK(!o.dequantized_weights || !o.training || m->dequantized_t != nullptr, owner, " needs ", name,
+             ".dequantized_t for training (dgrad reads it; prequantized_weights with dequantized_weights)");
+  }
+}
+
 std::string expert_recipe_refusal(const MoeLayerOptions& o, int layer, int64_t capacity_rows) {
   const GroupedLinearOptions g = expert_linear_options(o, layer, capacity_rows);
   std::string reason = recipe_can_implement(g);

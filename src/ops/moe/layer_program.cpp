@@ -10,6 +10,7 @@
 #include "src/core/device_scope.hpp"
 #include "src/ops/group_layout.hpp"
 #include "src/ops/moe/op_events.hpp"
+#include "src/ops/moe/op_spec.hpp"
 
 namespace moegraph::layer {
 namespace {
@@ -19,16 +20,7 @@ int slots_of(const MoeLayerOptions& o) { return o.training ? o.wgrad_slots : 1; 
 void require_weights(const MoeLayerOptions& o, const MoeLayerWeights& w) {
   MG_CHECK(w.router != nullptr, "MoeLayerWeights needs router");
   if (o.prequantized_weights) {
-    for (const auto& [name, m] : {std::pair{"w1_mxfp8", &w.w1_mxfp8}, std::pair{"w2_mxfp8", &w.w2_mxfp8}}) {
-      MG_CHECK(m->data != nullptr && m->scales != nullptr, "MoeLayerWeights needs ", name,
-               ".data and .scales (prequantized_weights)");
-      MG_CHECK(!o.training || (m->data_t != nullptr && m->scales_t != nullptr), "MoeLayerWeights needs ", name,
-               ".data_t and .scales_t for training (dgrad reads them)");
-      MG_CHECK(!o.dequantized_weights || m->dequantized != nullptr, "MoeLayerWeights needs ", name,
-               ".dequantized (prequantized_weights with dequantized_weights)");
-      MG_CHECK(!o.dequantized_weights || !o.training || m->dequantized_t != nullptr, "MoeLayerWeights needs ", name,
-               ".dequantized_t for training (dgrad reads it; prequantized_weights with dequantized_weights)");
-    }
+    require_prequantized_weights(o, w.w1_mxfp8, w.w2_mxfp8, "MoeLayerWeights");
   } else {
     MG_CHECK(w.w1 != nullptr && w.w2 != nullptr, "MoeLayerWeights needs w1 and w2");
   }

@@ -100,6 +100,11 @@ GroupedLinearOptions expert_linear_options(const MoeLayerOptions& options, int l
 // Why the recipe cannot run that expert linear as the layer would use it ("" when it can): its shape
 // rules, and its training rules when options.training.
 std::string expert_recipe_refusal(const MoeLayerOptions& options, int layer, int64_t capacity_rows);
+// Throws (naming `owner`'s fields, e.g. "MoeLayerWeights") unless w1's and w2's MXFP8 tensors that
+// options.prequantized_weights makes the layer read are set: data and scales, the transposed ones
+// for training, the dequantized values with dequantized_weights.
+void require_prequantized_weights(const MoeLayerOptions& options, const Mxfp8Weights& w1, const Mxfp8Weights& w2,
+                                  const char* owner);
 
 // The operator of a declaration (set-up only: may allocate). With expert parallelism the dispatch
 // and the combine are the cross-rank ones (src/ops/moe/ep_ops.cpp), on `comm` (null: sizing only).
