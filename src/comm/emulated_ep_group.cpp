@@ -64,7 +64,9 @@ class EmulatedComm final : public EpComm {
     require_not_aborted("allocate_window");
     MG_CHECK(bytes > 0, "an expert-parallel window needs at least one byte");
     std::lock_guard<std::mutex> lock(state_->mutex);
-    const std::size_t k = state_->calls[rank_]++;
+    // The rank's count moves only once its window is given: a refused or failed call leaves its
+    // next call paired with the same window as its peers' (they would wait at another otherwise).
+    const std::size_t k = state_->calls[rank_];
     if (k == state_->allocations.size()) {
       auto a = std::make_shared<EmulatedEpGroup::State::Allocation>();
       a->bytes = bytes;
@@ -79,7 +81,9 @@ class EmulatedComm final : public EpComm {
     MG_CHECK(a->bytes == bytes, "emulated rank ", rank_, " asked for window ", k, " with ", bytes,
              " bytes, but rank(s) before it asked for ", a->bytes, ": ranks must set up the same layers in the "
              "same order");
-    return std::make_shared<EmulatedWindow>(rank_, a);
+    auto window = std::make_shared<EmulatedWindow>(rank_, a);
+    ++state_->calls[rank_];
+    return window;
   }
 
   // The peers' stores go straight into `recv` on every rank (found through the window holding it),

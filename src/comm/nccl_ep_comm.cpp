@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -28,6 +30,9 @@ struct NcclEpComm::State {
   // Set by abort() before NCCL is told: from then on nothing collective runs on the communicator
   // (no window deregistration, no ncclCommDestroy), and an owned one no longer exists.
   std::atomic<bool> aborted{false};
+  // Held by abort_transport across ncclCommAbort (which frees an owned communicator) and by the
+  // error check while it queries NCCL: wait() polls that check while another thread may abort.
+  std::mutex mutex;
   int rank = 0, ranks = 0, device = 0;
   long long timeout_ns = 0;
   std::vector<int> lsa_rank;
@@ -68,6 +73,12 @@ class NcclWindow final : public EpWindow {
 // ran; NCCL_LOCAL_REGISTER=0 alone did not help (docs/bench/2026-11-24-h200x2-ep-second-run.txt).
 // Refused rather than hung. Kilobyte chunks completed either way.
 void require_user_buffer_registration_off() {
+  // The environment the process started with (NCCL keeps the values it first read), read once: this
+  // runs on every exchange's enqueue.
+  static const std::string framed = [] {
+    std::ifstream in("/proc/self/environ", std::ios::binary);
+    return '\0' + std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()) + '\0';
+  }();
   for (const char* name : {"NCCL_GRAPH_REGISTER", "NCCL_LOCAL_REGISTER"}) {
     const char* v = std::getenv(name);
     MG_CHECK(v != nullptr && std::string(v) == "0", "the send/recv exchange over NCCL needs ", name,
@@ -75,6 +86,11 @@ void require_user_buffer_registration_off() {
              v ? std::string("\"") + v + "\"" : std::string("unset"),
              "): while NCCL registers the exchange's buffers itself it hangs (docs/expert-parallel.md); "
              "scripts/launch sets NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0 unless given");
+    const std::string entry = std::string(1, '\0') + name + "=0" + std::string(1, '\0');
+    MG_CHECK(framed.find(entry) != std::string::npos, "the send/recv exchange over NCCL needs ", name,
+             "=0 in the environment the process starts with (export it, or start the ranks with scripts/launch): it "
+             "is set now but was not at start, and NCCL keeps the value it first read, so it may still register "
+             "the exchange's buffers itself and hang (docs/expert-parallel.md)");
   }
 }
 
@@ -87,8 +103,7 @@ void require_nccl_version() {
 
 std::shared_ptr<NcclEpComm> make_comm(ncclComm_t comm, bool owned) {
   auto state = std::make_shared<NcclEpComm::State>();
-  state->comm = comm;
-  state->owned = owned;
+  state->comm = comm;  // owned only once every check passed: a refusal here leaves it to the caller
   MG_NCCL_CHECK(ncclCommUserRank(comm, &state->rank));
   MG_NCCL_CHECK(ncclCommCount(comm, &state->ranks));
   MG_NCCL_CHECK(ncclCommCuDevice(comm, &state->device));
@@ -100,7 +115,10 @@ std::shared_ptr<NcclEpComm> make_comm(ncclComm_t comm, bool owned) {
            kMaxExpertParallel, " ranks, the communicator has ", state->ranks);
   state->lsa_rank = kernels::nccl_lsa_ranks(comm);
   state->timeout_ns = comm::barrier_timeout_ns_from_environment();
-  return std::make_shared<NcclEpComm>(std::move(state));
+  const std::shared_ptr<NcclEpComm::State> kept = state;
+  auto made = std::make_shared<NcclEpComm>(std::move(state));
+  kept->owned = owned;
+  return made;
 }
 
 int env_int(const char* name, int lo, int hi, int fallback) {
@@ -177,6 +195,7 @@ int NcclEpComm::device() const { return state_->device; }
 ncclComm_t NcclEpComm::nccl() const { return state_->aborted && state_->owned ? nullptr : state_->comm; }
 
 void NcclEpComm::abort_transport() {
+  const std::lock_guard<std::mutex> lock(state_->mutex);
   state_->aborted = true;
   if (!state_->owned) return;  // the caller's communicator: the caller aborts it
   const DeviceScope on_device(state_->device, std::nothrow);
@@ -187,6 +206,7 @@ void NcclEpComm::abort_transport() {
 }
 
 void NcclEpComm::check_transport_error() const {
+  const std::lock_guard<std::mutex> lock(state_->mutex);
   if (state_->aborted) return;
   ncclResult_t async = ncclSuccess;
   MG_NCCL_CHECK(ncclCommGetAsyncError(state_->comm, &async));
@@ -208,12 +228,22 @@ void NcclEpComm::all_to_all(const void* send, void* recv, std::size_t chunk_byte
   require_user_buffer_registration_off();
   const auto* from = static_cast<const char*>(send);
   auto* to = static_cast<char*>(recv);
+  // A failed call inside the group must still close it: a thread left inside an NCCL group queues
+  // every later NCCL call of the process's thread (the caller's own, a rebuild's init) for good.
+  struct Group {
+    bool open = true;
+    ~Group() {
+      if (open) ncclGroupEnd();
+    }
+  };
   MG_NCCL_CHECK(ncclGroupStart());
+  Group group;
   for (int p = 0; p < state_->ranks; ++p) {
     const std::size_t at = static_cast<std::size_t>(p) * chunk_bytes;
     MG_NCCL_CHECK(ncclSend(from + at, chunk_bytes, ncclUint8, p, state_->comm, stream));
     MG_NCCL_CHECK(ncclRecv(to + at, chunk_bytes, ncclUint8, p, state_->comm, stream));
   }
+  group.open = false;
   MG_NCCL_CHECK(ncclGroupEnd());
 }
 
@@ -252,6 +282,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_init(int ranks, int rank, const std::st
   MG_CHECK(rank >= 0 && rank < ranks, "rank must be in [0, ranks - 1 = ", ranks - 1, "], got ", rank);
   const ncclUniqueId id = from_hex(unique_id_hex);
   comm::require_nvls_off();
+  (void)comm::barrier_timeout_ns_from_environment();  // the environment before the collective init
   require_nccl_version();
   require_supported_device();
   ncclComm_t comm = nullptr;
