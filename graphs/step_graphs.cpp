@@ -305,6 +305,8 @@ void StepGraphs::weights_changed(cudaStream_t stream) {
 
 uint64_t StepGraphs::read_dropped(cudaStream_t stream) {
   const DeviceScope on_device(memory_->device);
+  // As documented, for every step kind: the experts-only buckets count nothing and did not sync.
+  MG_CUDA_CHECK(cudaStreamSynchronize(stream));
   uint64_t total = 0;
   for (auto& b : buckets_) total += b->read_dropped(stream);
   return total;

@@ -36,6 +36,16 @@ StepGraphsOptions step_graphs_options(const Config& config) {
 
 void validate(const StepGraphsOptions& o) {
   MG_CHECK(!o.buckets.empty(), "buckets must list at least one capacity in tokens");
+  // Enums may hold any value through the C ABI or a cast: refused here rather than read as another.
+  MG_CHECK(o.step == StepKind::kMoeLayer || o.step == StepKind::kExperts, "step: unknown value ",
+           static_cast<int>(o.step), " (moe_layer or experts)");
+  MG_CHECK(o.capture_mode == cudaStreamCaptureModeGlobal || o.capture_mode == cudaStreamCaptureModeThreadLocal ||
+               o.capture_mode == cudaStreamCaptureModeRelaxed,
+           "capture_mode: unknown value ", static_cast<int>(o.capture_mode), " (global, thread-local or relaxed)");
+  MG_CHECK(o.sharding.policy == ShardPolicy::kChunk || o.sharding.policy == ShardPolicy::kBalanced,
+           "sharding.policy: unknown value ", static_cast<int>(o.sharding.policy), " (chunk or balanced)");
+  MG_CHECK(o.sharding.unit == ShardUnit::kExpert || o.sharding.unit == ShardUnit::kRow,
+           "sharding.unit: unknown value ", static_cast<int>(o.sharding.unit), " (expert or row)");
   // Each bucket's layer is given prequantized weights exactly under the mxfp8 recipe (the step's
   // shared copies or the caller's), which hides what the caller asked: check it here.
   MG_CHECK(!o.layer.prequantized_weights || o.layer.recipe == Recipe::kMXFP8,

@@ -646,7 +646,8 @@ typedef struct {
 typedef struct {
   size_t struct_size;   /* sizeof(mg_bucket_io) */
   int64_t tokens;       /* capacity in tokens */
-  int64_t rows;         /* permuted rows: tokens * top_k plus alignment padding */
+  int64_t rows;         /* the experts' rows: tokens * top_k plus alignment padding, or with expert
+                           parallelism the receive rows of this rank's experts */
   void* x;
   int32_t* splits;      /* experts only: [experts] */
   int32_t* num_tokens;  /* whole layer: device scalar, 0..tokens */
@@ -657,8 +658,10 @@ typedef struct {
 } mg_bucket_io;
 
 /* Allocates the arena, binds the weights, warms up and captures every bucket's phases (host work;
- * MXFP8 from 16-bit weights: call mg_step_graphs_weights_changed once they are written). options may
- * be NULL.
+ * MXFP8 from 16-bit weights: call mg_step_graphs_weights_changed once they are written). The
+ * warm-up of a training step writes the gradient buffers before this returns: zeros into the 16-bit
+ * ones (dw1, dw2, d_router; db1, db2 with main_grad too), zero added to main_grad_router. options
+ * may be NULL.
  * The step keeps no reference to `config`: it may be destroyed right after.
  * Expert parallelism (the config's parallel.expert_parallel R > 1): options->comm is this rank's
  * communicator of R ranks and the weights are this rank's experts (mg_config_shape). Collective:

@@ -98,7 +98,8 @@ struct MOEGRAPH_API StepPlan {
   // The mxfp8 recipe's weight copies, one set shared by all buckets (outside the arena; 0 for bf16
   // and with prequantized_weights, whose MXFP8 weights count in weight_bytes).
   std::size_t mxfp8_copy_bytes = 0;
-  // Of those, the copies' bf16 values (layer.dequantized_weights): 4 bytes per weight element.
+  // Of those, the copies' bf16 values (layer.dequantized_weights): 2 bytes per weight element, and
+  // 2 more for training (the transposed copy dgrad reads).
   std::size_t mxfp8_dequantized_bytes = 0;
   std::size_t window_bytes = 0;    // every bucket's expert-parallel window
   // Sharded weights: the window on the data-parallel group holding the full expert weights and
@@ -122,7 +123,9 @@ MOEGRAPH_API StepPlan plan_step(const StepGraphsOptions& options);
 // [rows, hidden] grouped by expert and splits (and dy), reads y (and dx), all [rows, hidden]; rows
 // of y and dx past the last group are not written (they hold whatever the buffer held).
 struct BucketIO {
-  int64_t tokens = 0, rows = 0;  // capacity in tokens; permuted rows (tokens * top_k + alignment padding)
+  // Capacity in tokens; the experts' rows: tokens * top_k plus alignment padding, or with expert
+  // parallelism the receive rows of this rank's experts.
+  int64_t tokens = 0, rows = 0;
   void* x = nullptr;
   int32_t* splits = nullptr;      // experts only: [experts]
   int32_t* num_tokens = nullptr;  // whole layer: device scalar, 0..tokens
@@ -164,7 +167,11 @@ class MOEGRAPH_API StepGraphs {
   // Allocates one arena (the largest bucket), binds the caller's weights (they must stay valid
   // for the object's lifetime), warms every bucket up eagerly on zero tokens, then captures each
   // phase of each bucket (per wgrad slot) into a graph. The weights' contents are not read until a
-  // replay (MXFP8 from 16-bit weights: call weights_changed once they are written). Host work only here.
+  // replay (MXFP8 from 16-bit weights: call weights_changed once they are written). The warm-up of a
+  // training step does write the gradient buffers, on the step's own stream, finished before the
+  // constructor returns: the 16-bit ones (dw1, dw2, d_router, and db1, db2 with main_grad too) get
+  // zeros and main_grad_router gets zero added. Build a step before a backward whose gradients it
+  // shares, or after the optimizer has read them.
   //
   // Expert parallelism (options.layer.expert_parallel = R > 1): `comm` is this rank's communicator
   // of R ranks, and the weights are this rank's experts only ([E/R, ...]; the router stays whole).

@@ -94,6 +94,33 @@ TEST(Validation, MoeLayerRefusesAnUnknownScore) {
   EXPECT_THROW(MoeLayer::workspace_bytes(o), Error);
 }
 
+// The step's own enums: an unknown sharding policy or unit was planned as another, an unknown step
+// kind failed only when its buckets were made.
+TEST(Validation, StepGraphsRefuseUnknownEnumValues) {
+  StepGraphsOptions good_step;
+  good_step.layer.experts = 8, good_step.layer.hidden = 256, good_step.layer.ffn = 256, good_step.layer.top_k = 2;
+  good_step.layer.max_tokens = 64;
+  good_step.buckets = {64};
+  EXPECT_NO_THROW(validate(good_step));
+  const auto refusal = [](const StepGraphsOptions& o) {
+    try {
+      validate(o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  StepGraphsOptions o = good_step;
+  o.step = static_cast<StepKind>(5);
+  EXPECT_NE(refusal(o).find("step: unknown value 5"), std::string::npos) << refusal(o);
+  o = good_step, o.capture_mode = static_cast<cudaStreamCaptureMode>(42);
+  EXPECT_NE(refusal(o).find("capture_mode: unknown value 42"), std::string::npos) << refusal(o);
+  o = good_step, o.sharding.policy = static_cast<ShardPolicy>(7);
+  EXPECT_NE(refusal(o).find("sharding.policy: unknown value 7"), std::string::npos) << refusal(o);
+  o = good_step, o.sharding.unit = static_cast<ShardUnit>(9);
+  EXPECT_NE(refusal(o).find("sharding.unit: unknown value 9"), std::string::npos) << refusal(o);
+}
+
 TEST(Validation, ErrorCarriesFileAndLine) {
   GroupedLinearOptions o = good();
   o.in_features = 7;
