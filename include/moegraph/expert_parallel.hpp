@@ -99,8 +99,9 @@ class MOEGRAPH_API EpComm {
   // nccl_ep_comm_wrap, is the caller's to abort: abort() then only marks this one). Afterwards every
   // layer call, step and window allocation with this communicator is refused, and destroying the
   // windows, layers and steps made with it calls nothing collective, so no teardown waits for a
-  // peer. Not collective. Safe from another thread while the stream still runs a step (not while
-  // another thread is enqueuing one). A second call does nothing.
+  // peer. Not collective. Safe from another thread while the stream still runs a step or another
+  // thread polls wait() (not while another thread is enqueuing one, or destroying the windows,
+  // layers or steps made with this communicator). A second call does nothing.
   void abort();
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   // Throws, naming `what` (e.g. "forward"), once abort() was called.

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 
 #include "moegraph/error.hpp"
@@ -53,6 +54,31 @@ void require_nvls_off() {
   }
   const std::string refusal = nvls_refusal(now, initial);
   MG_CHECK(refusal.empty(), refusal);
+}
+
+const std::string* start_environment() {
+  static const std::optional<std::string> block = []() -> std::optional<std::string> {
+    std::ifstream in("/proc/self/environ", std::ios::binary);
+    if (!in.good()) return std::nullopt;
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }();
+  return block ? &*block : nullptr;
+}
+
+std::string zero_since_start_refusal(const char* name, const char* now, const std::string* initial,
+                                     const std::string& needed_for) {
+  const std::string wanted = std::string(name) + "=0";
+  if (now == nullptr || std::string(now) != "0")
+    return needed_for + " needs " + wanted + " in the environment of every rank (got " +
+           (now != nullptr ? "\"" + std::string(now) + "\"" : std::string("unset")) + ")";
+  if (initial == nullptr)
+    return needed_for + " needs " + wanted + " in the environment the process started with, and /proc/self/environ "
+           "cannot be read to check it";
+  const std::string framed = '\0' + *initial + '\0', entry = '\0' + wanted + '\0';
+  if (framed.find(entry) != std::string::npos) return "";
+  return needed_for + " needs " + wanted + " in the environment the process starts with (export it, or start the "
+         "ranks with scripts/launch): it is set now but was not at start (set later in the process, or by an "
+         "nccl.conf file), and NCCL keeps the value it first read";
 }
 
 }  // namespace moegraph::comm

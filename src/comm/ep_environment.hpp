@@ -21,4 +21,13 @@ std::string nvls_refusal(const char* now, const std::string& initial);
 // Refuses (moegraph::Error) unless nvls_refusal of this process (getenv, /proc/self/environ) is "".
 void require_nvls_off();
 
+// The environment block the process started with (/proc/self/environ, NUL-separated NAME=value),
+// read once per process; null when it cannot be read.
+const std::string* start_environment();
+// Why `name` is not "0" both now (`now`, null when unset) and in `initial` (null: unreadable), or "".
+// `needed_for` says what needs it. NCCL keeps the value it first read; it also takes values from
+// nccl.conf files, which set the variable after the start: exporting it is the way that counts here.
+std::string zero_since_start_refusal(const char* name, const char* now, const std::string* initial,
+                                     const std::string& needed_for);
+
 }  // namespace moegraph::comm

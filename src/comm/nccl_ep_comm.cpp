@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -73,24 +72,12 @@ class NcclWindow final : public EpWindow {
 // ran; NCCL_LOCAL_REGISTER=0 alone did not help (docs/bench/2026-11-24-h200x2-ep-second-run.txt).
 // Refused rather than hung. Kilobyte chunks completed either way.
 void require_user_buffer_registration_off() {
-  // The environment the process started with (NCCL keeps the values it first read), read once: this
-  // runs on every exchange's enqueue.
-  static const std::string framed = [] {
-    std::ifstream in("/proc/self/environ", std::ios::binary);
-    return '\0' + std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()) + '\0';
-  }();
   for (const char* name : {"NCCL_GRAPH_REGISTER", "NCCL_LOCAL_REGISTER"}) {
-    const char* v = std::getenv(name);
-    MG_CHECK(v != nullptr && std::string(v) == "0", "the send/recv exchange over NCCL needs ", name,
-             "=0 in the environment of every rank, set before the first NCCL call (got ",
-             v ? std::string("\"") + v + "\"" : std::string("unset"),
-             "): while NCCL registers the exchange's buffers itself it hangs (docs/expert-parallel.md); "
-             "scripts/launch sets NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0 unless given");
-    const std::string entry = std::string(1, '\0') + name + "=0" + std::string(1, '\0');
-    MG_CHECK(framed.find(entry) != std::string::npos, "the send/recv exchange over NCCL needs ", name,
-             "=0 in the environment the process starts with (export it, or start the ranks with scripts/launch): it "
-             "is set now but was not at start, and NCCL keeps the value it first read, so it may still register "
-             "the exchange's buffers itself and hang (docs/expert-parallel.md)");
+    const std::string refusal = comm::zero_since_start_refusal(
+        name, std::getenv(name), comm::start_environment(), "the send/recv exchange over NCCL");
+    MG_CHECK(refusal.empty(), refusal, ": while NCCL registers the exchange's buffers itself it hangs "
+             "(docs/expert-parallel.md); scripts/launch sets NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0 unless "
+             "given");
   }
 }
 
@@ -307,6 +294,10 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment() {
   MG_CUDA_CHECK(cudaGetDeviceCount(&devices));
   const int device = env_int("MOEGRAPH_EP_DEVICE", 0, devices - 1, rank < devices ? rank : -1);
   MG_CUDA_CHECK(cudaSetDevice(device));
+  // What nccl_ep_comm_init refuses by the environment, before rank 0 publishes the id: a rank 0 that
+  // refused after writing it would leave its peers in ncclCommInitRank instead of at the id's timeout.
+  comm::require_nvls_off();
+  (void)comm::barrier_timeout_ns_from_environment();
   std::string hex;
   if (const char* id = std::getenv("MOEGRAPH_NCCL_ID"); id != nullptr && *id != '\0') {
     hex = id;
@@ -332,6 +323,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_split(const NcclEpComm& parent, int col
   MG_CHECK(color >= 0, "nccl_ep_comm_split: color must be >= 0, got ", color);
   parent.require_not_aborted("nccl_ep_comm_split");
   comm::require_nvls_off();
+  (void)comm::barrier_timeout_ns_from_environment();  // the environment before the collective split
   const DeviceScope on_device(parent.device());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   ncclComm_t comm = nullptr;

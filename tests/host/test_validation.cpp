@@ -410,6 +410,23 @@ TEST(ExpertParallelOptions, NvlsMustBeOffSinceTheProcessStarted) {
   }
 }
 
+// The send/recv exchange's NCCL variables: 0 now and at the start, with a plain reason when the start
+// environment cannot be read (it read as "set later").
+TEST(ExpertParallelOptions, RegistrationOffSinceTheProcessStarted) {
+  using namespace std::string_literals;
+  using moegraph::comm::zero_since_start_refusal;
+  const std::string at_start = "PATH=/bin\0NCCL_GRAPH_REGISTER=0\0"s, later = "PATH=/bin\0"s;
+  EXPECT_EQ(zero_since_start_refusal("NCCL_GRAPH_REGISTER", "0", &at_start, "x"), "");
+  EXPECT_NE(zero_since_start_refusal("NCCL_GRAPH_REGISTER", nullptr, &at_start, "x").find("got unset"),
+            std::string::npos);
+  EXPECT_NE(zero_since_start_refusal("NCCL_GRAPH_REGISTER", "1", &at_start, "x").find("got \"1\""), std::string::npos);
+  EXPECT_NE(zero_since_start_refusal("NCCL_GRAPH_REGISTER", "0", &later, "x").find("set now but was not at start"),
+            std::string::npos);
+  EXPECT_NE(zero_since_start_refusal("NCCL_GRAPH_REGISTER", "0", nullptr, "x").find("cannot be read"),
+            std::string::npos);
+  EXPECT_NE(moegraph::comm::start_environment(), nullptr) << "this process's /proc/self/environ";
+}
+
 // The NCCL transport refuses a process with NVLink multicast enabled, and bad ranks or ids, before it
 // touches NCCL or a GPU; so does a StepGraphs without its communicator.
 TEST(ExpertParallelOptions, NcclCommunicatorInputsAreCheckedFirst) {
