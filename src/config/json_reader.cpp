@@ -325,6 +325,14 @@ std::string_view closest_key(std::string_view key, std::initializer_list<std::st
 
 }  // namespace
 
+std::string missing_key_message(const Json& object, const std::string& path, std::string_view key) {
+  std::string message = "missing required key " + quoted_excerpt(path);
+  if (object.is_object())
+    for (const auto& item : object.items())
+      if (closest_key(item.key(), {key}) == key) return message + "; is " + quoted_excerpt(item.key()) + " a typo of it?";
+  return message;
+}
+
 JsonObject::JsonObject(const Json& value, std::string path, std::initializer_list<std::string_view> keys)
     : value_(value), path_(std::move(path)) {
   if (!value_.is_object()) {

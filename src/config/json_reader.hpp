@@ -45,6 +45,9 @@ std::string quoted_excerpt(std::string_view s);
 // For messages: the type and, for scalars, the value: `string "4096"`, `number 4096.0`, `array`.
 std::string describe(const Json& value);
 std::size_t edit_distance(std::string_view a, std::string_view b);
+// The message for a required key missing from `object` (named `path` in messages), read before the
+// object's other keys are known: a key of `object` close enough to be its typo is named.
+std::string missing_key_message(const Json& object, const std::string& path, std::string_view key);
 
 // Typed values. `path` names the value in messages. Integers must be JSON integers (4096.0 and
 // "4096" are refused); `rule` replaces the default "in [lo, hi]" in the range message.

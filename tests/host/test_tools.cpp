@@ -543,6 +543,27 @@ TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
   std::filesystem::remove(path);
 }
 
+// The keys read before the rest of a case is known (its name, op and routing kind): a misspelt one is
+// named as a likely typo, not only as missing.
+TEST(Tools, CheckNamesATypoOfAKeyReadFirst) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  const std::string path = fresh_temp_path("typo-case.json");
+  const std::pair<nlohmann::json, const char*> cases[] = {
+      {{{"nmae", "c"}, {"op", "grouped_linear"}}, R"(missing required key "name"; is "nmae" a typo of it?)"},
+      {{{"name", "c"}, {"opp", "grouped_linear"}}, R"(missing required key "op"; is "opp" a typo of it?)"},
+      {{{"name", "c"}, {"op", "grouped_linear"}, {"shape", {{"groups", 2}, {"k", 64}, {"n", 64}}},
+        {"routing", {{"knid", "random"}, {"rows", 8}, {"seed", 1}}}},
+       R"(missing required key "routing.kind"; is "knid" a typo of it?)"},
+  };
+  for (const auto& [json, reason] : cases) {
+    std::ofstream(path) << json.dump();
+    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(path);
+}
+
 // A key that would do nothing is refused: where weight gradients go, in a case that writes none.
 TEST(Tools, CheckRefusesWgradInAForwardOnlyCase) {
   SKIP_WITHOUT("MOEGRAPH_CHECK");

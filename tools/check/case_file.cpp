@@ -34,7 +34,7 @@ bool plain_name(const std::string& name) {
 std::string read_name(const Json& value) {
   MG_CONFIG_CHECK(value.is_object(), "a case must be an object, got ", config_detail::describe(value));
   const auto it = value.find("name");
-  MG_CONFIG_CHECK(it != value.end(), "missing required key \"name\"");
+  MG_CONFIG_CHECK(it != value.end(), config_detail::missing_key_message(value, "name", "name"));
   const std::string name = config_detail::string(*it, "name");
   MG_CONFIG_CHECK(plain_name(name), "name must be 1 to 100 letters, digits, '_', '-' or '.' (not starting with '.'), got ",
                   in_quotes(name));
@@ -43,7 +43,7 @@ std::string read_name(const Json& value) {
 
 std::unique_ptr<CaseRunner> parse_case(const Json& value, const std::string& name) {
   const auto it = value.find("op");
-  MG_CONFIG_CHECK(it != value.end(), "missing required key \"op\"");
+  MG_CONFIG_CHECK(it != value.end(), config_detail::missing_key_message(value, "op", "op"));
   const std::string op = config_detail::string(*it, "op");
   std::string known;
   for (const OpParser& p : kOps) {

@@ -51,7 +51,7 @@ RoutingSpec read_routing(const Json& value, const std::string& path, int groups)
   MG_CONFIG_CHECK(value.is_object(), path, " must be an object, got ", config_detail::describe(value));
   // The kind decides which other keys are valid, so it is read first.
   const auto kind_it = value.find("kind");
-  MG_CONFIG_CHECK(kind_it != value.end(), "missing required key ", in_quotes(path + ".kind"));
+  MG_CONFIG_CHECK(kind_it != value.end(), config_detail::missing_key_message(value, path + ".kind", "kind"));
   const std::string kind =
       choice(*kind_it, path + ".kind", {"explicit", "random", "empty_experts", "one_expert"});
   auto rows_of = [](const JsonObject& o) { return integer_in(o.required("rows"), o.path("rows"), 0, kMaxRows); };
