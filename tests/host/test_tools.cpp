@@ -13,6 +13,7 @@
 #include <fstream>
 #include <optional>
 #include <regex>
+#include <span>
 #include <string>
 #include <tuple>
 
@@ -502,11 +503,23 @@ TEST(Tools, BenchTorchResultsAreCheckedBeforeTheGpu) {
 
 // ---- moegraph-check ----
 
+// Each case, written alone to a file named `file`, is refused by moegraph-check (exit 2) with
+// `reason` in its output.
+void expect_case_refusals(const char* file, std::span<const std::pair<nlohmann::json, const char*>> cases) {
+  const std::string path = fresh_temp_path(file);
+  for (const auto& [json, reason] : cases) {
+    std::ofstream(path) << json.dump();
+    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
+    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
+    EXPECT_NE(r.output.find(reason), std::string::npos) << r.output;
+  }
+  std::filesystem::remove(path);
+}
+
 // A case past what its host fp64 reference can hold or run is refused with the file (exit 2, GPU or
 // not), where each key alone is within its range.
 TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
   SKIP_WITHOUT("MOEGRAPH_CHECK");
-  const std::string path = fresh_temp_path("huge-case.json");
   auto linear = [](nlohmann::json shape, int rows) {
     return nlohmann::json{{"name", "c"}, {"op", "grouped_linear"}, {"shape", std::move(shape)},
                           {"routing", {{"kind", "random"}, {"rows", rows}, {"seed", 1}}}};
@@ -534,20 +547,13 @@ TEST(Tools, CheckRefusesCasesTooLargeForTheReference) {
       {moe({{"experts", 512}, {"hidden", 16384}, {"ffn", 16}, {"max_tokens", 16384}}),
        "shape: max_tokens * (experts * hidden + top_k * 3 * ffn * hidden) = 150323855360 multiply-adds a step"},
   };
-  for (const auto& [json, reason] : cases) {
-    std::ofstream(path) << json.dump();
-    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
-    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
-    EXPECT_NE(r.output.find(reason), std::string::npos) << r.output;
-  }
-  std::filesystem::remove(path);
+  expect_case_refusals("huge-case.json", cases);
 }
 
 // The keys read before the rest of a case is known (its name, op and routing kind): a misspelt one is
 // named as a likely typo, not only as missing.
 TEST(Tools, CheckNamesATypoOfAKeyReadFirst) {
   SKIP_WITHOUT("MOEGRAPH_CHECK");
-  const std::string path = fresh_temp_path("typo-case.json");
   const std::pair<nlohmann::json, const char*> cases[] = {
       {{{"nmae", "c"}, {"op", "grouped_linear"}}, R"(missing required key "name"; is "nmae" a typo of it?)"},
       {{{"name", "c"}, {"opp", "grouped_linear"}}, R"(missing required key "op"; is "opp" a typo of it?)"},
@@ -555,13 +561,7 @@ TEST(Tools, CheckNamesATypoOfAKeyReadFirst) {
         {"routing", {{"knid", "random"}, {"rows", 8}, {"seed", 1}}}},
        R"(missing required key "routing.kind"; is "knid" a typo of it?)"},
   };
-  for (const auto& [json, reason] : cases) {
-    std::ofstream(path) << json.dump();
-    const ToolRun r = run_tool("MOEGRAPH_CHECK", path);
-    EXPECT_EQ(r.exit_code, 2) << reason << ": " << r.output;
-    EXPECT_NE(r.output.find(reason), std::string::npos) << r.output;
-  }
-  std::filesystem::remove(path);
+  expect_case_refusals("typo-case.json", cases);
 }
 
 // A key that would do nothing is refused: where weight gradients go, in a case that writes none.
