@@ -45,14 +45,13 @@ std::string nvls_refusal(const char* now, const std::string& initial) {
 
 void require_nvls_off() {
   const char* now = std::getenv("NCCL_NVLS_ENABLE");
-  std::string initial;
+  const std::string* initial = nullptr;
   if (now != nullptr && std::string(now) == "0") {  // only then is the start's environment needed
-    std::ifstream in("/proc/self/environ", std::ios::binary);
-    MG_CHECK(in.good(), "cannot read /proc/self/environ to check that NCCL_NVLS_ENABLE=0 was set at the process's "
-                        "start (expert parallelism over NCCL needs it)");
-    initial.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    initial = start_environment();
+    MG_CHECK(initial != nullptr, "cannot read /proc/self/environ to check that NCCL_NVLS_ENABLE=0 was set at the "
+                                 "process's start (expert parallelism over NCCL needs it)");
   }
-  const std::string refusal = nvls_refusal(now, initial);
+  const std::string refusal = nvls_refusal(now, initial != nullptr ? *initial : std::string());
   MG_CHECK(refusal.empty(), refusal);
 }
 

@@ -22,7 +22,7 @@ std::string nvls_refusal(const char* now, const std::string& initial);
 void require_nvls_off();
 
 // The environment block the process started with (/proc/self/environ, NUL-separated NAME=value),
-// read once per process; null when it cannot be read.
+// read once per process (first by require_nvls_off, at set-up); null when it cannot be read.
 const std::string* start_environment();
 // Why `name` is not "0" both now (`now`, null when unset) and in `initial` (null: unreadable), or "".
 // `needed_for` says what needs it. NCCL keeps the value it first read; it also takes values from
