@@ -202,6 +202,9 @@ class MOEGRAPH_API GroupedLinear {
   // enqueue path: call it before the first forward and after every weight update. Refused with
   // prequantized_weights (the caller keeps its MXFP8 weights current: quantize_mxfp8_weights).
   void weights_changed(const void* weight, cudaStream_t stream);
+  // Throws unless a forward (and dgrad) can run: the mxfp8 recipe's own copies need weights_changed
+  // first. Host only; forward, forward_train and backward check it before enqueuing anything.
+  void require_weights_ready() const;
   int queued_wgrads() const { return static_cast<int>(wgrad_queue_.size()); }
   int pending_backwards() const { return static_cast<int>(backward_queue_.size()); }
 

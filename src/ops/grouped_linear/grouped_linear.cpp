@@ -290,6 +290,8 @@ void GroupedLinear::forward(const ForwardArgs& args, cudaStream_t stream) {
   backend_->fprop(args, groups, -1, stream);
 }
 
+void GroupedLinear::require_weights_ready() const { backend_->require_weights_ready(); }
+
 void GroupedLinear::weights_changed(const void* weight, cudaStream_t stream) {
   const DeviceScope on_device(scratch_->device);
   backend_->weights_changed(weight, stream);

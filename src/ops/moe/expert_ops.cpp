@@ -53,6 +53,7 @@ class LinearOp final : public LayerOp {
   }
 
   void bind(TensorTable& t) override { op_ = std::make_unique<GroupedLinear>(g_, t.get(spec_.name + ".workspace")); }
+  void require_ready() const override { op_->require_weights_ready(); }
   DeviceErrorRecord take_device_error() override { return op_ ? op_->take_device_error() : DeviceErrorRecord{}; }
 
   void forward(const Phase& p, cudaStream_t stream) override {

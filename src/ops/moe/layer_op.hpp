@@ -38,6 +38,9 @@ class LayerOp {
   virtual void wgrad(cudaStream_t /*stream*/) {}
   // The weights were updated (MXFP8: re-quantize the copies the GEMMs read).
   virtual void weights_changed(cudaStream_t /*stream*/) {}
+  // Throws unless the operator's forward can run with the weights as they stand (the mxfp8 linears
+  // before weights_changed): checked for every operator before a forward enqueues the first.
+  virtual void require_ready() const {}
   // The weights and gradient buffers moved (LayerProgram::set_weights has checked them): later
   // enqueues read and write the new addresses.
   virtual void set_weights(const MoeLayerWeights& /*w*/) {}

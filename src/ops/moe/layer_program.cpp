@@ -30,11 +30,7 @@ void require_weights(const MoeLayerOptions& o, const MoeLayerWeights& w) {
 // What a forward reads and writes through the caller's pointers, checked before its first
 // operator enqueues anything: a refused call leaves the layer, its slots and (with expert
 // parallelism) its peers as they were.
-void require_forward_io(const MoeLayerOptions& o, const MoeLayerIO& io, bool train, bool weights_quantized) {
-  // FC1 would refuse too, but only after the router and the dispatch (with expert parallelism, its
-  // exchange with the peers) had run.
-  MG_CHECK(o.recipe != Recipe::kMXFP8 || o.prequantized_weights || weights_quantized,
-           "the mxfp8 recipe needs weights_changed() before the first forward");
+void require_forward_io(const MoeLayerOptions& o, const MoeLayerIO& io, bool train) {
   MG_CHECK(io.x != nullptr && io.num_tokens != nullptr, "MoeLayerIO needs x and num_tokens");
   MG_CHECK(io.y != nullptr, "MoeLayerIO needs y");
   MG_CHECK(!train || o.aux_loss_coef == 0.0 || io.aux_loss != nullptr, "aux_loss_coef is ", o.aux_loss_coef,
@@ -135,7 +131,8 @@ void LayerProgram::forward(const MoeLayerIO& io, cudaStream_t stream) {
   MG_CHECK(std::find(free_slots_.begin(), free_slots_.end(), 0) != free_slots_.end(),
            "inference forward shares slot 0 with a training micro-batch in flight (", backward_queue_.size(),
            " awaiting backward, ", wgrad_queue_.size(), " awaiting wgrad): finish them first");
-  require_forward_io(options_, io, false, weights_quantized_);
+  require_forward_io(options_, io, false);
+  require_ops_ready();
   run_forward(io, 0, false, stream);
 }
 
@@ -145,7 +142,8 @@ void LayerProgram::forward_train(const MoeLayerIO& io, cudaStream_t stream) {
   MG_CHECK(options_.training, "forward_train needs MoeLayerOptions::training");
   MG_CHECK(!free_slots_.empty(), "all ", options_.wgrad_slots,
            " wgrad_slots hold micro-batches in flight: run backward / backward_dw first");
-  require_forward_io(options_, io, true, weights_quantized_);
+  require_forward_io(options_, io, true);
+  require_ops_ready();
   const int slot = free_slots_.back();
   run_forward(io, slot, true, stream);
   free_slots_.pop_back();
@@ -178,7 +176,12 @@ void LayerProgram::backward_dw(cudaStream_t stream) {
 void LayerProgram::weights_changed(cudaStream_t stream) {
   const DeviceScope on_device(device_);
   for (auto& op : ops_) op->weights_changed(stream);
-  weights_quantized_ = true;
+}
+
+// Every operator before the first enqueues: FC1 (mxfp8 without weights_changed) would otherwise
+// refuse only after the router and the dispatch (with expert parallelism, its exchange) had run.
+void LayerProgram::require_ops_ready() const {
+  for (const auto& op : ops_) op->require_ready();
 }
 
 namespace {

@@ -48,10 +48,10 @@ class LayerProgram {
  private:
   void build(const MoeLayerWeights& weights, std::byte* base, std::byte* window);
   void run_forward(const MoeLayerIO& io, int slot, bool train, cudaStream_t stream);
+  void require_ops_ready() const;
 
   MoeLayerOptions options_;
   MoeLayerWeights weights_;  // as bound now (set_weights keeps which of them are set)
-  bool weights_quantized_ = false;  // mxfp8 from the layer's own copies: weights_changed has run
   std::vector<OpSpec> specs_;
   std::vector<std::unique_ptr<LayerOp>> ops_;
   TensorTable tensors_;
