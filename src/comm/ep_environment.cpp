@@ -29,18 +29,11 @@ long long barrier_timeout_ns_from_environment() {
 }
 
 std::string nvls_refusal(const char* now, const std::string& initial) {
-  const std::string why = "moegraph never uses NVLink multicast, and a communicator with it enabled may bind multicast "
-                          "memory to every window";
-  if (now == nullptr || std::string(now) != "0")
-    return "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment of every rank (got " +
-           (now != nullptr ? "\"" + std::string(now) + "\"" : std::string("unset")) + "): " + why;
-  // An entry of the block, whole: between two NULs once the block is framed by them.
-  const std::string framed = '\0' + initial + '\0', entry("\0NCCL_NVLS_ENABLE=0\0", 20);
-  if (framed.find(entry) != std::string::npos) return "";
-  return "expert parallelism over NCCL needs NCCL_NVLS_ENABLE=0 in the environment the process starts with "
-         "(export it, or start the ranks with scripts/launch): it is set now but was not at start, and NCCL reads it "
-         "once, when it first starts in the process, so a communicator may already have NVLink multicast on; " +
-         why;
+  const std::string refusal = zero_since_start_refusal("NCCL_NVLS_ENABLE", now, &initial, "expert parallelism over NCCL");
+  return refusal.empty() ? refusal
+                         : refusal + " (a communicator may already have NVLink multicast on): moegraph never uses "
+                                     "NVLink multicast, and a communicator with it enabled may bind multicast memory "
+                                     "to every window";
 }
 
 void require_nvls_off() {
