@@ -7,7 +7,10 @@
 // rank's LSA team (one host's NVLink domain); NCCL_NVLS_ENABLE=0 in the process, since it started
 // (moegraph never uses NVLink multicast, and a communicator created with it may bind multicast
 // memory to every window: on shared machines that is refused rather than risked; NCCL reads the
-// variable once, when it first starts, so a setenv after the start is refused too). The send/recv
+// variable once, when it first starts, so a setenv after the start is refused too); and no NCCL
+// environment plugin named by NCCL_ENV_PLUGIN (anything but "none": NCCL would read NCCL_NVLS_ENABLE
+// through it; scripts/launch sets none, which also keeps NCCL from loading a default libnccl-env.so
+// found on the library path, something this check cannot see). The send/recv
 // exchange (EpExchange::kSendRecv) also needs NCCL_GRAPH_REGISTER=0 and NCCL_LOCAL_REGISTER=0, checked by
 // its first exchange (a StepGraphs' set-up, or a MoeLayer's first forward): with NCCL's own
 // registration of the captured buffers it hung (docs/expert-parallel.md).

@@ -36,6 +36,37 @@ std::string nvls_refusal(const char* now, const std::string& initial) {
                                      "to every window";
 }
 
+namespace {
+
+// The value of `name` in a NUL-separated NAME=value block, or nullopt when it is not there.
+std::optional<std::string> value_in_block(const std::string& block, const char* name) {
+  const std::string key = std::string(name) + "=";
+  for (std::size_t at = 0; at < block.size();) {
+    std::size_t end = block.find('\0', at);
+    if (end == std::string::npos) end = block.size();
+    if (block.compare(at, key.size(), key) == 0 && end - at >= key.size())
+      return block.substr(at + key.size(), end - at - key.size());
+    at = end + 1;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::string env_plugin_refusal(const char* now, const std::string* initial) {
+  auto plugin = [](const std::optional<std::string>& v) { return v.has_value() && *v != "none"; };
+  const std::optional<std::string> current = now != nullptr ? std::optional<std::string>(now) : std::nullopt;
+  const std::optional<std::string> at_start =
+      initial != nullptr ? value_in_block(*initial, "NCCL_ENV_PLUGIN") : std::nullopt;
+  if (!plugin(current) && !plugin(at_start)) return "";
+  const std::string named = plugin(current) ? *current : *at_start;
+  return "expert parallelism over NCCL refuses NCCL_ENV_PLUGIN=\"" + named + "\"" +
+         (plugin(current) ? std::string() : std::string(" (set when the process started)")) +
+         ": NCCL 2.28 and later read their variables through that plugin, so the NCCL_NVLS_ENABLE=0 checked "
+         "here may not be the value NCCL uses (moegraph never uses NVLink multicast); unset it or set it to "
+         "none from the start";
+}
+
 void require_nvls_off() {
   const char* now = std::getenv("NCCL_NVLS_ENABLE");
   const std::string* initial = nullptr;
@@ -46,6 +77,8 @@ void require_nvls_off() {
   }
   const std::string refusal = nvls_refusal(now, initial != nullptr ? *initial : std::string());
   MG_CHECK(refusal.empty(), refusal);
+  const std::string plugin = env_plugin_refusal(std::getenv("NCCL_ENV_PLUGIN"), initial);
+  MG_CHECK(plugin.empty(), plugin);
 }
 
 const std::string* start_environment() {

@@ -18,7 +18,14 @@ long long barrier_timeout_ns_from_environment();
 // set later may not reach a communicator made before it (a caller's, say torch.distributed's), nor
 // one made after it in a process whose NCCL had already started.
 std::string nvls_refusal(const char* now, const std::string& initial);
-// Refuses (moegraph::Error) unless nvls_refusal of this process (getenv, /proc/self/environ) is "".
+// Why NCCL might not read NCCL_NVLS_ENABLE from the environment, or "": NCCL 2.28 and later take
+// every variable from an environment plugin when NCCL_ENV_PLUGIN names one (anything but "none"), now
+// (`now`, null when unset) or in the environment the process started with (`initial`, null: not
+// checked). Unset, NCCL still loads a libnccl-env.so found on the library path: scripts/launch sets
+// NCCL_ENV_PLUGIN=none, and docs/expert-parallel.md asks the same of other launchers.
+std::string env_plugin_refusal(const char* now, const std::string* initial);
+// Refuses (moegraph::Error) unless nvls_refusal and env_plugin_refusal of this process (getenv,
+// /proc/self/environ) are "".
 void require_nvls_off();
 
 // The environment block the process started with (/proc/self/environ, NUL-separated NAME=value),

@@ -410,6 +410,26 @@ TEST(ExpertParallelOptions, NvlsMustBeOffSinceTheProcessStarted) {
   }
 }
 
+// An NCCL environment plugin (NCCL_ENV_PLUGIN other than "none", now or at the start) answers NCCL's
+// reads of NCCL_NVLS_ENABLE, so the check above would not be what NCCL uses: refused.
+TEST(ExpertParallelOptions, NoNcclEnvironmentPlugin) {
+  using namespace std::string_literals;
+  using moegraph::comm::env_plugin_refusal;
+  const std::string none = "PATH=/bin\0NCCL_ENV_PLUGIN=none\0"s, unset = "PATH=/bin\0NCCL_ENV_PLUGINX=a\0"s,
+                    named = "PATH=/bin\0NCCL_ENV_PLUGIN=libnccl-env-site.so\0HOME=/root"s;
+  EXPECT_EQ(env_plugin_refusal(nullptr, &unset), "");
+  EXPECT_EQ(env_plugin_refusal(nullptr, nullptr), "");
+  EXPECT_EQ(env_plugin_refusal("none", &none), "");
+  EXPECT_EQ(env_plugin_refusal("none", &unset), "") << "set to none later: NCCL, if it started, had no plugin named";
+  const std::string now = env_plugin_refusal("site", &none);
+  EXPECT_NE(now.find("NCCL_ENV_PLUGIN=\"site\""), std::string::npos) << now;
+  EXPECT_NE(now.find("NCCL_NVLS_ENABLE"), std::string::npos) << now;
+  const std::string before = env_plugin_refusal("none", &named);
+  EXPECT_NE(before.find("\"libnccl-env-site.so\" (set when the process started)"), std::string::npos) << before;
+  EXPECT_NE(env_plugin_refusal(nullptr, &named), "") << "unset later: NCCL may have loaded it already";
+  EXPECT_NE(env_plugin_refusal("", &unset), "") << "an empty name is not none";
+}
+
 // The send/recv exchange's NCCL variables: 0 now and at the start, with a plain reason when the start
 // environment cannot be read (it read as "set later").
 TEST(ExpertParallelOptions, RegistrationOffSinceTheProcessStarted) {
