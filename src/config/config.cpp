@@ -312,12 +312,20 @@ Config read_config(const Json& document) {
                     config.row_align, "): ", reason);
   }
   // The layer's own rules on every bucket, so that a config accepted here is one every bucket's
-  // layer accepts (sizes past the layout's maximum, the receive bound).
+  // layer accepts (sizes past the layout's maximum, the receive bound). validate bounds each buffer;
+  // laying the workspace and window out bounds their sums too (wgrad_slots multiplies the saved
+  // activations: a config whose every buffer fits could still pass the maximum).
   for (int64_t tokens : config.buckets) {
     try {
-      validate(moe_layer_options(config, tokens));
+      const MoeLayerOptions o = moe_layer_options(config, tokens);
+      validate(o);
+      if (config.step == StepKind::kMoeLayer) {
+        (void)MoeLayer::workspace_bytes(o);
+        (void)MoeLayer::window_bytes(o);
+      }
     } catch (const Error& e) {
-      MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message());
+      MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message(),
+                      " (layer sizes, the bucket and training.wgrad_slots set it)");
     }
   }
   // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.

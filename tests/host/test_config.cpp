@@ -271,6 +271,11 @@ std::vector<BadDoc> bad_docs() {
        with({{"/parallel", R"({"sharding": {"ranks": 2}})"},
              {"/precision", R"({"recipe": "mxfp8", "prequantized_weights": true})"}, {"/row_align", "32"}}),
        "parallel.sharding.ranks > 1 cannot take precision.prequantized_weights"},
+      // Each buffer within the layout's maximum, but 64 wgrad slots of saved activations past it.
+      {"WorkspacePastTheLayoutMaximum",
+       with({{"/layer", R"({"experts": 8, "hidden": 1048576, "ffn": 16, "top_k": 8})"}, {"/buckets", "[1048576]"},
+             {"/training", R"({"delay_wgrad": true, "wgrad_slots": 64})"}}),
+       "bucket of 1048576 tokens: workspace buffer"},
       // Duplicates would silently keep one value.
       {"DuplicateTopLevel", R"({"name": "a", "name": "b"})", R"(duplicate key "name")"},
       {"DuplicateNested", R"({"layer": {"experts": 8, "experts": 9}})", R"(duplicate key "layer.experts")"},
