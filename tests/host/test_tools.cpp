@@ -187,7 +187,7 @@ TEST(Tools, BenchPlanJsonHoldsThePrintedPlan) {
   ASSERT_TRUE(r.plan.is_object()) << "--plan --json wrote no JSON file (or one that does not parse)\n" << r.run.output;
   const nlohmann::json& p = r.plan;
   for (const char* key : {"name", "config", "buckets", "arena_bytes", "sum_of_buckets", "weight_bytes", "window_bytes",
-                          "device_bytes", "kernels", "gpu_memory_bytes", "expert_parallel"})
+                          "shard_window_bytes", "device_bytes", "kernels", "gpu_memory_bytes", "expert_parallel"})
     EXPECT_TRUE(p.contains(key)) << key;
   const Config preset = default_config();
   EXPECT_EQ(p["name"], preset.name);
@@ -250,6 +250,44 @@ TEST(Tools, BenchPlanCountsTheExpertParallelWindows) {
   EXPECT_EQ(p["device_bytes"], p["arena_bytes"].get<std::size_t>() + p["weight_bytes"].get<std::size_t>() + sum);
   expect_printed(r.run.output, "expert-parallel windows (outside the arena, one per bucket): ", sum);
   expect_printed(r.run.output, "device memory total: ", p["device_bytes"]);
+}
+
+// Sharded weights: the gather's window is in the JSON, and the JSON's parts add up to its total.
+TEST(Tools, BenchPlanJsonCountsTheShardWindow) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::string config = config_file({{"name", "sharded4"}, {"parallel", {{"sharding", {{"ranks", 4}}}}}}, "sharded4");
+  const PlanRun r = run_plan(config, "sharded4-plan");
+  std::filesystem::remove(config);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  const nlohmann::json& p = r.plan;
+  ASSERT_TRUE(p.contains("shard_window_bytes")) << p.dump(1);
+  EXPECT_GT(p["shard_window_bytes"].get<std::size_t>(), 0u);
+  std::size_t parts = 0;
+  for (const char* key : {"arena_bytes", "weight_bytes", "mxfp8_copy_bytes", "window_bytes", "shard_window_bytes"})
+    parts += p[key].get<std::size_t>();
+  EXPECT_EQ(p["device_bytes"], parts);
+}
+
+// send/recv chunks smaller than a source's rows bound the receive buffer: its "worst case" drops
+// rows, and the plan says so rather than "dropless".
+TEST(Tools, BenchPlanSaysChunksDropRows) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::string config = config_file(
+      {{"name", "chunks"}, {"buckets", {16, 4096}},
+       {"parallel", {{"expert_parallel", 8}, {"exchange", "send_recv"}, {"chunk_rows", 128}}}}, "chunks");
+  const PlanRun r = run_plan(config, "chunks-plan");
+  std::filesystem::remove(config);
+  ASSERT_EQ(r.run.exit_code, 0) << r.run.output;
+  const nlohmann::json& windows = r.plan["expert_parallel"]["windows"];
+  ASSERT_EQ(windows.size(), 2u) << r.plan.dump(1);
+  EXPECT_EQ(windows[0]["chunk_bounded"], false) << "16 tokens route at most 16 * top_k = 128 rows, a chunk's";
+  EXPECT_EQ(windows[1]["chunk_bounded"], true);
+  EXPECT_NE(r.run.output.find("16 tokens: window"), std::string::npos) << r.run.output;
+  const std::size_t big = r.run.output.find("4096 tokens: window");
+  ASSERT_NE(big, std::string::npos) << r.run.output;
+  const std::string line = r.run.output.substr(big, r.run.output.find('\n', big) - big);
+  EXPECT_NE(line.find("rows past a chunk are dropped"), std::string::npos) << line;
+  EXPECT_EQ(line.find("dropless"), std::string::npos) << line;
 }
 
 // A receive bound between the buckets' worst cases: the small bucket sizes its worst case and
@@ -316,6 +354,9 @@ TEST(Tools, BenchRefusesAmbiguousOptions) {
       {"--replays 5 --replays 6 --plan", "--replays given twice"},
       {"--plan --plan", "--plan given twice"},
       {"--kernels --set fine --quick", "--set and --quick choose one set"},
+      {"--kernels --set all --shape a:1:16:16:16", "give --set (or --quick) or --shape, not both"},
+      {"--kernels --quick --shape a:1:16:16:16", "give --set (or --quick) or --shape, not both"},
+      {"--plan --replays 5", "--replays goes with the step bench, not --plan"},
       {"--kernels --plan", "--plan goes with a config's step, not --kernels"},
       {"--kernels --recipe mxfp8", "--recipe goes with a config's step, not --kernels"},
       {"--kernels --expert-parallel 2", "--expert-parallel goes with a config's step, not --kernels"},
@@ -338,7 +379,9 @@ TEST(Tools, CheckTakesNoOptionAsAValue) {
   SKIP_WITHOUT("MOEGRAPH_CHECK");
   const std::pair<const char*, const char*> cases[] = {
       {"--dump --filter a x.json", "--dump needs a value, got the option '--filter'"},
-      {"--filter --dump /tmp/a x.json", "--filter needs a value, got the option '--dump'"}};
+      {"--filter --dump /tmp/a x.json", "--filter needs a value, got the option '--dump'"},
+      {"--filter '' x.json", "--filter needs a value, got an empty one"},
+      {"--dump '' x.json", "--dump needs a value, got an empty one"}};
   expect_refusals("MOEGRAPH_CHECK", cases);
 }
 
@@ -562,6 +605,17 @@ TEST(Tools, CheckNamesATypoOfAKeyReadFirst) {
        R"(missing required key "routing.kind"; is "knid" a typo of it?)"},
   };
   expect_case_refusals("typo-case.json", cases);
+}
+
+// A file with "cases" is a list of cases and nothing else: one case that also has a "cases" key is
+// told so, not told that its own keys are unknown.
+TEST(Tools, CheckRefusesCasesBesideOtherKeys) {
+  SKIP_WITHOUT("MOEGRAPH_CHECK");
+  const std::pair<nlohmann::json, const char*> cases[] = {
+      {{{"name", "c"}, {"op", "grouped_linear"}, {"cases", 1}},
+       R"(either {"cases": [...]} alone or one case object, but this one has "cases" beside "name", "op")"},
+  };
+  expect_case_refusals("cases-beside.json", cases);
 }
 
 // A key that would do nothing is refused: where weight gradients go, in a case that writes none.

@@ -54,7 +54,7 @@ constexpr const char* kUsage =
     "               cuBLASLt rate and device-copy bandwidth, both measured in the same run)\n"
     "  --set S      kernel shapes: presets (default), quick, fine (60-256 experts of 40-500 rows) or all\n"
     "  --quick      the same as --set quick\n"
-    "  --shape SPEC a shape of your own, NAME:GROUPS:K:N:ROWS (repeatable; replaces the set), e.g.\n"
+    "  --shape SPEC a shape of your own, NAME:GROUPS:K:N:ROWS (repeatable; instead of a set), e.g.\n"
     "               olmoe_fc1:64:2048:2048:16384\n";
 
 int usage_error(const std::string& what) {
@@ -191,6 +191,8 @@ int main(int argc, char** argv) {
       if (config_given) return usage_error("--kernels takes no config ('" + config_path + "'): its shapes come from --set or --shape");
       for (const char* step_only : {"--plan", "--recipe", "--expert-parallel"})
         if (given.count(step_only)) return usage_error(std::string(step_only) + " goes with a config's step, not --kernels");
+      if (!shape_specs.empty() && given.count("--set"))
+        return usage_error("--shape times its own shapes instead of a set: give --set (or --quick) or --shape, not both");
       std::set<std::string> names;
       for (const std::string& spec : shape_specs) {
         kernel_options.shapes.push_back(moegraph::bench::parse_kernel_shape(spec));
@@ -218,6 +220,7 @@ int main(int argc, char** argv) {
     }
     if (plan && !torch_path.empty()) return usage_error("--torch goes with the step bench, not --plan");
     if (plan && options.ops) return usage_error("--ops goes with the step bench, not --plan");
+    if (plan && given.count("--replays")) return usage_error("--replays goes with the step bench, not --plan");
     if (plan) return moegraph::bench::run_plan(config, options.json_path);
     if (!torch_path.empty() && config.parallel.expert_parallel == 1 && expert_parallel == 0) {  // before the GPU: a wrong file fails at once, with or without one
       try {

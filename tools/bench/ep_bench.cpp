@@ -152,9 +152,10 @@ void run_bucket(StepGraphs& step, int b, const Config& c, int replays, int rank,
 
 int run_ep_bench(const Config& c, const StepBenchOptions& options) {
   const int ranks = c.parallel.expert_parallel;
+  MG_CHECK(c.step == StepKind::kMoeLayer, "expert parallelism needs step \"moe_layer\"");  // before any launch advice
   MG_CHECK(nccl_ep_environment_present(), "the config spreads its experts over ", ranks,
-           " rank(s): run one process per GPU, e.g. scripts/launch -n ", ranks, " -- moegraph-bench CONFIG");
-  MG_CHECK(c.step == StepKind::kMoeLayer, "expert parallelism needs step \"moe_layer\"");
+           " rank(s): run one process per GPU, e.g. scripts/launch -n ", ranks,
+           " -- moegraph-bench followed by the same arguments");
   const std::shared_ptr<NcclEpComm> comm = nccl_ep_comm_from_environment();
   MG_CHECK(comm->ranks() == ranks, "the launch has ", comm->ranks(), " ranks but parallel.expert_parallel is ", ranks);
   const bool lead = comm->rank() == 0;

@@ -29,6 +29,7 @@ struct EpWindow {
   std::size_t bound_bytes = 0;
   int64_t chunk_rows = 0;  // send/recv: rows of each chunk (0: peer stores)
   std::size_t chunk_bytes = 0;
+  bool chunk_bounded = false;  // the chunks hold fewer rows than a source may route: the "worst case" drops
 };
 
 std::vector<EpWindow> ep_windows(const Config& config) {
@@ -48,6 +49,7 @@ std::vector<EpWindow> ep_windows(const Config& config) {
     if (o.ep_exchange == EpExchange::kSendRecv) {
       w.chunk_rows = moe_ep_chunk_rows(o);
       w.chunk_bytes = static_cast<std::size_t>(w.chunk_rows) * o.hidden * dtype_size(o.dtype);
+      w.chunk_bounded = w.chunk_rows < o.max_tokens * o.top_k;  // validated: both bounded, the product exact
     }
     out.push_back(w);
   }
@@ -60,9 +62,10 @@ void print_ep_windows(const Config& config, const std::vector<EpWindow>& windows
               "are per rank\n", config.parallel.expert_parallel, config.layer.experts / config.parallel.expert_parallel,
               std::string(ep_exchange_name(config.parallel.exchange)).c_str());
   for (const EpWindow& w : windows) {
-    std::printf("  %lld tokens: window %s with %lld receive rows (worst case: dropless)",
-                static_cast<long long>(w.tokens), human_bytes(w.worst_case_bytes).c_str(),
-                static_cast<long long>(w.worst_case_rows));
+    std::printf("  %lld tokens: window %s with %lld receive rows (%s)", static_cast<long long>(w.tokens),
+                human_bytes(w.worst_case_bytes).c_str(), static_cast<long long>(w.worst_case_rows),
+                w.chunk_bounded ? "worst case of the chunks: rows past a chunk are dropped and counted"
+                                : "worst case: dropless");
     if (w.bound_rows > 0)
       std::printf("; %s with the bound of %lld rows (the one allocated; rows past it dropped and counted)",
                   human_bytes(w.bound_bytes).c_str(), static_cast<long long>(w.bound_rows));
@@ -122,6 +125,7 @@ json plan_json(const Config& config, const StepPlan& plan, const std::vector<EpW
   out["mxfp8_copy_bytes"] = plan.mxfp8_copy_bytes;
   out["mxfp8_dequantized_bytes"] = plan.mxfp8_dequantized_bytes;
   out["window_bytes"] = plan.window_bytes;
+  out["shard_window_bytes"] = plan.shard_window_bytes;
   out["device_bytes"] = plan.device_bytes();
   out["kernels"] = plan.kernels;
   out["expert_parallel"] = nullptr;
@@ -131,7 +135,7 @@ json plan_json(const Config& config, const StepPlan& plan, const std::vector<EpW
       per_bucket.push_back({{"tokens", w.tokens}, {"worst_case_rows", w.worst_case_rows},
                             {"worst_case_bytes", w.worst_case_bytes}, {"recv_rows", w.bound_rows},
                             {"bound_bytes", w.bound_bytes}, {"chunk_rows", w.chunk_rows},
-                            {"chunk_bytes", w.chunk_bytes}});
+                            {"chunk_bytes", w.chunk_bytes}, {"chunk_bounded", w.chunk_bounded}});
     out["expert_parallel"] = {{"ranks", config.parallel.expert_parallel},
                               {"exchange", std::string(ep_exchange_name(config.parallel.exchange))},
                               {"experts_per_rank", config.layer.experts / config.parallel.expert_parallel},

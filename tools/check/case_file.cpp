@@ -72,6 +72,13 @@ std::vector<std::unique_ptr<CaseRunner>> load_case_file(const std::string& path)
   std::vector<const Json*> cases;
   std::vector<std::string> positions;
   if (document.is_object() && document.contains("cases")) {
+    if (document.size() > 1) {  // not "unknown key" on the case's own keys: "cases" is the stray one, or they are
+      std::string others;
+      for (const auto& [k, v] : document.items())
+        if (k != "cases") others += (others.empty() ? "\"" : ", \"") + k + "\"";
+      throw CaseFileError(path + ": a case file is either {\"cases\": [...]} alone or one case object, but this "
+                          "one has \"cases\" beside " + others);
+    }
     try {
       const JsonObject file(document, "", {"cases"});
       const std::string key = "cases";  // named: a temporary here makes g++ 13 warn of a dangling reference

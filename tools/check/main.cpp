@@ -51,6 +51,8 @@ Arguments parse_arguments(int argc, char** argv) {
       const std::string v = argv[++i];
       // "--dump --filter x" would make a folder named "--filter": an option is never a value.
       if (v.rfind("--", 0) == 0) throw UsageError(arg + " needs a value, got the option '" + v + "'");
+      // An empty filter would select every case, and an empty --dump folder is the working one.
+      if (v.empty()) throw UsageError(arg + " needs a value, got an empty one");
       return v;
     };
     if (arg == "-h" || arg == "--help") {
