@@ -252,8 +252,9 @@ MOEGRAPH_API mg_status mg_grouped_linear_check_device_errors(mg_grouped_linear* 
  *   is stored into a peer, every later step reports the stop, and a peer still in step reports
  *   it at its next barrier. Results from then on are lost: rebuild the layers and the group.
  * - Transports: NCCL (one process per GPU of one host's NVLink domain: NCCL 2.28 or newer, and
- *   NCCL_NVLS_ENABLE=0 in the environment every rank starts with, else creation is refused with
- *   MG_ERR_INVALID_ARGUMENT; the send/recv exchange also needs NCCL_GRAPH_REGISTER=0 and
+ *   NCCL_NVLS_ENABLE=0 in the environment every rank starts with, and no NCCL environment plugin
+ *   named by NCCL_ENV_PLUGIN (unset or "none"; scripts/launch sets none), else creation is refused
+ *   with MG_ERR_INVALID_ARGUMENT; the send/recv exchange also needs NCCL_GRAPH_REGISTER=0 and
  *   NCCL_LOCAL_REGISTER=0, else its first exchange fails), or emulated ranks in one process on one
  *   GPU (for tests).
  * - A communicator is bound to the device current when it is created; the layers and steps made
@@ -273,8 +274,8 @@ MOEGRAPH_API mg_status mg_nccl_unique_id(char* out, size_t size);
  * current device, joined by `unique_id_hex` (mg_nccl_unique_id's digits, the same on every rank).
  * Collective: blocks until every rank has called it (ncclCommInitRank). Checked in this order: the
  * arguments (MG_ERR_INVALID_ARGUMENT naming the argument), the environment and NCCL
- * (MG_ERR_INVALID_ARGUMENT without NCCL_NVLS_ENABLE=0 since the process started, or with NCCL
- * older than 2.28), the device (MG_ERR_NO_DEVICE, MG_ERR_UNSUPPORTED_DEVICE); a failed NCCL call is
+ * (MG_ERR_INVALID_ARGUMENT without NCCL_NVLS_ENABLE=0 since the process started, with an NCCL
+ * environment plugin named by NCCL_ENV_PLUGIN, or with NCCL older than 2.28), the device (MG_ERR_NO_DEVICE, MG_ERR_UNSUPPORTED_DEVICE); a failed NCCL call is
  * MG_ERR_LIBRARY. Every rank must reach every other by load/store (one host's NVLink domain), else
  * MG_ERR_INVALID_ARGUMENT. */
 MOEGRAPH_API mg_status mg_ep_comm_create_nccl(int ranks, int rank, const char* unique_id_hex, mg_ep_comm** out);

@@ -1,5 +1,6 @@
 #include "src/comm/ep_environment.hpp"
 
+#include <cctype>
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
@@ -54,7 +55,13 @@ std::optional<std::string> value_in_block(const std::string& block, const char* 
 }  // namespace
 
 std::string env_plugin_refusal(const char* now, const std::string* initial) {
-  auto plugin = [](const std::optional<std::string>& v) { return v.has_value() && *v != "none"; };
+  // As NCCL reads it: "none" in any case disables plugins; empty is as unset (NCCL's default library).
+  auto plugin = [](const std::optional<std::string>& v) {
+    if (!v.has_value() || v->empty()) return false;
+    std::string lower = *v;
+    for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return lower != "none";
+  };
   const std::optional<std::string> current = now != nullptr ? std::optional<std::string>(now) : std::nullopt;
   const std::optional<std::string> at_start =
       initial != nullptr ? value_in_block(*initial, "NCCL_ENV_PLUGIN") : std::nullopt;

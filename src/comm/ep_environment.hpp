@@ -19,7 +19,8 @@ long long barrier_timeout_ns_from_environment();
 // one made after it in a process whose NCCL had already started.
 std::string nvls_refusal(const char* now, const std::string& initial);
 // Why NCCL might not read NCCL_NVLS_ENABLE from the environment, or "": NCCL 2.28 and later take
-// every variable from an environment plugin when NCCL_ENV_PLUGIN names one (anything but "none"), now
+// every variable from an environment plugin when NCCL_ENV_PLUGIN names one (anything but "none" in
+// any case, or empty), now
 // (`now`, null when unset) or in the environment the process started with (`initial`, null: not
 // checked). Unset, NCCL still loads a libnccl-env.so found on the library path: scripts/launch sets
 // NCCL_ENV_PLUGIN=none, and docs/expert-parallel.md asks the same of other launchers.

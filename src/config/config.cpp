@@ -316,16 +316,19 @@ Config read_config(const Json& document) {
   // laying the workspace and window out bounds their sums too (wgrad_slots multiplies the saved
   // activations: a config whose every buffer fits could still pass the maximum).
   for (int64_t tokens : config.buckets) {
+    const MoeLayerOptions o = moe_layer_options(config, tokens);
     try {
-      const MoeLayerOptions o = moe_layer_options(config, tokens);
       validate(o);
-      if (config.step == StepKind::kMoeLayer) {
-        (void)MoeLayer::workspace_bytes(o);
-        (void)MoeLayer::window_bytes(o);
-      }
+    } catch (const Error& e) {
+      MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message());
+    }
+    if (config.step != StepKind::kMoeLayer) continue;  // the experts-only step lays out its own buffers (graphs/)
+    try {
+      (void)MoeLayer::workspace_bytes(o);
+      (void)MoeLayer::window_bytes(o);
     } catch (const Error& e) {
       MG_CONFIG_CHECK(false, "bucket of ", tokens, " tokens: ", e.message(),
-                      " (layer sizes, the bucket and training.wgrad_slots set it)");
+                      " (the layer sizes, the bucket and training.wgrad_slots set it)");
     }
   }
   // Fixed splits already say how many rows each expert gets: a partial fill would contradict them.

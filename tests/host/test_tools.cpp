@@ -288,6 +288,27 @@ TEST(Tools, BenchPlanSaysChunksDropRows) {
   const std::string line = r.run.output.substr(big, r.run.output.find('\n', big) - big);
   EXPECT_NE(line.find("rows past a chunk are dropped"), std::string::npos) << line;
   EXPECT_EQ(line.find("dropless"), std::string::npos) << line;
+  // With two experts a rank, a token sends a peer at most two rows (its top-8 experts are distinct):
+  // 64 tokens send at most 128, within chunks of 256, though 64 * top_k = 512 is not.
+  const std::string few = config_file({{"name", "few"}, {"layer", {{"experts", 16}}}, {"buckets", {64}},
+                                       {"parallel", {{"expert_parallel", 8}, {"exchange", "send_recv"}, {"chunk_rows", 256}}}},
+                                      "few");
+  const PlanRun f = run_plan(few, "few-plan");
+  std::filesystem::remove(few);
+  ASSERT_EQ(f.run.exit_code, 0) << f.run.output;
+  EXPECT_EQ(f.plan["expert_parallel"]["windows"][0]["chunk_bounded"], false) << f.plan.dump(1);
+  EXPECT_NE(f.run.output.find("worst case: dropless"), std::string::npos) << f.run.output;
+}
+
+// An experts-only config cannot spread its experts: refused as such, before any advice to launch ranks.
+TEST(Tools, BenchRefusesExpertParallelExpertsOnlyBeforeLaunchAdvice) {
+  SKIP_WITHOUT("MOEGRAPH_BENCH");
+  const std::string config = config_file({{"name", "experts-only"}, {"step", "experts"}}, "experts-only");
+  const ToolRun r = run_tool("MOEGRAPH_BENCH", config + " --expert-parallel 1");
+  std::filesystem::remove(config);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("expert parallelism needs step \"moe_layer\""), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("scripts/launch"), std::string::npos) << r.output;
 }
 
 // A receive bound between the buckets' worst cases: the small bucket sizes its worst case and

@@ -427,7 +427,10 @@ TEST(ExpertParallelOptions, NoNcclEnvironmentPlugin) {
   const std::string before = env_plugin_refusal("none", &named);
   EXPECT_NE(before.find("\"libnccl-env-site.so\" (set when the process started)"), std::string::npos) << before;
   EXPECT_NE(env_plugin_refusal(nullptr, &named), "") << "unset later: NCCL may have loaded it already";
-  EXPECT_NE(env_plugin_refusal("", &unset), "") << "an empty name is not none";
+  // As NCCL reads the variable: "none" in any case; empty as unset (NCCL's default library, as unset).
+  EXPECT_EQ(env_plugin_refusal("NONE", &unset), "");
+  EXPECT_EQ(env_plugin_refusal("None", &unset), "");
+  EXPECT_EQ(env_plugin_refusal("", &unset), "");
 }
 
 // The send/recv exchange's NCCL variables: 0 now and at the start, with a plain reason when the start

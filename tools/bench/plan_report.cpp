@@ -1,5 +1,6 @@
 #include "tools/bench/plan_report.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <optional>
@@ -49,7 +50,10 @@ std::vector<EpWindow> ep_windows(const Config& config) {
     if (o.ep_exchange == EpExchange::kSendRecv) {
       w.chunk_rows = moe_ep_chunk_rows(o);
       w.chunk_bytes = static_cast<std::size_t>(w.chunk_rows) * o.hidden * dtype_size(o.dtype);
-      w.chunk_bounded = w.chunk_rows < o.max_tokens * o.top_k;  // validated: both bounded, the product exact
+      // A token's k experts are distinct, so a source sends one peer at most tokens * min(k, the
+      // peer's experts) rows (validated sizes: the product is exact).
+      const int64_t to_one_peer = o.max_tokens * std::min<int64_t>(o.top_k, moe_local_experts(o));
+      w.chunk_bounded = w.chunk_rows < to_one_peer;
     }
     out.push_back(w);
   }
