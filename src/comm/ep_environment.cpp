@@ -100,14 +100,15 @@ const std::string* start_environment() {
 std::string zero_since_start_refusal(const char* name, const char* now, const std::string* initial,
                                      const std::string& needed_for) {
   const std::string wanted = std::string(name) + "=0";
-  if (now == nullptr || std::string(now) != "0")
-    return needed_for + " needs " + wanted + " in the environment of every rank (got " +
-           (now != nullptr ? "\"" + std::string(now) + "\"" : std::string("unset")) + ")";
+  if (now == nullptr || std::string(now) != "0") {
+    std::string got = "unset";
+    if (now != nullptr) got = std::string("\"").append(now).append("\"");
+    return needed_for + " needs " + wanted + " in the environment of every rank (got " + got + ")";
+  }
   if (initial == nullptr)
     return needed_for + " needs " + wanted + " in the environment the process started with, and /proc/self/environ "
            "cannot be read to check it";
-  const std::string framed = '\0' + *initial + '\0', entry = '\0' + wanted + '\0';
-  if (framed.find(entry) != std::string::npos) return "";
+  if (value_in_block(*initial, name) == "0") return "";  // the first entry, as getenv reads it
   return needed_for + " needs " + wanted + " in the environment the process starts with (export it, or start the "
          "ranks with scripts/launch): it is set now but was not at start (set later in the process, or by an "
          "nccl.conf file), and NCCL keeps the value it first read";

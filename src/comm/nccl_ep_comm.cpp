@@ -102,10 +102,17 @@ std::shared_ptr<NcclEpComm> make_comm(ncclComm_t comm, bool owned) {
            kMaxExpertParallel, " ranks, the communicator has ", state->ranks);
   state->lsa_rank = kernels::nccl_lsa_ranks(comm);
   state->timeout_ns = comm::barrier_timeout_ns_from_environment();
-  const std::shared_ptr<NcclEpComm::State> kept = state;
-  auto made = std::make_shared<NcclEpComm>(std::move(state));
-  kept->owned = owned;
+  auto made = std::make_shared<NcclEpComm>(state);
+  state->owned = owned;
   return made;
+}
+
+// What every creation refuses by the environment, before its first collective NCCL call (so no
+// rank refuses once its peers wait in it): NVLink multicast and environment plugins, and the
+// barrier timeout.
+void require_creation_environment() {
+  comm::require_nvls_off();
+  (void)comm::barrier_timeout_ns_from_environment();
 }
 
 int env_int(const char* name, int lo, int hi, int fallback) {
@@ -268,8 +275,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_init(int ranks, int rank, const std::st
   MG_CHECK(ranks >= 1 && ranks <= kMaxExpertParallel, "ranks must be in [1, ", kMaxExpertParallel, "], got ", ranks);
   MG_CHECK(rank >= 0 && rank < ranks, "rank must be in [0, ranks - 1 = ", ranks - 1, "], got ", rank);
   const ncclUniqueId id = from_hex(unique_id_hex);
-  comm::require_nvls_off();
-  (void)comm::barrier_timeout_ns_from_environment();  // the environment before the collective init
+  require_creation_environment();
   require_nccl_version();
   require_supported_device();
   ncclComm_t comm = nullptr;
@@ -296,8 +302,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment() {
   MG_CUDA_CHECK(cudaSetDevice(device));
   // What nccl_ep_comm_init refuses by the environment, before rank 0 publishes the id: a rank 0 that
   // refused after writing it would leave its peers in ncclCommInitRank instead of at the id's timeout.
-  comm::require_nvls_off();
-  (void)comm::barrier_timeout_ns_from_environment();
+  require_creation_environment();
   std::string hex;
   if (const char* id = std::getenv("MOEGRAPH_NCCL_ID"); id != nullptr && *id != '\0') {
     hex = id;
@@ -312,7 +317,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_from_environment() {
 
 std::shared_ptr<NcclEpComm> nccl_ep_comm_wrap(ncclComm_t comm) {
   MG_CHECK(comm != nullptr, "nccl_ep_comm_wrap: the communicator is null");
-  comm::require_nvls_off();
+  require_creation_environment();
   require_nccl_version();
   require_supported_device();
   return make_comm(comm, false);
@@ -322,8 +327,7 @@ std::shared_ptr<NcclEpComm> nccl_ep_comm_split(const NcclEpComm& parent, int col
   // Every rank takes part (NCCL_SPLIT_NOCOLOR would leave one out, with no communicator to return).
   MG_CHECK(color >= 0, "nccl_ep_comm_split: color must be >= 0, got ", color);
   parent.require_not_aborted("nccl_ep_comm_split");
-  comm::require_nvls_off();
-  (void)comm::barrier_timeout_ns_from_environment();  // the environment before the collective split
+  require_creation_environment();
   const DeviceScope on_device(parent.device());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   ncclComm_t comm = nullptr;
