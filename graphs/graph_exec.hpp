@@ -6,6 +6,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
+#include <vector>
+
 #include "moegraph/error.hpp"
 
 namespace moegraph {
@@ -25,15 +28,17 @@ class GraphExec {
       throw;
     }
     MG_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    kernel_nodes_ = count_kernel_nodes(graph);
     const cudaError_t st = cudaGraphInstantiate(&exec_, graph, 0);
     cudaGraphDestroy(graph);
     MG_CUDA_CHECK(st);
   }
-  GraphExec(GraphExec&& o) noexcept : exec_(o.exec_) { o.exec_ = nullptr; }
+  GraphExec(GraphExec&& o) noexcept : exec_(o.exec_), kernel_nodes_(o.kernel_nodes_) { o.exec_ = nullptr; }
   GraphExec& operator=(GraphExec&& o) noexcept {
     if (this != &o) {
       if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
       exec_ = o.exec_;
+      kernel_nodes_ = o.kernel_nodes_;
       o.exec_ = nullptr;
     }
     return *this;
@@ -45,9 +50,26 @@ class GraphExec {
   }
   bool valid() const { return exec_ != nullptr; }
   void launch(cudaStream_t stream) const { MG_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+  // Kernel nodes in the captured graph (cuBLASLt's included): each costs a launch inside a replay.
+  std::size_t kernel_nodes() const { return kernel_nodes_; }
 
  private:
+  // A count for reports only: 0 where the runtime cannot list the nodes (the graph is then
+  // instantiated, and its errors reported, as before).
+  static std::size_t count_kernel_nodes(cudaGraph_t graph) {
+    std::size_t n = 0;
+    if (cudaGraphGetNodes(graph, nullptr, &n) != cudaSuccess) return 0;
+    std::vector<cudaGraphNode_t> nodes(n);
+    if (n > 0 && cudaGraphGetNodes(graph, nodes.data(), &n) != cudaSuccess) return 0;
+    std::size_t kernels = 0;
+    for (cudaGraphNode_t node : nodes) {
+      cudaGraphNodeType type{};
+      kernels += cudaGraphNodeGetType(node, &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
+    }
+    return kernels;
+  }
   cudaGraphExec_t exec_ = nullptr;
+  std::size_t kernel_nodes_ = 0;
 };
 
 }  // namespace moegraph

@@ -1,12 +1,13 @@
 // Router logits of a small batch, top-k, its auxiliary load-balancing loss, and its backward.
 // Top-k: one warp per token; lane l holds experts l, l + 32, ... in registers (kPerLane of them, a
 // compile-time count so the arrays never leave registers), so E <= 32 * kPerLane <= 1024.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 
 #include "kernels/common/alignment.hpp"
 #include "kernels/common/dtype_dispatch.cuh"
@@ -19,7 +20,6 @@
 namespace moegraph::kernels {
 namespace {
 
-namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -194,33 +194,48 @@ void check_router_shape(int64_t max_tokens, int experts, int top_k) {
 }
 
 // ---- Auxiliary loss -------------------------------------------------------------------------------
-// sum_t <scores[t], counts> over t < n with no workspace and no float atomics: one cluster of
-// kAuxBlocks blocks, each accumulating a fixed share of the elements in fp64 (the products of an
-// fp32 score and an integer count below 2^24 are exact), combined in rank order through
-// distributed shared memory.
+// sum_t <scores[t], counts> over t < n, deterministic without float atomics: a grid fixed by
+// max_tokens and E (never by n or the device), each block summing a fixed share of the elements
+// in fp64 (the products of an fp32 score and an integer count below 2^24 are exact) in a fixed
+// order into its partial; the last block to finish (an integer ticket) adds the partials in block
+// order and resets the ticket for the next launch. An earlier form, one cluster of 8 blocks of 1024
+// threads combined through distributed shared memory, needed no workspace but took 9-19 us at
+// 1024-4096 tokens of 128 experts, most of it the few SMs' serial loop (docs/PERF.md).
 
-constexpr int kAuxBlocks = 8;  // the portable cluster size
-constexpr int kAuxThreads = 1024;
+constexpr int kAuxThreads = 256;
+constexpr int kAuxMaxBlocks = 256;
+constexpr int kAuxVectorsPerThread = 4;  // at most, before the grid reaches kAuxMaxBlocks
+struct AuxWorkspace {
+  double partials[kAuxMaxBlocks];
+  unsigned ticket;  // zero between launches
+};
+static_assert(sizeof(AuxWorkspace) <= kRouterAuxLossWorkspaceBytes, "the documented workspace holds it");
+
+int aux_blocks(int64_t max_tokens, int experts) {
+  const int64_t per_block = int64_t{kAuxThreads} * kAuxVectorsPerThread * 4;
+  const int64_t elements = max_tokens * experts;  // max_tokens < 2^31 (the scores buffer), experts <= kMaxExperts
+  return static_cast<int>(std::clamp<int64_t>((elements + per_block - 1) / per_block, 1, kAuxMaxBlocks));
+}
 
 template <int kVec>  // 4: E % 4 == 0 and 16-byte aligned scores, read as float4
-__global__ void __cluster_dims__(kAuxBlocks, 1, 1) __launch_bounds__(kAuxThreads, 1)
+__global__ void __launch_bounds__(kAuxThreads)
     router_aux_loss_kernel(const float* __restrict__ scores, const int32_t* __restrict__ counts,
                            const int32_t* num_tokens, int64_t max_tokens, int experts, int top_k, float coef,
-                           float* aux_loss) {
+                           float* aux_loss, AuxWorkspace* ws) {
   __shared__ double count_of[kMaxExperts];
   __shared__ double warp_partial[kAuxThreads / 32];
-  __shared__ double block_partial;
+  __shared__ bool last_block;
   const int64_t n = load_token_count(num_tokens, max_tokens);
   for (int e = threadIdx.x; e < experts; e += kAuxThreads) count_of[e] = counts[e];
   __syncthreads();
 
   const int64_t vectors = n * experts / kVec;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * kAuxThreads + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(kAuxBlocks) * kAuxThreads;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kAuxThreads;
   int col = static_cast<int>(first * kVec % experts);  // advanced incrementally: no division per element
   const int col_step = static_cast<int>(stride * kVec % experts);
   double acc = 0.0;
-#pragma unroll 4  // several loads in flight per thread: only 8 SMs stream the whole matrix
+#pragma unroll 4
   for (int64_t i = first; i < vectors; i += stride) {
     if constexpr (kVec == 4) {
       const float4 s = reinterpret_cast<const float4*>(scores)[i];
@@ -239,23 +254,27 @@ __global__ void __cluster_dims__(kAuxBlocks, 1, 1) __launch_bounds__(kAuxThreads
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) warp_partial[warp] = acc;
   __syncthreads();
-  if (warp == 0) {
-    double v = warp_partial[lane];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-    if (lane == 0) block_partial = v;
+  if (threadIdx.x == 0) {
+    double v = 0.0;
+    for (int w = 0; w < kAuxThreads / 32; ++w) v += warp_partial[w];
+    ws->partials[blockIdx.x] = v;
+    __threadfence();  // the partial is visible before the ticket counts this block
+    last_block = atomicAdd(&ws->ticket, 1u) == gridDim.x - 1;
   }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();  // every block's partial is in its shared memory
-  if (cluster.block_rank() == 0 && threadIdx.x == 0) {
-    double total = 0.0;
-    for (unsigned r = 0; r < kAuxBlocks; ++r) total += *cluster.map_shared_rank(&block_partial, r);
+  __syncthreads();
+  if (!last_block || warp != 0) return;
+  __threadfence();
+  double total = 0.0;
+  for (unsigned b = lane; b < gridDim.x; b += 32) total += __ldcg(&ws->partials[b]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
+  if (lane == 0) {
     const double scale = n > 0 ? static_cast<double>(coef) * experts /
                                      (static_cast<double>(top_k) * static_cast<double>(n) * static_cast<double>(n))
                                : 0.0;
     *aux_loss = static_cast<float>(scale * total);
+    ws->ticket = 0;  // every other block has counted itself: the next launch starts from zero
   }
-  cluster.sync();  // no block leaves while rank 0 may still read its shared memory
 }
 
 // ---- Backward -------------------------------------------------------------------------------------
@@ -385,19 +404,23 @@ void launch_router_logits_small(const RouterLogitsParams& p, cudaStream_t stream
 }
 
 void launch_router_aux_loss(const float* scores, const int32_t* counts, const int32_t* num_tokens,
-                            int64_t max_tokens, int experts, int top_k, float coef, float* aux_loss,
+                            int64_t max_tokens, int experts, int top_k, float coef, float* aux_loss, void* workspace,
                             cudaStream_t stream) {
   check_router_shape(max_tokens, experts, top_k);
-  MG_CHECK(scores != nullptr && counts != nullptr && num_tokens != nullptr && aux_loss != nullptr,
-           "router_aux_loss: scores, counts, num_tokens and aux_loss are required");
-  const bool vec4 = experts % 4 == 0 && aligned16(scores);
-  if (vec4) {
-    router_aux_loss_kernel<4><<<kAuxBlocks, kAuxThreads, 0, stream>>>(scores, counts, num_tokens, max_tokens,
-                                                                      experts, top_k, coef, aux_loss);
-  } else {
-    router_aux_loss_kernel<1><<<kAuxBlocks, kAuxThreads, 0, stream>>>(scores, counts, num_tokens, max_tokens,
-                                                                      experts, top_k, coef, aux_loss);
-  }
+  MG_CHECK(scores != nullptr && counts != nullptr && num_tokens != nullptr && aux_loss != nullptr &&
+               workspace != nullptr,
+           "router_aux_loss: scores, counts, num_tokens, aux_loss and workspace are required");
+  MG_CHECK(max_tokens < (int64_t{1} << 31), "router_aux_loss: max_tokens must be below 2^31, got ", max_tokens);
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(workspace) % alignof(AuxWorkspace) == 0,
+           "router_aux_loss: the workspace must be ", alignof(AuxWorkspace), "-byte aligned");
+  auto* ws = static_cast<AuxWorkspace*>(workspace);
+  const int grid = aux_blocks(max_tokens, experts);
+  if (experts % 4 == 0 && aligned16(scores))
+    router_aux_loss_kernel<4><<<grid, kAuxThreads, 0, stream>>>(scores, counts, num_tokens, max_tokens, experts, top_k,
+                                                                coef, aux_loss, ws);
+  else
+    router_aux_loss_kernel<1><<<grid, kAuxThreads, 0, stream>>>(scores, counts, num_tokens, max_tokens, experts, top_k,
+                                                                coef, aux_loss, ws);
   MG_LAUNCH_CHECK();
 }
 

@@ -25,6 +25,13 @@
 namespace moegraph::test {
 namespace {
 
+// launch_router_aux_loss's workspace, zeroed as its contract asks before the first launch.
+DeviceArray<double> aux_loss_workspace() {
+  DeviceArray<double> ws((kernels::kRouterAuxLossWorkspaceBytes + sizeof(double) - 1) / sizeof(double));
+  ws.upload(std::vector<double>(ws.size(), 0.0));
+  return ws;
+}
+
 // ---- Helpers ------------------------------------------------------------------------------------
 
 constexpr int kIntPoisonByte = 0x7f;  // int32 outputs: never a valid id, row or -1
@@ -272,8 +279,9 @@ TEST_P(MoeRouterTopk, MatchesReference) {
   d_counts.upload(forced.counts);
   DeviceArray<float> d_aux(1);
   d_aux.poison();
+  DeviceArray<double> aux_ws = aux_loss_workspace();
   kernels::launch_router_aux_loss(d_scores.get(), d_counts.get(), d_n.get(), max, E, K,
-                                  static_cast<float>(spec.aux_coef), d_aux.get(), nullptr);
+                                  static_cast<float>(spec.aux_coef), d_aux.get(), aux_ws.get(), nullptr);
   const double aux = d_aux.download()[0];
   EXPECT_NEAR(aux, forced.aux_loss, 1e-5 * std::fabs(forced.aux_loss)) << "aux loss";
 }
@@ -379,9 +387,12 @@ TEST_P(MoeRouterAuxLoss, MatchesReferenceAndIsDeterministic) {
   DeviceArray<int32_t> d_counts(E), d_n = device_scalar(static_cast<int32_t>(n));
   d_counts.upload(counts);
   d_aux.poison();
+  // The second launch finds the workspace as the first left it (its ticket back at zero): a ticket
+  // left counting would make no block the last, and the poisoned output would stay.
+  DeviceArray<double> aux_ws = aux_loss_workspace();
   for (int run = 0; run < 2; ++run)
     kernels::launch_router_aux_loss(d_scores.get(), d_counts.get(), d_n.get(), max, E, K, coef, d_aux.get() + run,
-                                    nullptr);
+                                    aux_ws.get(), nullptr);
   const std::vector<float> got = d_aux.download();
   EXPECT_NEAR(got[0], expected, 1e-6 * std::fabs(expected));
   EXPECT_TRUE(all_bits("second run", got, 1, 2, got[0])) << "bit-identical run to run";

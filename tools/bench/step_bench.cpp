@@ -103,7 +103,8 @@ struct Baselines {
 };
 
 struct Row {
-  std::vector<OpTime> ops;  // --ops
+  std::vector<OpTime> ops, graph_ops;  // --ops: eager, and inside replays of a captured eager step
+  std::size_t kernel_nodes = 0;          // --ops: kernel nodes of that captured step
   int64_t tokens, rows;
   uint64_t dropped;
   double capture_ms, eager_ms, replay_ms, replay_quarter_ms, host_us, dense_ms, legacy_ms, flops;
@@ -213,6 +214,22 @@ int run_bucket(StepGraphs& step, const StepWeights& baseline, int b, const Confi
       MG_CUDA_CHECK(cudaStreamSynchronize(s));
     }
     row.ops = op_timer.medians();
+    // The same eager step captured once with an event node after every operator: each operator's
+    // time inside a replay, launch gaps included (each replay draws a new routing).
+    OpTimer graph_timer(true);
+    const GraphExec graph(s, [&] {
+      graph_timer.start(s);
+      step_once(false);
+    }, cudaStreamCaptureModeThreadLocal);
+    for (int i = 0; i < c.bench.warmup + replays; ++i) {
+      reroute(full, i);
+      flush();
+      graph.launch(s);
+      if (i >= c.bench.warmup) graph_timer.finish();
+      MG_CUDA_CHECK(cudaStreamSynchronize(s));
+    }
+    row.graph_ops = graph_timer.medians();
+    row.kernel_nodes = graph.kernel_nodes();
   }
   step.check_device_errors(s);
   row.dropped = step.read_dropped(s);
@@ -377,17 +394,25 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   if (torch) header.insert(header.end(), {"torch ms", "vs torch"});
   table.print(header);
   if (options.ops && c.step != StepKind::kMoeLayer) std::printf("\n--ops: only whole-layer configs run operator by operator\n");
+  auto print_ops = [](const std::vector<OpTime>& ops, const std::string& head) {
+    double sum = 0;
+    for (const OpTime& t : ops) sum += t.total();
+    std::printf("\n%s; share of their sum, %.3f ms):\n\n", head.c_str(), sum);
+    Table table;
+    for (const OpTime& t : ops)
+      table.add({t.op, fmt(t.forward_ms, 3), fmt(t.backward_ms, 3), fmt(t.wgrad_ms, 3), fmt(t.total(), 3),
+                 fmt(100 * t.total() / sum, 1) + "%"});
+    table.print({"operator", "forward ms", "backward ms", "wgrad ms", "total ms", "share"});
+  };
   for (const Row& r : rows) {
     if (r.ops.empty()) continue;
-    double sum = 0;
-    for (const OpTime& t : r.ops) sum += t.total();
-    std::printf("\n%lld tokens, per operator (eager, median of %d runs; share of their sum, %.3f ms, against the "
-                "eager step's %.3f ms):\n\n", static_cast<long long>(r.tokens), std::min(replays, 10), sum, r.eager_ms);
-    Table ops_table;
-    for (const OpTime& t : r.ops)
-      ops_table.add({t.op, fmt(t.forward_ms, 3), fmt(t.backward_ms, 3), fmt(t.wgrad_ms, 3), fmt(t.total(), 3),
-                     fmt(100 * t.total() / sum, 1) + "%"});
-    ops_table.print({"operator", "forward ms", "backward ms", "wgrad ms", "total ms", "share"});
+    const std::string tokens = std::to_string(r.tokens) + " tokens, per operator";
+    print_ops(r.ops, tokens + " (eager, median of " + std::to_string(std::min(replays, 10)) + " runs, against the eager step's " +
+                         fmt(r.eager_ms, 3) + " ms");
+    print_ops(r.graph_ops, tokens + " (inside replays of the eager step captured once, " +
+                               std::to_string(r.kernel_nodes) + " kernel nodes, an event node after each operator; median of " +
+                               std::to_string(replays) + " replays, against the step graphs' replay of " +
+                               fmt(r.replay_ms, 3) + " ms");
   }
 
   if (!options.json_path.empty()) {
@@ -413,6 +438,10 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
       for (const OpTime& t : r.ops)
         jb["ops"].push_back({{"op", t.op}, {"forward_ms", t.forward_ms}, {"backward_ms", t.backward_ms},
                              {"wgrad_ms", t.wgrad_ms}});
+      for (const OpTime& t : r.graph_ops)
+        jb["ops_in_graph"].push_back({{"op", t.op}, {"forward_ms", t.forward_ms}, {"backward_ms", t.backward_ms},
+                                      {"wgrad_ms", t.wgrad_ms}});
+      if (!r.graph_ops.empty()) jb["ops_graph_kernel_nodes"] = r.kernel_nodes;
       if (torch) {
         const std::optional<double> t = torch_ms(r);
         jb["torch_ms"] = t ? nlohmann::json(*t) : nlohmann::json(nullptr);

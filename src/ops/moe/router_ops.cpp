@@ -176,8 +176,15 @@ class AuxLossOp final : public LayerOp {
  public:
   explicit AuxLossOp(const MoeLayerOptions& o) : o_(o) {}
   std::string name() const override { return "aux_loss"; }
-  std::string kernels() const override { return "aux loss: per-expert score sums in a fixed order (deterministic)"; }
+  std::string kernels() const override {
+    return "aux loss: per-expert score sums over a fixed grid, partials added in block order (deterministic)";
+  }
   void declare(TensorTable&, bool) override {}
+  // The kernel's partials and ticket: zeroed once here, left zeroed by every launch.
+  void bind(TensorTable&) override {
+    workspace_ = DeviceBuffer(kernels::kRouterAuxLossWorkspaceBytes);
+    zero_now(workspace_.get(), workspace_.bytes());
+  }
   void forward(const Phase& p, cudaStream_t stream) override {
     // Inference may skip the loss; training needs it, or the gradient would not match the output.
     if (!p.train && p.io->aux_loss == nullptr) return;
@@ -186,13 +193,14 @@ class AuxLossOp final : public LayerOp {
     const TensorTable& t = *p.tensors;
     kernels::launch_router_aux_loss(t.get<float>(tensor::kScores, p.slot), t.get<int32_t>(tensor::kCounts, p.slot),
                                     t.get<int32_t>(tensor::kTokens, p.slot), o_.max_tokens, o_.experts, o_.top_k,
-                                    static_cast<float>(o_.aux_loss_coef), p.io->aux_loss, stream);
+                                    static_cast<float>(o_.aux_loss_coef), p.io->aux_loss, workspace_.get(), stream);
   }
   // Its gradient is folded into the router's backward (d aux / d scores needs only the counts).
   void backward(const Phase&, cudaStream_t) override {}
 
  private:
   MoeLayerOptions o_;
+  DeviceBuffer workspace_;
 };
 
 }  // namespace
