@@ -43,7 +43,8 @@ ExpertMlpBucket::ExpertMlpBucket(const StepGraphsOptions& step, int64_t tokens, 
   fc2_ = std::make_unique<GroupedLinear>(o2, ws2);
   error_ = DeviceBuffer(sizeof(DeviceErrorRecord));
   MG_CUDA_CHECK(cudaMemset(error_.get(), 0, sizeof(DeviceErrorRecord)));
-  grid_ = kernels::current_sm_count() * 4;
+  forward_grid_ = kernels::swiglu_grid(options_.dtype, false);
+  backward_grid_ = kernels::swiglu_grid(options_.dtype, true);
 }
 
 void ExpertMlpBucket::plan_layout(const Layout& layout, cudaStream_t stream) {
@@ -60,7 +61,8 @@ void ExpertMlpBucket::run_forward(const Layout& layout, void* h1, bool train, cu
   ForwardArgs f2{a_, layout.splits, weights_.w2, weights_.b2, nullptr, io_.y, layout.offsets, weights_.w2_mxfp8};
   if (train) fc1_->forward_train(f1, stream);
   else fc1_->forward(f1, stream);
-  kernels::launch_swiglu_forward(options_.dtype, h1, a_, options_.ffn, layout.offsets, options_.experts, grid_, stream);
+  kernels::launch_swiglu_forward(options_.dtype, h1, a_, options_.ffn, layout.offsets, options_.experts, forward_grid_,
+                                 stream);
   if (train) fc2_->forward_train(f2, stream);
   else fc2_->forward(f2, stream);
 }
@@ -83,7 +85,7 @@ void ExpertMlpBucket::backward(int slot, cudaStream_t stream) {
                   fp32 ? nullptr : weights_.dw2, fp32 ? weights_.main_grad2 : nullptr, weights_.w2_mxfp8};
   fc2_->backward(b2, mode, stream);
   kernels::launch_swiglu_backward(options_.dtype, h1_[slot], da_, dh1_, options_.ffn, layouts_[slot].offsets,
-                                  options_.experts, grid_, stream);
+                                  options_.experts, backward_grid_, stream);
   BackwardArgs b1{dh1_, weights_.w1, weights_.b1, io_.dx, weights_.db1, nullptr,
                   fp32 ? nullptr : weights_.dw1, fp32 ? weights_.main_grad1 : nullptr, weights_.w1_mxfp8};
   fc1_->backward(b1, mode, stream);

@@ -58,7 +58,7 @@ class ExpertMlpBucket final : public BucketStep {
   Layout infer_;                      // inference forward
   DeviceBuffer error_;                // the record every layout's offsets scan raises into
   std::unique_ptr<GroupedLinear> fc1_, fc2_;
-  int grid_ = 0;
+  int forward_grid_ = 0, backward_grid_ = 0;  // the SwiGLU kernels'
 };
 
 }  // namespace moegraph

@@ -46,6 +46,9 @@ void launch_swiglu_forward(DType dtype, const void* h, void* a, int64_t ffn, con
 // dgate = da * up * silu'(gate), dup = da * silu(gate), written into dh = [rows, 2 * ffn].
 void launch_swiglu_backward(DType dtype, const void* h, const void* da, void* dh, int64_t ffn, const int64_t* offsets,
                             int num_groups, int grid, cudaStream_t stream);
+// The grid the layer gives them: every SM filled with as many blocks as fit (host set-up; the
+// used rows are known on the device only).
+int swiglu_grid(DType dtype, bool backward);
 
 }  // namespace moegraph::kernels
 

@@ -144,6 +144,17 @@ void launch_swiglu_backward(DType dtype, const void* h, const void* da, void* dh
   });
 }
 
+int swiglu_grid(DType dtype, bool backward) {
+  int grid = 0;
+  with_16bit_type(dtype, "swiglu_grid", [&](auto t) {
+    using T = decltype(t);
+    const int blocks_per_sm = backward ? resident_blocks_per_sm(swiglu_kernel<T, true>, kThreads)
+                                       : resident_blocks_per_sm(swiglu_kernel<T, false>, kThreads);
+    grid = grid_blocks(INT64_MAX, blocks_per_sm);
+  });
+  return grid;
+}
+
 void launch_swiglu_weighted_forward(DType dtype, const void* h, const float* row_weight, void* a, int64_t ffn,
                                     const int64_t* offsets, int experts, cudaStream_t stream) {
   check_weighted_args(ffn, experts, h, a);

@@ -136,7 +136,10 @@ class SwigluOp final : public LayerOp {
       t.declare(tensor::kDRowWeight, checked_mul(tensor::kDRowWeight, rows_, sizeof(float)), Lifetime::kStep);
   }
 
-  void bind(TensorTable&) override { grid_ = 4 * kernels::current_sm_count(); }
+  void bind(TensorTable&) override {
+    forward_grid_ = kernels::swiglu_grid(o_.dtype, false);
+    backward_grid_ = kernels::swiglu_grid(o_.dtype, true);
+  }
 
   void forward(const Phase& p, cudaStream_t stream) override {
     if (spec_.forward_in_next) return;  // FC2's quantizer applies it (OpSpec::swiglu_in)
@@ -148,7 +151,7 @@ class SwigluOp final : public LayerOp {
                                               t.get(spec_.out, s), o_.ffn, offsets, groups_, stream);
     else
       kernels::launch_swiglu_forward(o_.dtype, t.get(spec_.in, s), t.get(spec_.out, s), o_.ffn, offsets, groups_,
-                                     grid_, stream);
+                                     forward_grid_, stream);
   }
 
   void backward(const Phase& p, cudaStream_t stream) override {
@@ -163,7 +166,7 @@ class SwigluOp final : public LayerOp {
           t.get<float>(tensor::kDRowWeight), o_.ffn, offsets, groups_, stream);
     else
       kernels::launch_swiglu_backward(o_.dtype, t.get(spec_.in, s), t.get(tensor::grad(spec_.out)),
-                                      t.get(tensor::grad(spec_.in), s), o_.ffn, offsets, groups_, grid_, stream);
+                                      t.get(tensor::grad(spec_.in), s), o_.ffn, offsets, groups_, backward_grid_, stream);
   }
 
  private:
@@ -172,7 +175,7 @@ class SwigluOp final : public LayerOp {
   int64_t rows_;
   int groups_;  // this rank's experts: the groups of the dispatch's layout
   bool weighted_;
-  int grid_ = 0;
+  int forward_grid_ = 0, backward_grid_ = 0;
 };
 
 }  // namespace
