@@ -56,17 +56,21 @@ class GraphExec {
  private:
   // A count for reports only: 0 where the runtime cannot list the nodes (the graph is then
   // instantiated, and its errors reported, as before).
-  static std::size_t count_kernel_nodes(cudaGraph_t graph) {
-    std::size_t n = 0;
-    if (cudaGraphGetNodes(graph, nullptr, &n) != cudaSuccess) return 0;
-    std::vector<cudaGraphNode_t> nodes(n);
-    if (n > 0 && cudaGraphGetNodes(graph, nodes.data(), &n) != cudaSuccess) return 0;
-    std::size_t kernels = 0;
-    for (cudaGraphNode_t node : nodes) {
-      cudaGraphNodeType type{};
-      kernels += cudaGraphNodeGetType(node, &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
+  static std::size_t count_kernel_nodes(cudaGraph_t graph) noexcept {
+    try {
+      std::size_t n = 0;
+      if (cudaGraphGetNodes(graph, nullptr, &n) != cudaSuccess) return 0;
+      std::vector<cudaGraphNode_t> nodes(n);
+      if (n > 0 && cudaGraphGetNodes(graph, nodes.data(), &n) != cudaSuccess) return 0;
+      std::size_t kernels = 0;
+      for (cudaGraphNode_t node : nodes) {
+        cudaGraphNodeType type{};
+        kernels += cudaGraphNodeGetType(node, &type) == cudaSuccess && type == cudaGraphNodeTypeKernel;
+      }
+      return kernels;
+    } catch (...) {  // the node list's allocation: the graph must still be instantiated or destroyed
+      return 0;
     }
-    return kernels;
   }
   cudaGraphExec_t exec_ = nullptr;
   std::size_t kernel_nodes_ = 0;

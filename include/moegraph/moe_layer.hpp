@@ -131,6 +131,10 @@ namespace layer {
 class LayerProgram;  // src/ops/moe/layer_program.hpp
 }
 
+// Streams: a layer's calls share scratch in its workspace and buffers of its own (the router's
+// logits, the dispatch's counts, the aux loss's partials, FC1's and FC2's scratch), so their work
+// must not overlap on the device: one stream, or streams ordered by events (GroupedLinear says the
+// same of its handles). Different layers are independent.
 class MOEGRAPH_API MoeLayer {
  public:
   // Validates, builds the operator program (applying fusions), and lays out its workspace

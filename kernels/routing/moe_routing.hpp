@@ -52,9 +52,9 @@ void launch_router_logits_small(const RouterLogitsParams& p, cudaStream_t stream
 // Auxiliary load-balancing loss (Switch-style, on assignments before any dropping):
 //   aux = coef * E / (k * n^2) * sum_e counts[e] * sum_{t < n} scores[t, e]   (0 when n == 0).
 // Deterministic (fixed reduction order, the same on every device). Writes one float.
-// `workspace`: kRouterAuxLossWorkspaceBytes, 8-byte aligned, zeroed once before the first launch
-// (each launch leaves it zeroed again), used by one stream at a time.
-constexpr std::size_t kRouterAuxLossWorkspaceBytes = 2064;
+// `workspace`: kRouterAuxLossWorkspaceBytes, 8-byte aligned, zeroed before the first launch: its
+// ticket must be zero, and each launch leaves it zero. Launches on one workspace must not overlap.
+constexpr std::size_t kRouterAuxLossWorkspaceBytes = 256 * sizeof(double) + 16;  // partials, ticket (padded)
 void launch_router_aux_loss(const float* scores, const int32_t* counts, const int32_t* num_tokens,
                             int64_t max_tokens, int experts, int top_k, float coef, float* aux_loss, void* workspace,
                             cudaStream_t stream);

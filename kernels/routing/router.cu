@@ -20,7 +20,6 @@
 namespace moegraph::kernels {
 namespace {
 
-
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -197,10 +196,11 @@ void check_router_shape(int64_t max_tokens, int experts, int top_k) {
 // sum_t <scores[t], counts> over t < n, deterministic without float atomics: a grid fixed by
 // max_tokens and E (never by n or the device), each block summing a fixed share of the elements
 // in fp64 (the products of an fp32 score and an integer count below 2^24 are exact) in a fixed
-// order into its partial; the last block to finish (an integer ticket) adds the partials in block
-// order and resets the ticket for the next launch. An earlier form, one cluster of 8 blocks of 1024
-// threads combined through distributed shared memory, needed no workspace but took 9-19 us at
-// 1024-4096 tokens of 128 experts, most of it the few SMs' serial loop (docs/PERF.md).
+// order into its partial; the last block to finish (an integer ticket) adds the partials in a fixed
+// order (each lane a stride of blocks, then a butterfly) and resets the ticket for the next launch.
+// Launches on one workspace must not overlap (one stream, or streams ordered by events). An earlier
+// form, one cluster of 8 blocks of 1024 threads combined through distributed shared memory, needed
+// no workspace but took 9-19 us at 1024-4096 tokens of 128 experts (docs/PERF.md).
 
 constexpr int kAuxThreads = 256;
 constexpr int kAuxMaxBlocks = 256;
@@ -213,7 +213,7 @@ static_assert(sizeof(AuxWorkspace) <= kRouterAuxLossWorkspaceBytes, "the documen
 
 int aux_blocks(int64_t max_tokens, int experts) {
   const int64_t per_block = int64_t{kAuxThreads} * kAuxVectorsPerThread * 4;
-  const int64_t elements = max_tokens * experts;  // max_tokens < 2^31 (the scores buffer), experts <= kMaxExperts
+  const int64_t elements = max_tokens * experts;  // max_tokens < 2^31 (checked), experts <= kMaxExperts: < 2^41
   return static_cast<int>(std::clamp<int64_t>((elements + per_block - 1) / per_block, 1, kAuxMaxBlocks));
 }
 

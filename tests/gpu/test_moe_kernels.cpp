@@ -25,14 +25,14 @@
 namespace moegraph::test {
 namespace {
 
+// ---- Helpers ------------------------------------------------------------------------------------
+
 // launch_router_aux_loss's workspace, zeroed as its contract asks before the first launch.
 DeviceArray<double> aux_loss_workspace() {
   DeviceArray<double> ws((kernels::kRouterAuxLossWorkspaceBytes + sizeof(double) - 1) / sizeof(double));
   ws.upload(std::vector<double>(ws.size(), 0.0));
   return ws;
 }
-
-// ---- Helpers ------------------------------------------------------------------------------------
 
 constexpr int kIntPoisonByte = 0x7f;  // int32 outputs: never a valid id, row or -1
 constexpr int32_t kIntPoison = 0x7f7f7f7f;
@@ -362,8 +362,11 @@ void PrintTo(const AuxCase& c, std::ostream* os) { *os << c.name; }  // not a by
 
 class MoeRouterAuxLoss : public ::testing::TestWithParam<AuxCase> {};
 
-TEST_P(MoeRouterAuxLoss, MatchesReferenceAndIsDeterministic) {
-  const AuxCase& c = GetParam();
+// Two launches of case c on `ws` against fp64, bit-identical to each other. The second finds the
+// workspace as the first left it (its ticket back at zero): a ticket left counting would make no
+// block the last, and the poisoned output would stay.
+void check_aux_loss(const AuxCase& c, DeviceArray<double>& ws) {
+  SCOPED_TRACE(c.name);
   std::mt19937_64 rng(test_seed("moe_router_aux_" + c.name));
   const int E = c.experts, K = c.top_k;
   const int64_t n = c.tokens, max = c.max_tokens;
@@ -387,18 +390,31 @@ TEST_P(MoeRouterAuxLoss, MatchesReferenceAndIsDeterministic) {
   DeviceArray<int32_t> d_counts(E), d_n = device_scalar(static_cast<int32_t>(n));
   d_counts.upload(counts);
   d_aux.poison();
-  // The second launch finds the workspace as the first left it (its ticket back at zero): a ticket
-  // left counting would make no block the last, and the poisoned output would stay.
-  DeviceArray<double> aux_ws = aux_loss_workspace();
   for (int run = 0; run < 2; ++run)
     kernels::launch_router_aux_loss(d_scores.get(), d_counts.get(), d_n.get(), max, E, K, coef, d_aux.get() + run,
-                                    aux_ws.get(), nullptr);
+                                    ws.get(), nullptr);
   const std::vector<float> got = d_aux.download();
   EXPECT_NEAR(got[0], expected, 1e-6 * std::fabs(expected));
   EXPECT_TRUE(all_bits("second run", got, 1, 2, got[0])) << "bit-identical run to run";
   if (n == 0) {
     EXPECT_EQ(got[0], 0.0f);
   }
+}
+
+TEST_P(MoeRouterAuxLoss, MatchesReferenceAndIsDeterministic) {
+  DeviceArray<double> ws = aux_loss_workspace();
+  check_aux_loss(GetParam(), ws);
+}
+
+// One workspace for launches whose grids differ (256 blocks, 2, 1, then 256 again), as a layer's
+// buckets of different sizes would if they shared one: each finds the ticket at zero.
+TEST(MoeRouterAuxLossWorkspace, ServesLaunchesOfEveryGridInTurn) {
+  DeviceArray<double> ws = aux_loss_workspace();
+  const AuxCase cases[] = {{"e160_k4_many_tokens", 160, 4, 70000, 70000},
+                           {"e6_k2_scalar", 6, 2, 1000, 1000},
+                           {"e64_k8_one_token", 64, 8, 1, 1},
+                           {"e160_k4_again", 160, 4, 60000, 70000}};
+  for (const AuxCase& c : cases) check_aux_loss(c, ws);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeRouterAuxLoss,

@@ -407,10 +407,11 @@ int run_step_bench(const Config& c, const StepBenchOptions& options) {
   for (const Row& r : rows) {
     if (r.ops.empty()) continue;
     const std::string tokens = std::to_string(r.tokens) + " tokens, per operator";
-    print_ops(r.ops, tokens + " (eager, median of " + std::to_string(std::min(replays, 10)) + " runs, against the eager step's " +
-                         fmt(r.eager_ms, 3) + " ms");
+    print_ops(r.ops, tokens + " (eager, median of " + std::to_string(std::min(replays, 10)) +
+                         " runs, against the eager step's " + fmt(r.eager_ms, 3) + " ms");
     print_ops(r.graph_ops, tokens + " (inside replays of the eager step captured once, " +
-                               std::to_string(r.kernel_nodes) + " kernel nodes, an event node after each operator; median of " +
+                               std::to_string(r.kernel_nodes) +
+                               " kernel nodes, an event node after each operator; median of " +
                                std::to_string(replays) + " replays, against the step graphs' replay of " +
                                fmt(r.replay_ms, 3) + " ms");
   }

@@ -166,7 +166,8 @@ class SwigluOp final : public LayerOp {
           t.get<float>(tensor::kDRowWeight), o_.ffn, offsets, groups_, stream);
     else
       kernels::launch_swiglu_backward(o_.dtype, t.get(spec_.in, s), t.get(tensor::grad(spec_.out)),
-                                      t.get(tensor::grad(spec_.in), s), o_.ffn, offsets, groups_, backward_grid_, stream);
+                                      t.get(tensor::grad(spec_.in), s), o_.ffn, offsets, groups_, backward_grid_,
+                                      stream);
   }
 
  private:

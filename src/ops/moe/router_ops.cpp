@@ -177,10 +177,11 @@ class AuxLossOp final : public LayerOp {
   explicit AuxLossOp(const MoeLayerOptions& o) : o_(o) {}
   std::string name() const override { return "aux_loss"; }
   std::string kernels() const override {
-    return "aux loss: per-expert score sums over a fixed grid, partials added in block order (deterministic)";
+    return "aux loss: per-expert score sums over a fixed grid, partials added in a fixed order (deterministic)";
   }
   void declare(TensorTable&, bool) override {}
-  // The kernel's partials and ticket: zeroed once here, left zeroed by every launch.
+  // The kernel's partials and ticket, zeroed here; every launch leaves the ticket zero. The layer's
+  // calls are stream-ordered (MoeLayer), so its launches never overlap on it.
   void bind(TensorTable&) override {
     workspace_ = DeviceBuffer(kernels::kRouterAuxLossWorkspaceBytes);
     zero_now(workspace_.get(), workspace_.bytes());
