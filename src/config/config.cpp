@@ -22,7 +22,6 @@ namespace {
 constexpr int64_t kMaxWidth = int64_t{1} << 20;
 constexpr int64_t kMaxBucketTokens = int64_t{1} << 20;
 constexpr int kMaxTopK = 8;
-constexpr int64_t kMaxReplays = kMaxBenchReplays;
 
 // Identical in content to configs/qwen3-30b-a3b.json (a host test compares the two).
 constexpr const char* kDefaultConfigJson = R"json({
@@ -248,9 +247,9 @@ BenchConfig read_bench(const Json& value) {
   const JsonObject o(value, "bench", {"replays", "warmup", "fill"});
   BenchConfig bench;
   if (const Json* v = o.find("replays"))
-    bench.replays = static_cast<int>(config_detail::integer_in(*v, o.path("replays"), 1, kMaxReplays));
+    bench.replays = static_cast<int>(config_detail::integer_in(*v, o.path("replays"), 1, kMaxBenchReplays));
   if (const Json* v = o.find("warmup"))
-    bench.warmup = static_cast<int>(config_detail::integer_in(*v, o.path("warmup"), 0, kMaxReplays));
+    bench.warmup = static_cast<int>(config_detail::integer_in(*v, o.path("warmup"), 0, kMaxBenchReplays));
   if (const Json* v = o.find("fill")) bench.fill = config_detail::number(*v, o.path("fill"));
   MG_CONFIG_CHECK(bench.fill > 0 && bench.fill <= 1, "bench.fill must be in (0, 1], got ", bench.fill);
   return bench;

@@ -19,6 +19,10 @@ void fail(const char* file, int line, const std::string& message) {
 
 namespace {
 
+// The most bytes of a user's string quoted in a message (quoted_excerpt, and the parser's own
+// quote of the token it last read).
+constexpr std::size_t kQuotedBytes = 64;
+
 std::string join(const std::string& parent, std::string_view key) {
   return parent.empty() ? std::string(key) : detail::concat(parent, ".", key);
 }
@@ -135,14 +139,13 @@ std::string reason_of(std::string what) {
   // It quotes the whole token it last read, which may be a string of megabytes: cut it as we cut
   // strings everywhere else (a UTF-8 sequence cut in half becomes '?' below).
   constexpr std::string_view kLastRead = "last read: '", kExpected = "'; expected";
-  constexpr std::size_t kMaxQuoted = 64;
   if (const std::size_t at = what.find(kLastRead); at != std::string::npos) {
     const std::size_t start = at + kLastRead.size();
     // The token ends at its closing quote: before "; expected ..." when nlohmann adds that, else last.
     std::size_t end = what.find(kExpected, start);
     if (end == std::string::npos) end = what.rfind('\'');
-    if (end != std::string::npos && end >= start && end - start > kMaxQuoted) {
-      std::size_t cut = start + kMaxQuoted;
+    if (end != std::string::npos && end >= start && end - start > kQuotedBytes) {
+      std::size_t cut = start + kQuotedBytes;
       // Not inside one of its "<U+XXXX>" escapes of a control character.
       if (const std::size_t open = what.rfind('<', cut - 1); open != std::string::npos && open >= start &&
                                                                what.find('>', open) >= cut)
@@ -215,9 +218,8 @@ Json parse_document(const std::string& text) {
 }
 
 std::string quoted_excerpt(std::string_view s) {
-  constexpr std::size_t kMaxBytes = 64;
-  std::string shown(s.substr(0, kMaxBytes));
-  if (s.size() > kMaxBytes) {
+  std::string shown(s.substr(0, kQuotedBytes));
+  if (s.size() > kQuotedBytes) {
     // Do not cut a UTF-8 sequence in half: drop continuation bytes (10xxxxxx) and their lead byte.
     while (!shown.empty() && (static_cast<unsigned char>(shown.back()) & 0xC0) == 0x80) shown.pop_back();
     if (!shown.empty() && (static_cast<unsigned char>(shown.back()) & 0x80) != 0) shown.pop_back();
