@@ -36,7 +36,7 @@ int prepare_mxfp8_swap_ab(const GemmConfig& config, void** encode_tensor_map) {
            blocks, " and ", split_blocks, " CTAs per SM");
   int deep_blocks = 0;
   with_kernel<false, s::kDeepStages>(config, [&](auto kernel) {
-    deep_blocks = allow_smem_and_measure(kernel, s::THREADS, s::smem_bytes(s::kDeepStages));
+    deep_blocks = allow_smem_and_measure(kernel, s::threads_of(s::kDeepStages), s::smem_bytes(s::kDeepStages));
   });
   MG_CHECK(deep_blocks >= 1, "the MXFP8 swap-AB deep-ring kernel cannot be resident on this device");
   return blocks;
@@ -104,7 +104,7 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
   } else if (which == SwapAbKernel::kDeepRing) {
     // At most one tile per SM: one CTA each with the deeper ring (s::kDeepStages says why).
     with_kernel<false, s::kDeepStages>(plan.config, [&](auto kernel) {
-      kernel<<<plan.sm_count, s::THREADS, s::smem_bytes(s::kDeepStages), stream>>>(tp);
+      kernel<<<plan.sm_count, s::threads_of(s::kDeepStages), s::smem_bytes(s::kDeepStages), stream>>>(tp);
     });
   } else {
     with_kernel<false>(plan.config,

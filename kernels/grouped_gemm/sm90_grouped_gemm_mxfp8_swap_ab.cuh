@@ -23,6 +23,11 @@
 // whichever arrives last) and runs the epilogue. Two splits measured no faster than one CTA a tile
 // once the launch zeroes the counters (docs/PERF.md), hence kMinSplits; the launcher takes the
 // kernel without splits wherever the tiles may be more, whose code is the same as before splits.
+// The deep-ring kernel (one CTA per SM) runs two pairs of consumer warpgroups that take the ring's
+// stages in turn (pair q the stages s with s % 2 == q) and add their accumulators at the tile's end
+// (pair 1's through shared memory, in that fixed order): with one CTA an SM, one pair left each
+// scheduler two warps, whose per-stage chains (the barrier wait, the scale words, four MMAs and
+// their promotions) issued on a third of the cycles (Nsight Compute, docs/PERF.md).
 // Each 32-deep block is its own MMA into a fresh partial, promoted as
 //     acc[m][r] += partial[m][r] * sb[m][kb] * sa[r][kb]
 // with two partials alternating, so block kb's MMA runs while block kb-1 is promoted.
@@ -54,8 +59,11 @@ constexpr int STAGES = 4;
 // H200 (docs/PERF.md, "Decode with few tiles"): that FC1 0.036 -> 0.028 ms with 8 stages; every
 // launch with more tiles needs the two CTAs' interleaved promotions instead.
 constexpr int kDeepStages = 8;
-constexpr int kConsumerThreads = 256;           // two consumer warpgroups, 64 weight rows each
+constexpr int kConsumerThreads = 256;           // a pair of consumer warpgroups, 64 weight rows each
 constexpr int THREADS = kConsumerThreads + 32;  // and one producer warp after them
+// Consumer pairs and threads of the kernel with a ring of `stages`: two pairs in the deep ring.
+constexpr int pairs_of(int stages) { return stages == kDeepStages ? 2 : 1; }
+constexpr int threads_of(int stages) { return pairs_of(stages) * kConsumerThreads + 32; }
 constexpr int kCtasPerSm = 2;                   // two tiles' promotions interleave on every scheduler
 constexpr int kTileBytesB = BM * BK;            // 16 KB of weights
 constexpr int kTileBytesA = BR * BK;            // 4 KB of rows
@@ -129,7 +137,7 @@ template <int kStages>
 __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                        const int* prefix, int64_t items, int tiles_n, int ktiles, int splits) {
   const Mxfp8RaggedGemmParams& p = tp.p;
-  const int lane = threadIdx.x - kConsumerThreads;
+  const int lane = threadIdx.x - pairs_of(kStages) * kConsumerThreads;
   const int64_t red = p.k, cols = p.n, scale_ld = red / kBlock;
   if (lane == 0) sm90::prefetch_tensor_map(&tp.a), sm90::prefetch_tensor_map(&tp.b);
   int stage = 0;
@@ -235,7 +243,8 @@ __device__ __forceinline__ void mma_block(float (&partial)[4 * J], uint32_t b_ad
 
 // What a consumer thread needs of its place in the tile.
 struct Consumer {
-  int wg, lane, m_local;  // m_local: this thread's weight rows are m_local and m_local + 8
+  int wg, lane, m_local;  // wg: 0 or 1 within the pair; m_local: this thread's weight rows are m_local and m_local + 8
+  int pair, tid;          // the pair (0 or 1) and the thread's index within it
 };
 
 // A split's end: its accumulators go to the scratch (slot `item`, 4J floats a thread), and the last
@@ -280,14 +289,21 @@ __device__ __forceinline__ bool reduce_split(float (&acc)[4 * J], const Params& 
 template <int J, class T, int kStages>
 __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp, int64_t item, int splits,
                                              int stages, const Consumer& me, const uint8_t* smem, uint64_t* full,
-                                             uint64_t* empty, int* last, int& stage, uint32_t& phase) {
+                                             uint64_t* empty, int* last, float4* pair_sums, int& stage,
+                                             uint32_t& phase) {
   const Mxfp8RaggedGemmParams& p = tp.p;
   const int64_t cols = p.n;
   float acc[4 * J];
 #pragma unroll
   for (int i = 0; i < 4 * J; ++i) acc[i] = 0.0f;
   float partial[2][4 * J];
+  constexpr int kPairs = pairs_of(kStages);
+  static_assert(kPairs == 1 || kStages % 2 == 0, "the pairs take the ring's even and odd stages");
   for (; stages > 0; --stages) {
+    if (kPairs == 2 && (stage & 1) != me.pair) {  // the other pair's stage
+      if (++stage == kStages) stage = 0, phase ^= 1;
+      continue;
+    }
     sm90::mbar_wait(&full[stage], phase);
     const uint8_t* s = smem + stage * kStageBytes;
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
@@ -324,6 +340,23 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
   if (splits > 1 && !reduce_split<J>(acc, tp, item, splits, last)) return;  // another split writes C
+  if constexpr (kPairs == 2) {  // pair 1's sums to pair 0, which writes C
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+      if (me.pair == 1)
+        pair_sums[j * kConsumerThreads + me.tid] =
+            make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+    sm90::named_barrier(2, 2 * kConsumerThreads);
+    if (me.pair == 0) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) {
+        const float4 v = pair_sums[j * kConsumerThreads + me.tid];
+        acc[4 * j] += v.x, acc[4 * j + 1] += v.y, acc[4 * j + 2] += v.z, acc[4 * j + 3] += v.w;
+      }
+    }
+    sm90::named_barrier(3, 2 * kConsumerThreads);  // read before pair 1 writes the next tile's
+    if (me.pair == 1) return;
+  }
   // Epilogue: this thread holds C[row0 + r][n0 + m] for its 2 weight rows m and the group rows r < 8J.
   const RaggedTile& rt = tile.rows;
   const T* bias_all = static_cast<const T*>(p.bias);
@@ -354,29 +387,34 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
 // rows past the group's span and columns past `cols` left alone.
 // kStages: STAGES with two CTAs per SM, or kDeepStages with one.
 template <class T, bool kSplit, int kStages>
-__global__ void __launch_bounds__(THREADS, kStages == STAGES ? kCtasPerSm : 1)
+__global__ void __launch_bounds__(threads_of(kStages), kStages == STAGES ? kCtasPerSm : 1)
     ragged_gemm_kernel(const __grid_constant__ Params tp) {
+  constexpr int kThreads = threads_of(kStages), kPairs = pairs_of(kStages);
+  static_assert(!(kSplit && kPairs == 2), "the split kernel has one consumer pair");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int tile_prefix[kMaxGroups + 1];
-  __shared__ int warp_sums[THREADS / 32];
+  __shared__ int warp_sums[kThreads / 32];
+  __shared__ float4 pair_sums[kPairs == 2 ? kPartialFloats / 4 * kConsumerThreads : 1];  // pair 1's sums
   __shared__ alignas(8) uint64_t full[kStages], empty[kStages];
   __shared__ int last_split;  // reduce_split: whether this CTA sums the tile
   uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
   // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies
   sm90::init_stage_barriers<kStages>(full, 1 + 32, empty, kConsumerThreads);
-  build_tile_prefix<THREADS, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);  // ends in a barrier
+  // ends in a barrier
+  build_tile_prefix<kThreads, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);
   const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);
   const int64_t total = static_cast<int64_t>(tile_prefix[p.num_groups]) * tiles_n;
   const int ktiles = static_cast<int>(p.k / BK);
   const int splits = kSplit ? split_count(total, ktiles) : 1;
   const int64_t items = total * splits;
 
-  if (threadIdx.x >= kConsumerThreads)
+  if (threadIdx.x >= kPairs * kConsumerThreads)
     return produce<kStages>(tp, smem, full, empty, tile_prefix, items, tiles_n, ktiles, splits);
   Consumer me;
-  me.wg = threadIdx.x / 128, me.lane = threadIdx.x % 32;
-  me.m_local = me.wg * 64 + ((threadIdx.x % 128) / 32) * 16 + me.lane / 4;
+  me.pair = threadIdx.x / kConsumerThreads, me.tid = threadIdx.x % kConsumerThreads;
+  me.wg = me.tid / 128, me.lane = threadIdx.x % 32;
+  me.m_local = me.wg * 64 + ((me.tid % 128) / 32) * 16 + me.lane / 4;
   int stage = 0;
   uint32_t phase = 0;
   for (int64_t i = blockIdx.x; i < items; i += gridDim.x) {
@@ -387,8 +425,8 @@ __global__ void __launch_bounds__(THREADS, kStages == STAGES ? kCtasPerSm : 1)
     const int stages = it.kt1 - it.kt0;
     int* last = &last_split;
     const auto consume = [&](auto j) {  // j: std::integral_constant, wgmma's N / 8
-      consume_tile<decltype(j)::value, T, kStages>(tile, tp, i, splits, stages, me, smem, full, empty, last, stage,
-                                                   phase);
+      consume_tile<decltype(j)::value, T, kStages>(tile, tp, i, splits, stages, me, smem, full, empty, last,
+                                                   pair_sums, stage, phase);
     };
     if (rows <= 8) consume(std::integral_constant<int, 1>{});
     else if (rows <= 16) consume(std::integral_constant<int, 2>{});
