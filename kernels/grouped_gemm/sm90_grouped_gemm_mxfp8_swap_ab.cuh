@@ -27,7 +27,9 @@
 // stages in turn (pair q the stages s with s % 2 == q) and add their accumulators at the tile's end
 // (pair 1's through shared memory, in that fixed order): with one CTA an SM, one pair left each
 // scheduler two warps, whose per-stage chains (the barrier wait, the scale words, four MMAs and
-// their promotions) issued on a third of the cycles (Nsight Compute, docs/PERF.md).
+// their promotions) issued on a third of the cycles (Nsight Compute, docs/PERF.md). Its launches
+// give a CTA one tile at most, but the rings' positions and the two barriers also carry a CTA
+// through several.
 // Each 32-deep block is its own MMA into a fresh partial, promoted as
 //     acc[m][r] += partial[m][r] * sb[m][kb] * sa[r][kb]
 // with two partials alternating, so block kb's MMA runs while block kb-1 is promoted.
@@ -399,7 +401,8 @@ __global__ void __launch_bounds__(threads_of(kStages), kStages == STAGES ? kCtas
   __shared__ int last_split;  // reduce_split: whether this CTA sums the tile
   uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
-  // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies
+  // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies; empty: the threads of the one
+  // pair that consumes the stage (with two pairs, the pair stage % 2)
   sm90::init_stage_barriers<kStages>(full, 1 + 32, empty, kConsumerThreads);
   // ends in a barrier
   build_tile_prefix<kThreads, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);

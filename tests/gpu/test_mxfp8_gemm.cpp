@@ -258,8 +258,8 @@ const GemmCase kCases[] = {
     // CTA per SM, its 8 stages wrapping twice over 16.
     {"g12_k2048_n1096_rows2_deep_ring", 12, 2048, 1096, 1, true, 8, 0, 2},
     // The deep ring's two consumer pairs take its stages in turn and add their sums at the tile's
-    // end: an odd count of stages (11) with up to 24 rows a tile (84 tiles), and a single stage, so
-    // that the second pair adds nothing.
+    // end: an odd count of stages (11) with about 20 rows a group (skewed: J = 1 to 4; at most 84
+    // tiles by the host's bound), and a single stage, so that the second pair adds nothing.
     {"g12_k1408_n512_rows20_deep_ring_odd_stages", 12, 1408, 512, 1, true, 8, 0, 20},
     {"g12_k128_n1096_rows2_deep_ring_one_stage", 12, 128, 1096, 1, false, 8, 0, 2},
 };
