@@ -508,6 +508,8 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
   if (a.rowwise.data != nullptr && stores) {  // data: uniform over the grid
     *reinterpret_cast<uint4*>(a.rowwise.data + at) = q;
     if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
+    if (a.rowwise.scale_floats != nullptr && (threadIdx.x & 1) != 0)  // the pair's other lane
+      a.rowwise.scale_floats[at / kMxBlock] = mx_scale_value(byte);
   }
   if (a.rowwise.values != nullptr) {  // uniform over the grid; the whole warp trades halves
     float values[16];
@@ -755,6 +757,8 @@ void check_and_quantize(const char* who, const char* rows_name, DType in, Quanti
              ": the row-wise codes need a 16-byte aligned data pointer and a scales pointer");
     MG_CHECK(rowwise->values == nullptr || aligned16(rowwise->values), who,
              ": the row-wise bf16 values need a 16-byte aligned pointer");
+    MG_CHECK(rowwise->scale_floats == nullptr || (codes && aligned16(rowwise->scale_floats)), who,
+             ": the row-wise scales as floats are written beside the codes, to a 16-byte aligned pointer");
     a.rowwise = *rowwise;
   }
   if (colwise != nullptr) {

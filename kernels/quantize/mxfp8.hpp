@@ -28,10 +28,15 @@ constexpr uint8_t kE4m3NaN = 0x7f;      // every element byte of such a block
 //          Why: the staged GEMM route (mxfp8_staged.cpp) reads only A's bf16 values; written in the
 //          quantizer's pass, they save reading the codes back (3 bytes per element). With values,
 //          data and scales may both be null: the codes are then not written.
+//   scale_floats (optional, with the codes) [rows, cols / 32] fp32: each scale as the GEMMs
+//          promote with it, 2^(scale - 127) (2^-127 a subnormal, NaN for 0xFF), 16-byte aligned.
+//          Why: the swap-AB GEMM (groups of few rows) reads A's scales as floats; decoding a byte
+//          there is repeated by the 64 threads that share each row, and those decodes bound it.
 struct Mxfp8Rowwise {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
   uint16_t* values = nullptr;
+  float* scale_floats = nullptr;
 };
 
 // Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -178,6 +179,68 @@ TEST_P(Mxfp8Grouped, RowwiseValuesAreTheCodesDequantized) {
   check("values alone");
   EXPECT_TRUE(same_mx("column-wise not asked for", run.col.download(), mx_buffer(run.rows, cols)));
 
+}
+
+// The row-wise scales as floats (Mxfp8Rowwise::scale_floats, what the swap-AB GEMM reads of A) are
+// the scale bytes decoded, 2^(byte - 127), bit for bit (2^-127 a subnormal, NaN for a NaN block),
+// written beside the codes in the same pass with or without the column-wise copy; entries of rows
+// past offsets[G] keep their poison. Asking for them without the codes is refused.
+TEST_P(Mxfp8Grouped, RowwiseScaleFloatsAreTheScalesDecoded) {
+  const DType dtype = GetParam();
+  std::mt19937_64 rng(test_seed(detail::concat("mxfp8_scale_floats_", dtype_name(dtype))));
+  const std::vector<int32_t> splits{40, 0, 70, 0, 1, 33, 0};
+  const GroupLayout l = make_layout(splits, 32, 352);
+  const int64_t cols = 416, used = l.offsets.back(), blocks = cols / 32;
+  std::vector<double> x = grouped_values(rng, l, cols, dtype);
+  plant_edges(x, used, cols, dtype, rng);
+  // A block of zeros and one tiny value (exact in the input type): a small scale byte.
+  x[3 * cols + 64] = std::ldexp(1.0, dtype == DType::kBF16 ? -100 : -20);
+  for (int64_t c = 65; c < 96; ++c) x[3 * cols + c] = 0.0;
+  const std::vector<double> garbage = nan_gap_rows(x, l, cols);
+  QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
+  run.set_splits(splits);
+  const MxBuffer codes = reference_rowwise(x, run.rows, cols, used);
+  constexpr uint32_t kPoison = 0x5555aaaau;
+  DeviceArray<float> floats(run.rows * blocks);
+  for (const bool with_colwise : {true, false}) {
+    const std::string where = with_colwise ? "beside the column-wise copy: " : "row-wise alone: ";
+    std::vector<float> poison(run.rows * blocks);
+    for (float& f : poison) f = std::bit_cast<float>(kPoison);
+    floats.upload(poison);
+    run.row.poison(), run.col.poison();
+    Mxfp8Rowwise r = run.row.rowwise();
+    r.scale_floats = floats.get();
+    const Mxfp8Colwise c = run.col.colwise();
+    kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(), run.splits.get(),
+                                   run.groups(), &r, with_colwise ? &c : nullptr, nullptr);
+    MG_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(same_mx(where + "row-wise codes", run.row.download(), codes));
+    const std::vector<float> got = floats.download();
+    std::size_t wrong = 0, nan = 0, distinct_bytes = 0;
+    std::vector<bool> seen(256, false);
+    for (int64_t i = 0; i < run.rows * blocks; ++i) {
+      const uint32_t bits = std::bit_cast<uint32_t>(got[i]);
+      bool ok;
+      if (i >= used * blocks) {
+        ok = bits == kPoison;
+      } else {
+        const uint8_t byte = codes.scales[i];
+        distinct_bytes += !seen[byte], seen[byte] = true;
+        if (byte == 0xff) ok = std::isnan(got[i]), ++nan;
+        else ok = got[i] == std::ldexp(1.0f, int{byte} - 127);
+      }
+      if (!ok && wrong++ < 4)
+        ADD_FAILURE() << where << "block " << i % blocks << " of row " << i / blocks << ": got 0x" << std::hex << bits;
+    }
+    EXPECT_EQ(wrong, 0u) << where;
+    EXPECT_GT(nan, 0u) << where << "the edge blocks should give NaN scales";
+    EXPECT_GT(distinct_bytes, 8u) << where << "the scales should span several bytes";
+  }
+  Mxfp8Rowwise no_codes;
+  no_codes.values = nullptr, no_codes.scale_floats = floats.get();
+  EXPECT_THROW(kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(),
+                                              run.splits.get(), run.groups(), &no_codes, nullptr, nullptr),
+               Error);
 }
 
 // The column-wise bf16 values (Mxfp8Colwise::values, what the staged wgrad reads of dy) are the
