@@ -52,6 +52,9 @@ struct WgradParams {
 struct Mxfp8RaggedGemmParams {
   const uint8_t* a = nullptr;         // [capacity_rows, k] e4m3
   const uint8_t* a_scales = nullptr;  // [capacity_rows, k / 32] e8m0
+  // The same scales as fp32, 2^(e - 127) (Mxfp8Rowwise::scale_floats; 16-byte aligned): required by
+  // the swap-AB route (kMxfp8SwapAb), which reads them instead of a_scales; the others ignore them.
+  const float* a_scale_floats = nullptr;
   const uint8_t* b = nullptr;         // [G, n, k] e4m3
   const uint8_t* b_scales = nullptr;  // [G, n, k / 32] e8m0
   int64_t n = 0, k = 0;               // output columns; the reduction, a multiple of 128

@@ -1,6 +1,7 @@
 // The MXFP8 swap-AB kernels (sm_90a; bf16 and fp16 outputs; fprop and dgrad) and their tensor maps
 // (e4m3 bytes, 128-byte swizzle; sm90_tensor_maps.hpp).
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/common/dtype_dispatch.cuh"
 #include "kernels/common/kernel_setup.cuh"
@@ -83,6 +84,9 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
            "the MXFP8 swap-AB GEMM needs capacity_rows in [1, 2^31), got ", p.capacity_rows);
   MG_CHECK(p.num_groups <= (1 << 15) && p.n <= (int64_t{1} << 31) - s::BM,
            "the MXFP8 swap-AB GEMM's tensor coordinates must fit 32 bits");
+  MG_CHECK(p.a_scale_floats != nullptr && reinterpret_cast<std::uintptr_t>(p.a_scale_floats) % 16 == 0,
+           "the MXFP8 swap-AB GEMM reads A's scales as floats: a_scale_floats must be a 16-byte aligned device ",
+           "pointer (Mxfp8Rowwise::scale_floats)");
   s::Params tp;
   tp.p = p;
   // E4M3 bytes in boxes of 128 bytes of the reduction x the tile's rows.

@@ -9,8 +9,11 @@
 //   fprop: y = x · W_e^T     A = x rows (scales along K), B = W_e [N][K]
 //   dgrad: dx = dy · W_e     A = dy rows (scales along N), B = W_e^T [K][N]
 // Per stage (128 reduction bytes): the B tile 128 x 128 and the A tile 32 x 128 by TMA (128-byte
-// swizzle, what wgmma's K-major descriptors read), their E8M0 scales (4 bytes a row) by cp.async from
-// the producer warp's lanes, which arrive on the stage's mbarrier when their copies land. Two CTAs
+// swizzle, what wgmma's K-major descriptors read), B's E8M0 scales (4 bytes a row) and A's as fp32
+// (16 bytes a row: Mxfp8RaggedGemmParams::a_scale_floats) by cp.async from the producer warp's lanes,
+// which arrive on the stage's mbarrier when their copies land. A's scales come as floats because each
+// of a tile's rows is promoted by 64 consumer threads: decoding its bytes there cost each thread two
+// instructions a row and block, a third of the promotions' (docs/PERF.md). Two CTAs
 // per SM (one producer warp each, no idle producer warpgroup), so that while one CTA's consumers wait
 // on an MMA or a scale conversion, the other's issue.
 // Split reductions (the kSplit kernel): a launch with a quarter as many tiles as CTAs or fewer
@@ -69,8 +72,9 @@ constexpr int threads_of(int stages) { return pairs_of(stages) * kConsumerThread
 constexpr int kCtasPerSm = 2;                   // two tiles' promotions interleave on every scheduler
 constexpr int kTileBytesB = BM * BK;            // 16 KB of weights
 constexpr int kTileBytesA = BR * BK;            // 4 KB of rows
-constexpr int kScaleOffset = kTileBytesB + kTileBytesA;
-constexpr int kStageBytes = (kScaleOffset + (BM + BR) * 4 + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
+constexpr int kScaleOffset = kTileBytesB + kTileBytesA;  // B's scale words, then A's scale floats
+constexpr int kScaleFloatsOffset = kScaleOffset + BM * 4;   // a float4 a group row: its 4 blocks' scales
+constexpr int kStageBytes = (kScaleFloatsOffset + BR * 16 + 1023) / 1024 * 1024;  // tiles stay 1024-aligned
 constexpr int smem_bytes(int stages) { return stages * kStageBytes + 1024; }
 constexpr int kSmemBytes = smem_bytes(STAGES);
 constexpr int kTxBytes = kTileBytesB + kTileBytesA;  // what the TMA boxes bring per stage
@@ -134,7 +138,7 @@ __device__ __forceinline__ Tile locate(int64_t t, const int* prefix, const Mxfp8
 }
 
 // The producer warp: lane 0 issues the two boxes of every stage, and every lane copies 4 weight rows'
-// and one group row's scale words (rows past the tensors read as zero scales).
+// scale words and one group row's 4 scale floats (rows past the tensors read as zeros).
 template <int kStages>
 __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                        const int* prefix, int64_t items, int tiles_n, int ktiles, int splits) {
@@ -166,17 +170,19 @@ __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_
                    valid);
       }
       const bool valid = tile.rows.row0 + lane < p.capacity_rows;
-      cp_async_4(scales + (BM + lane) * 4,
-                 valid ? p.a_scales + (tile.rows.row0 + lane) * scale_ld + kt * kBlocksPerStage : p.a_scales, valid);
+      cp_async_16(s + kScaleFloatsOffset + lane * 16,
+                  valid ? p.a_scale_floats + (tile.rows.row0 + lane) * scale_ld + kt * kBlocksPerStage
+                        : p.a_scale_floats,
+                  valid);
       cp_async_arrive_noinc(bar);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
 }
 
-// Whether every byte of every word lies in [64, 190]: then the product of any two of those E8M0
-// scales, 2^(e1 + e2 - 254), is a normal fp32 (its biased exponent e1 + e2 - 127 lies in [1, 253]),
-// and none is 0xFF (NaN). Per byte, without carries between bytes: b >= 64 when bit 6 or 7 is set;
+// Whether every byte of every word lies in [64, 190]: then none is 0 (a subnormal scale) or 0xFF (NaN),
+// so each scale is the fp32 whose exponent field is its byte. (The bound also keeps the product of
+// two such scales normal, which promotions formed by adding exponent fields once needed.) Per byte, without carries between bytes: b >= 64 when bit 6 or 7 is set;
 // b <= 190 when b + 65 does not carry out of the byte. The words are folded with and/or first and
 // tested once (about 5 instructions a word, no branches).
 template <int N>
@@ -197,37 +203,40 @@ __device__ __forceinline__ uint32_t exponent_field(uint32_t w, int kb) {
   return (kb < 3 ? w << (23 - 8 * kb) : w >> 1) & 0x7f800000u;
 }
 
+// A's scales of block kb for this thread's group rows r = 8j + 2(lane % 4) + c, at fa[2j + c], from the
+// stage's floats (4 a group row). Loaded a block at a time, just before they are used: the kernel runs
+// at 96 registers (5 warps of 288-thread CTAs on a scheduler), and a stage's 8J floats held at once spilled.
+template <int J>
+__device__ __forceinline__ void load_scales(float (&fa)[2 * J], const float* floats, int lane, int kb) {
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) fa[2 * j + c] = floats[4 * (8 * j + 2 * (lane % 4) + c) + kb];
+}
+
 // acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c, j < J) +=
-// partial * sb[m_h][kb] * sa[r][kb], from the stage's scale words. When all of them are mid-range
-// (`mid`: scale_bytes_mid of every word), the scale product is formed by adding exponent fields,
-// which gives the same fp32 as multiplying the two decoded scales (both are powers of two and the
-// product is normal) in a third of the instructions; otherwise each scale is decoded (0 and 0xFF
-// included) and multiplied.
+// partial * (sa[r][kb] * sb[m_h][kb]), with A's scales as floats (fa, load_scales) and B's from the
+// stage's scale words. When B's words are mid-range (`mid`: scale_bytes_mid), a scale is its byte
+// shifted into an fp32's exponent field; otherwise it is decoded (0 and 0xFF included). The product
+// of two powers of two is exact wherever it is a normal fp32, and either way it is the one
+// multiplication the decoded scales would take, so every path gives the same result.
 template <int J>
 __device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&partial)[4 * J], const uint32_t (&wb)[2],
-                                        const uint32_t (&wa)[2 * J], int kb, bool mid) {
+                                        const float (&fa)[2 * J], int kb, bool mid) {
+  float fb[2];
   if (mid) {
-    constexpr uint32_t kBias = 127u << 23;
-    const uint32_t eb0 = exponent_field(wb[0], kb) - kBias, eb1 = exponent_field(wb[1], kb) - kBias;
 #pragma unroll
-    for (int j = 0; j < J; ++j) {
+    for (int h = 0; h < 2; ++h) fb[h] = __uint_as_float(exponent_field(wb[h], kb));
+  } else {
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const uint32_t ea = exponent_field(wa[2 * j + c], kb);
-        acc[4 * j + c] = fmaf(partial[4 * j + c], __uint_as_float(ea + eb0), acc[4 * j + c]);
-        acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], __uint_as_float(ea + eb1), acc[4 * j + 2 + c]);
-      }
-    }
-    return;
+    for (int h = 0; h < 2; ++h) fb[h] = e8m0_to_float((wb[h] >> (8 * kb)) & 0xffu);
   }
-  const float fb0 = e8m0_to_float((wb[0] >> (8 * kb)) & 0xffu), fb1 = e8m0_to_float((wb[1] >> (8 * kb)) & 0xffu);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const float fa = e8m0_to_float((wa[2 * j + c] >> (8 * kb)) & 0xffu);
-      acc[4 * j + c] = fmaf(partial[4 * j + c], fb0 * fa, acc[4 * j + c]);
-      acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], fb1 * fa, acc[4 * j + 2 + c]);
+      acc[4 * j + c] = fmaf(partial[4 * j + c], fa[2 * j + c] * fb[0], acc[4 * j + c]);
+      acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], fa[2 * j + c] * fb[1], acc[4 * j + 2 + c]);
     }
   }
 }
@@ -309,22 +318,15 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
     sm90::mbar_wait(&full[stage], phase);
     const uint8_t* s = smem + stage * kStageBytes;
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
-    // Weight rows past `cols` and group rows past the group's data produce results that are never
-    // stored (their scales are zero fill, alignment gaps or another group's): they take mid-range
-    // stand-ins, so that they do not send the whole thread down the decoding path.
+    // Weight rows past `cols` produce results that are never stored (their scales are zero fill): they
+    // take mid-range stand-ins, so that they do not send the whole thread down the decoding path.
     uint32_t wb[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       wb[h] = tile.n0 + me.m_local + 8 * h < cols ? scales[me.m_local + 8 * h] : kMidScales;
-    uint32_t wa[2 * J];
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int r = 8 * j + 2 * (me.lane % 4) + c;
-        wa[2 * j + c] = r < tile.rows.data_rows ? scales[BM + r] : kMidScales;
-      }
-    const bool mid = scale_bytes_mid(wb) & scale_bytes_mid(wa);  // no short circuit: one branch a stage
+    // Group rows past the data read whatever floats the stage holds: their results are never stored.
+    const float* floats = reinterpret_cast<const float*>(s + kScaleFloatsOffset);
+    const bool mid = scale_bytes_mid(wb);
     const uint32_t b_addr = sm90::smem_addr(s + me.wg * (kTileBytesB / 2));
     const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
     mma_block<J>(partial[0], b_addr, a_addr, 0);
@@ -333,12 +335,16 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
       mma_block<J>(partial[kb & 1], b_addr, a_addr, kb);
       sm90::wgmma_wait<1>();  // block kb-1 is done
       sm90::fence_registers(partial[(kb - 1) & 1]);
-      promote<J>(acc, partial[(kb - 1) & 1], wb, wa, kb - 1, mid);
+      float fa[2 * J];
+      load_scales<J>(fa, floats, me.lane, kb - 1);
+      promote<J>(acc, partial[(kb - 1) & 1], wb, fa, kb - 1, mid);
     }
     sm90::wgmma_wait<0>();
     sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
-    sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
-    promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, wa, kBlocksPerStage - 1, mid);
+    float fa[2 * J];
+    load_scales<J>(fa, floats, me.lane, kBlocksPerStage - 1);
+    sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scales are in registers
+    promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, fa, kBlocksPerStage - 1, mid);
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
   if (splits > 1 && !reduce_split<J>(acc, tp, item, splits, last)) return;  // another split writes C

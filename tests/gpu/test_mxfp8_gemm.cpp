@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include "kernels/common/device_query.hpp"
@@ -41,6 +42,17 @@ Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread, int cent
     m.values[i] = e4m3_decode(c) * e8m0_decode(m.scales[i / 32]);
   }
   return m;
+}
+
+// A's scales as the swap-AB route reads them (Mxfp8RaggedGemmParams::a_scale_floats): 2^(byte - 127),
+// NaN for 0xFF, made here on the host independently of the quantizer's.
+DeviceArray<float> scale_floats(const std::vector<uint8_t>& scales) {
+  std::vector<float> f(scales.size());
+  for (std::size_t i = 0; i < f.size(); ++i)
+    f[i] = scales[i] == 0xff ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, int{scales[i]} - 127);
+  DeviceArray<float> d(f.size());
+  d.upload(f);
+  return d;
 }
 
 struct GemmCase {
@@ -152,7 +164,9 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   Staging staging(fprop_plan, c.groups, capacity, c.n, c.k, 2);
 
   kernels::Mxfp8RaggedGemmParams p;
+  const DeviceArray<float> das_floats = scale_floats(a.scales);
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = c.n, p.k = c.k;
+  p.a_scale_floats = das_floats.get();
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = c.groups;
   p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
   p.capacity_rows = capacity;
@@ -232,6 +246,10 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
     check(splits, detail::concat(c.name, " dgrad plan, A's values staged by the caller"), false);
   } else {  // the other routes read A's codes: a_staged is refused before anything is enqueued
     p.a_staged = true;
+    EXPECT_THROW(kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get()), Error);
+  }
+  if (route == Mxfp8Route::kSwapAb) {  // which reads A's scales as floats: refused without them
+    p.a_staged = false, p.a_scale_floats = nullptr;
     EXPECT_THROW(kernels::launch_mxfp8_ragged_gemm(dgrad_plan, p, stream.get()), Error);
   }
   EXPECT_EQ(derr.download()[0].code, 0);
@@ -419,7 +437,9 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   DeviceArray<uint16_t> dc(rows * n);
   kernels::launch_group_offsets(dsplits.get(), groups, 1, rows, doffsets.get(), derr.get(), nullptr);
   kernels::Mxfp8RaggedGemmParams p;
+  const DeviceArray<float> das_floats = scale_floats(a.scales);
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
+  p.a_scale_floats = das_floats.get();
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = groups, p.c = dc.get();
   p.capacity_rows = rows;
   p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
@@ -480,7 +500,9 @@ TEST_P(Mxfp8GemmExact, IdentityWeightsReturnEveryCodeExactly) {
   DeviceArray<uint16_t> dc(rows * n);
   dc.poison();
   kernels::Mxfp8RaggedGemmParams p;
+  const DeviceArray<float> das_floats = scale_floats(as);
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
+  p.a_scale_floats = das_floats.get();
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = 1, p.c = dc.get(), p.capacity_rows = rows;
   const kernels::GemmPlan plan = mxfp8_plan(kernels::GemmPhase::kFprop, GetParam());
   Staging staging(plan, 1, rows, n, k);

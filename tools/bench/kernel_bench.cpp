@@ -122,6 +122,7 @@ struct Result {
 // column-wise ones (over 32-aligned groups) for wgrad.
 struct MxBuffers {
   DeviceBuffer x, xs, dy, dys;    // row-wise [rows, k] / [rows, n] and their scales
+  DeviceBuffer xsf, dysf;         // the same scales as floats (what the swap-AB route reads of A)
   DeviceBuffer w, ws, wt, wts;    // [G, n, k] along k; [G, k, n] along n
   DeviceBuffer x_t, x_ts, dy_t, dy_ts;  // column-wise [k | n, cap32], scales [cap32 / 32, k | n]
   DeviceBuffer offsets32;         // group offsets with row_align 32
@@ -144,11 +145,22 @@ DeviceBuffer random_mx_bytes(std::size_t count, bool scales, std::mt19937_64& rn
   MG_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), count, cudaMemcpyHostToDevice));
   return d;
 }
+// E8M0 scales on the device as the floats 2^(e - 127) (set-up only: read back and decoded here).
+DeviceBuffer scale_floats_of(const DeviceBuffer& scales, std::size_t count) {
+  std::vector<uint8_t> bytes(count);
+  MG_CUDA_CHECK(cudaMemcpy(bytes.data(), scales.get(), count, cudaMemcpyDeviceToHost));
+  std::vector<float> floats(count);
+  for (std::size_t i = 0; i < count; ++i) floats[i] = std::ldexp(1.0f, int{bytes[i]} - 127);  // never 0xFF here
+  DeviceBuffer d(count * sizeof(float));
+  MG_CUDA_CHECK(cudaMemcpy(d.get(), floats.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+  return d;
+}
 MxBuffers make_mx_buffers(const KernelShape& s, std::mt19937_64& rng) {
   MxBuffers m;
   m.cap32 = (s.rows + int64_t{s.groups} * 31 + 31) / 32 * 32;
   m.x = random_mx_bytes(s.rows * s.k, false, rng), m.xs = random_mx_bytes(s.rows * s.k / 32, true, rng);
   m.dy = random_mx_bytes(s.rows * s.n, false, rng), m.dys = random_mx_bytes(s.rows * s.n / 32, true, rng);
+  m.xsf = scale_floats_of(m.xs, s.rows * s.k / 32), m.dysf = scale_floats_of(m.dys, s.rows * s.n / 32);
   m.w = random_mx_bytes(s.groups * s.n * s.k, false, rng), m.ws = random_mx_bytes(s.groups * s.n * s.k / 32, true, rng);
   m.wt = random_mx_bytes(s.groups * s.n * s.k, false, rng), m.wts = random_mx_bytes(s.groups * s.n * s.k / 32, true, rng);
   m.x_t = random_mx_bytes(s.k * m.cap32, false, rng), m.x_ts = random_mx_bytes(m.cap32 / 32 * s.k, true, rng);
@@ -211,6 +223,7 @@ MxResult run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vec
     kernels::launch_group_offsets(splits, s.groups, 1, s.rows, offsets, err, stream);
     kernels::Mxfp8RaggedGemmParams p;
     p.a = (fprop ? mx.x : mx.dy).as<uint8_t>(), p.a_scales = (fprop ? mx.xs : mx.dys).as<uint8_t>();
+    p.a_scale_floats = (fprop ? mx.xsf : mx.dysf).as<float>();
     p.b = (fprop ? mx.w : mx.wt).as<uint8_t>(), p.b_scales = (fprop ? mx.ws : mx.wts).as<uint8_t>();
     p.n = fprop ? s.n : s.k, p.k = fprop ? s.k : s.n;
     p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();

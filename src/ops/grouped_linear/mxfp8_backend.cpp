@@ -40,6 +40,10 @@ class Mxfp8Backend final : public LinearBackend {
     if (widest > 0)
       operand_ = {walk.take<uint8_t>("mxfp8.operand", o_.capacity_rows, widest),
                   walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
+    // The swap-AB route reads A's scales as floats too (Mxfp8Rowwise::scale_floats).
+    if (widest > 0 && (swap_ab(fprop_config_) || (trains_ && swap_ab(dgrad_config_))))
+      operand_.scale_floats =
+          walk.take<float>("mxfp8.operand.scale_floats", o_.capacity_rows, widest / kernels::kMxBlock, sizeof(float));
     // An operator that cannot train (forward_only, or row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (trains_ && !o_.delay_wgrad) dy_t_ = dy_copy(walk);
@@ -118,7 +122,8 @@ class Mxfp8Backend final : public LinearBackend {
       kernels::launch_quantize_mxfp8(o_.dtype, a.x, o_.capacity_rows, o_.in_features, g.offsets, g.splits,
                                      o_.num_groups, &operand, saved, stream);
     kernels::Mxfp8RaggedGemmParams p;
-    p.a = operand.data, p.a_scales = operand.scales, p.a_staged = operand.values != nullptr;
+    p.a = operand.data, p.a_scales = operand.scales, p.a_scale_floats = operand.scale_floats;
+    p.a_staged = operand.values != nullptr;
     p.b = w.data, p.b_scales = w.scales, p.b_dequantized = w.dequantized;
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
@@ -144,7 +149,8 @@ class Mxfp8Backend final : public LinearBackend {
     if (a.dx != nullptr) {
       const Mxfp8Weights& w = weights(a.mxfp8_weights);
       kernels::Mxfp8RaggedGemmParams p;
-      p.a = operand.data, p.a_scales = operand.scales, p.a_staged = operand.values != nullptr;
+      p.a = operand.data, p.a_scales = operand.scales, p.a_scale_floats = operand.scale_floats;
+      p.a_staged = operand.values != nullptr;
       p.b = w.data_t, p.b_scales = w.scales_t, p.b_dequantized = w.dequantized_t;
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
@@ -172,11 +178,15 @@ class Mxfp8Backend final : public LinearBackend {
   }
   // Where the quantizer puts a GEMM's operand: the staged route reads only A's bf16 values, so they
   // are written straight to the start of the staging (its A) instead of codes read back there.
+  // The swap-AB route also reads A's scales as floats; the others are not given them to write.
   kernels::Mxfp8Rowwise operand_for(const kernels::GemmPlan& plan) const {
-    if (!staged(plan.config)) return operand_;
-    return {nullptr, nullptr, static_cast<uint16_t*>(staging_)};
+    if (staged(plan.config)) return {nullptr, nullptr, static_cast<uint16_t*>(staging_)};
+    kernels::Mxfp8Rowwise operand = operand_;
+    if (!swap_ab(plan.config)) operand.scale_floats = nullptr;
+    return operand;
   }
   static bool staged(const kernels::GemmConfig& c) { return c.family == kernels::GemmFamily::kMxfp8Staged; }
+  static bool swap_ab(const kernels::GemmConfig& c) { return c.family == kernels::GemmFamily::kMxfp8SwapAb; }
   kernels::Mxfp8Colwise colwise(LayoutWalker& walk, const std::string& name, int64_t cols) {
     return {walk.take<uint8_t>(name, o_.capacity_rows, cols),
             walk.take<uint8_t>(name + ".scales", o_.capacity_rows / kernels::kMxBlock, cols)};
