@@ -13,9 +13,9 @@
 // (16 bytes a row: Mxfp8RaggedGemmParams::a_scale_floats) by cp.async from the producer warp's lanes,
 // which arrive on the stage's mbarrier when their copies land. A's scales come as floats because each
 // of a tile's rows is promoted by 64 consumer threads: decoding its bytes there cost each thread two
-// instructions a row and block, a third of the promotions' (docs/PERF.md). Two CTAs
-// per SM (one producer warp each, no idle producer warpgroup), so that while one CTA's consumers wait
-// on an MMA or a scale conversion, the other's issue.
+// instructions a row and block (docs/PERF.md, "MXFP8 swap-AB: A's scales as floats"). Two CTAs per
+// SM (one producer warp each, no idle producer warpgroup), so that while one CTA's consumers wait on
+// an MMA or a scale conversion, the other's issue.
 // Split reductions (the kSplit kernel): a launch with a quarter as many tiles as CTAs or fewer
 // (decode: a token's few experts, such as two of 32 tiles each with reductions of 14336) would leave
 // most SMs idle or with one ring of loads in flight, bound by the latency of those loads. There
@@ -180,11 +180,12 @@ __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_
   }
 }
 
-// Whether every byte of every word lies in [64, 190]: then none is 0 (a subnormal scale) or 0xFF (NaN),
-// so each scale is the fp32 whose exponent field is its byte. (The bound also keeps the product of
-// two such scales normal, which promotions formed by adding exponent fields once needed.) Per byte, without carries between bytes: b >= 64 when bit 6 or 7 is set;
-// b <= 190 when b + 65 does not carry out of the byte. The words are folded with and/or first and
-// tested once (about 5 instructions a word, no branches).
+// Whether every byte of every word lies in [64, 190]: then none is 0 (a subnormal scale) or 0xFF
+// (NaN), so each scale is the fp32 whose exponent field is its byte. (The bound also keeps the
+// product of two such scales normal, which promotions formed by adding exponent fields once needed.)
+// Per byte, without carries between bytes: b >= 64 when bit 6 or 7 is set; b <= 190 when b + 65
+// does not carry out of the byte. The words are folded with and/or first and tested once (about 5
+// instructions a word, no branches).
 template <int N>
 __device__ __forceinline__ bool scale_bytes_mid(const uint32_t (&w)[N]) {
   uint32_t at_least_64 = 0xffffffffu, over_190 = 0u;

@@ -236,8 +236,8 @@ TEST_P(Mxfp8Grouped, RowwiseScaleFloatsAreTheScalesDecoded) {
     EXPECT_GT(nan, 0u) << where << "the edge blocks should give NaN scales";
     EXPECT_GT(distinct_bytes, 8u) << where << "the scales should span several bytes";
   }
-  Mxfp8Rowwise no_codes;
-  no_codes.values = nullptr, no_codes.scale_floats = floats.get();
+  Mxfp8Rowwise no_codes;  // the floats alone
+  no_codes.scale_floats = floats.get();
   EXPECT_THROW(kernels::launch_quantize_mxfp8(dtype, run.x.get(), run.rows, cols, run.offsets.get(),
                                               run.splits.get(), run.groups(), &no_codes, nullptr, nullptr),
                Error);
