@@ -88,6 +88,12 @@ uint8_t e4m3_encode(double v) {
 
 double e8m0_decode(uint8_t byte) { return byte == 0xff ? kNaN : std::ldexp(1.0, byte - 127); }
 
+std::vector<float> e8m0_floats(std::span<const uint8_t> scales) {
+  std::vector<float> floats(scales.size());
+  for (std::size_t i = 0; i < scales.size(); ++i) floats[i] = static_cast<float>(e8m0_decode(scales[i]));
+  return floats;
+}
+
 uint8_t e8m0_scale_for(double amax) {
   require(std::isfinite(amax) && amax >= 0.0, "the scale of a block needs a finite amax >= 0");
   if (amax == 0.0) return 0;

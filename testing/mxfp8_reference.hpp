@@ -22,6 +22,9 @@ double e4m3_decode(uint8_t code);
 uint8_t e4m3_encode(double v);
 // E8M0: 2^(byte - 127); NaN for 0xFF.
 double e8m0_decode(uint8_t byte);
+// Scale bytes as the fp32 values the swap-AB GEMM reads (Mxfp8Rowwise::scale_floats): e8m0_decode
+// of each, exact in fp32 (2^-127 a subnormal).
+std::vector<float> e8m0_floats(std::span<const uint8_t> scales);
 // The scale rule for a finite amax >= 0: the smallest e with amax <= 448 * 2^e, clamped into
 // [-127, 127], as the byte e + 127 (amax = 0 gives byte 0).
 uint8_t e8m0_scale_for(double amax);

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <tuple>
 
 #include "kernels/common/device_query.hpp"
@@ -44,14 +43,11 @@ Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread, int cent
   return m;
 }
 
-// A's scales as the swap-AB route reads them (Mxfp8RaggedGemmParams::a_scale_floats): 2^(byte - 127),
-// NaN for 0xFF, made here on the host independently of the quantizer's.
+// A's scales as the swap-AB route reads them (Mxfp8RaggedGemmParams::a_scale_floats), decoded on the
+// host independently of the quantizer's.
 DeviceArray<float> scale_floats(const std::vector<uint8_t>& scales) {
-  std::vector<float> f(scales.size());
-  for (std::size_t i = 0; i < f.size(); ++i)
-    f[i] = scales[i] == 0xff ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, int{scales[i]} - 127);
-  DeviceArray<float> d(f.size());
-  d.upload(f);
+  DeviceArray<float> d(scales.size());
+  d.upload(e8m0_floats(scales));
   return d;
 }
 

@@ -26,6 +26,7 @@
 #include "src/core/device_buffer.hpp"
 #include "src/core/lt_gemm.hpp"
 #include "testing/legacy_loop.hpp"
+#include "testing/mxfp8_reference.hpp"
 #include "graphs/graph_exec.hpp"
 #include "src/core/device_info.hpp"
 #include "tools/bench/bench_util.hpp"
@@ -145,12 +146,11 @@ DeviceBuffer random_mx_bytes(std::size_t count, bool scales, std::mt19937_64& rn
   MG_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), count, cudaMemcpyHostToDevice));
   return d;
 }
-// E8M0 scales on the device as the floats 2^(e - 127) (set-up only: read back and decoded here).
+// E8M0 scales on the device as the floats the swap-AB route reads (set-up only: read back and decoded).
 DeviceBuffer scale_floats_of(const DeviceBuffer& scales, std::size_t count) {
   std::vector<uint8_t> bytes(count);
   MG_CUDA_CHECK(cudaMemcpy(bytes.data(), scales.get(), count, cudaMemcpyDeviceToHost));
-  std::vector<float> floats(count);
-  for (std::size_t i = 0; i < count; ++i) floats[i] = std::ldexp(1.0f, int{bytes[i]} - 127);  // never 0xFF here
+  const std::vector<float> floats = testing::e8m0_floats(bytes);
   DeviceBuffer d(count * sizeof(float));
   MG_CUDA_CHECK(cudaMemcpy(d.get(), floats.data(), count * sizeof(float), cudaMemcpyHostToDevice));
   return d;
