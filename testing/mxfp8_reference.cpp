@@ -88,10 +88,30 @@ uint8_t e4m3_encode(double v) {
 
 double e8m0_decode(uint8_t byte) { return byte == 0xff ? kNaN : std::ldexp(1.0, byte - 127); }
 
-std::vector<float> e8m0_floats(std::span<const uint8_t> scales) {
-  std::vector<float> floats(scales.size());
-  for (std::size_t i = 0; i < scales.size(); ++i) floats[i] = static_cast<float>(e8m0_decode(scales[i]));
+std::vector<float> e8m0_floats(std::span<const uint8_t> scales, int64_t rows, int64_t cols) {
+  const int64_t blocks = cols / kMxBlockSize, stages = (cols + 127) / 128;
+  require(rows >= 0 && cols % kMxBlockSize == 0 && static_cast<int64_t>(scales.size()) == rows * blocks,
+          "e8m0_floats: scales must be [rows, cols / 32]");
+  std::vector<float> floats(static_cast<std::size_t>(stages * rows * 4), 0.0f);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < blocks; ++j)
+      floats[static_cast<std::size_t>(((j / 4) * rows + r) * 4 + j % 4)] =
+          static_cast<float>(e8m0_decode(scales[static_cast<std::size_t>(r * blocks + j)]));
   return floats;
+}
+
+std::vector<uint8_t> tiled_scales(std::span<const uint8_t> scales, int64_t groups, int64_t rows, int64_t cols) {
+  const int64_t blocks = cols / kMxBlockSize, row_tiles = (rows + 127) / 128, stages = (cols + 127) / 128;
+  require(groups >= 1 && rows >= 1 && cols % kMxBlockSize == 0 &&
+              static_cast<int64_t>(scales.size()) == groups * rows * blocks,
+          "tiled_scales: scales must be [groups, rows, cols / 32]");
+  std::vector<uint8_t> tiled(static_cast<std::size_t>(groups * row_tiles * stages * 512), 0);
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < blocks; ++j)
+        tiled[static_cast<std::size_t>(((g * row_tiles + r / 128) * stages + j / 4) * 512 + (r % 128) * 4 + j % 4)] =
+            scales[static_cast<std::size_t>((g * rows + r) * blocks + j)];
+  return tiled;
 }
 
 uint8_t e8m0_scale_for(double amax) {

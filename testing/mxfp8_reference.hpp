@@ -22,9 +22,15 @@ double e4m3_decode(uint8_t code);
 uint8_t e4m3_encode(double v);
 // E8M0: 2^(byte - 127); NaN for 0xFF.
 double e8m0_decode(uint8_t byte);
-// Scale bytes as the fp32 values the swap-AB GEMM reads (Mxfp8Rowwise::scale_floats): e8m0_decode
-// of each, exact in fp32 (2^-127 a subnormal).
-std::vector<float> e8m0_floats(std::span<const uint8_t> scales);
+// The row-wise scales [rows, cols / 32] of a [rows, cols] copy as the fp32 values the swap-AB GEMM
+// reads (Mxfp8Rowwise::scale_floats): e8m0_decode of each, exact in fp32 (2^-127 a subnormal), in
+// its stage-major order [ceil(cols / 128)][rows][4] (block j of row r at ((j / 4) * rows + r) * 4 +
+// j % 4); slots past a row's blocks hold zero.
+std::vector<float> e8m0_floats(std::span<const uint8_t> scales, int64_t rows, int64_t cols);
+// The row-wise scales [groups, rows, cols / 32] of a weight copy in the swap-AB GEMM's tile order
+// (Mxfp8Weights::scales_tiled): per group, tile of 128 rows and stage of 128 columns, 128 rows of 4
+// bytes (byte j % 4 of the row's word holds block j); padding zero.
+std::vector<uint8_t> tiled_scales(std::span<const uint8_t> scales, int64_t groups, int64_t rows, int64_t cols);
 // The scale rule for a finite amax >= 0: the smallest e with amax <= 448 * 2^e, clamped into
 // [-127, 127], as the byte e + 127 (amax = 0 gives byte 0).
 uint8_t e8m0_scale_for(double amax);

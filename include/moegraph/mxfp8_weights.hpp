@@ -29,6 +29,14 @@ namespace moegraph {
 //   dequantized   [G, N, K] bf16, the values of data and scales, in data's order
 //   dequantized_t [G, K, N] bf16, the values of data_t and scales_t, in data_t's order
 // fprop and dgrad then read these in place of dequantizing their pair on every call.
+//
+// Optional, for the GEMM route of groups of few rows (decode, fine-grained experts; `--plan` prints
+// it as swap-AB): the scales again, in that route's tile order (docs/mxfp8.md, "Tiled scales"),
+// mxfp8_tiled_scale_bytes each:
+//   scales_tiled   scales in tiles of 128 rows of N by stages of 128 of K
+//   scales_t_tiled scales_t in tiles of 128 rows of K by stages of 128 of N
+// With them each stage of a tile reads its scales as one contiguous copy; without them the route
+// gathers them from the row-wise scales (correct, and measured slower: docs/PERF.md).
 struct Mxfp8Weights {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
@@ -36,6 +44,8 @@ struct Mxfp8Weights {
   uint8_t* scales_t = nullptr;
   void* dequantized = nullptr;
   void* dequantized_t = nullptr;
+  uint8_t* scales_tiled = nullptr;
+  uint8_t* scales_t_tiled = nullptr;
 };
 
 // Bytes of data (and of data_t), G * N * K, and of scales (and of scales_t), G * N * K / 32. Throws
@@ -44,11 +54,14 @@ MOEGRAPH_API std::size_t mxfp8_weight_data_bytes(int groups, int64_t n, int64_t 
 MOEGRAPH_API std::size_t mxfp8_weight_scale_bytes(int groups, int64_t n, int64_t k);
 // Bytes of dequantized (and of dequantized_t): 2 * G * N * K.
 MOEGRAPH_API std::size_t mxfp8_dequantized_weight_bytes(int groups, int64_t n, int64_t k);
+// Bytes of scales_tiled (and of scales_t_tiled): 512 * G * ceil(N / 128) * ceil(K / 128).
+MOEGRAPH_API std::size_t mxfp8_tiled_scale_bytes(int groups, int64_t n, int64_t k);
 
 // Quantizes w [G, N, K] (bf16 or fp16, device) into the pairs of `out` that are set: data with
 // scales, data_t with scales_t (a pair is both pointers or neither; at least one pair), and writes
 // the dequantized copies that are set (each needs its pair: dequantized with data), in the same
-// pass: no output may overlap w. The rules (scale choice, rounding, NaN blocks) are docs/mxfp8.md's,
+// pass, and the tiled scales that are set (each needs its pair: scales_tiled with data): no output
+// may overlap w. The rules (scale choice, rounding, NaN blocks) are docs/mxfp8.md's,
 // bit-exact. G in [1, 1024]; N and K
 // multiples of 32 in [32, 2^21]. An enqueue path (graph-capturable): it never synchronizes,
 // allocates or reads device memory on the host.
@@ -60,6 +73,13 @@ MOEGRAPH_API void quantize_mxfp8_weights(DType dtype, const void* w, int groups,
 // MXFP8 checkpoint) and are read with dequantized_weights. Sizes and pointers as above; an enqueue
 // path (graph-capturable).
 MOEGRAPH_API void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w,
+                                           cudaStream_t stream);
+
+// Writes the tiled scales of `w` that are set (at least one) from their pairs' scales, the same
+// bytes quantize_mxfp8_weights writes: for weights that arrive already quantized (an MXFP8
+// checkpoint). Call it after every change of the scales. Sizes and pointers as above; an enqueue
+// path (graph-capturable).
+MOEGRAPH_API void tile_mxfp8_weight_scales(int groups, int64_t n, int64_t k, const Mxfp8Weights& w,
                                            cudaStream_t stream);
 
 }  // namespace moegraph

@@ -52,11 +52,16 @@ struct WgradParams {
 struct Mxfp8RaggedGemmParams {
   const uint8_t* a = nullptr;         // [capacity_rows, k] e4m3
   const uint8_t* a_scales = nullptr;  // [capacity_rows, k / 32] e8m0
-  // The same scales as fp32, 2^(e - 127) (Mxfp8Rowwise::scale_floats; 16-byte aligned): required by
-  // the swap-AB route (kMxfp8SwapAb), which reads them instead of a_scales; the others ignore them.
+  // The same scales as fp32, 2^(e - 127), stage-major (Mxfp8Rowwise::scale_floats of the copy of
+  // capacity_rows rows; 16-byte aligned): required by the swap-AB route (kMxfp8SwapAb), which reads
+  // them instead of a_scales; the others ignore them.
   const float* a_scale_floats = nullptr;
   const uint8_t* b = nullptr;         // [G, n, k] e4m3
   const uint8_t* b_scales = nullptr;  // [G, n, k / 32] e8m0
+  // Optional, the swap-AB route only: b_scales in its tile order (launch_tile_mxfp8_scales with
+  // rows n, cols k; 16-byte aligned), one contiguous copy a stage. Null: it copies the stage's 128
+  // words from b_scales one by one (measured slower: docs/PERF.md).
+  const uint8_t* b_scales_tiled = nullptr;
   int64_t n = 0, k = 0;               // output columns; the reduction, a multiple of 128
   const int32_t* splits = nullptr;
   const int64_t* offsets = nullptr;

@@ -87,6 +87,8 @@ void launch_mxfp8_swap_ab(const GemmPlan& plan, const Mxfp8RaggedGemmParams& p, 
   MG_CHECK(p.a_scale_floats != nullptr && reinterpret_cast<std::uintptr_t>(p.a_scale_floats) % 16 == 0,
            "the MXFP8 swap-AB GEMM reads A's scales as floats: a_scale_floats must be a 16-byte aligned device ",
            "pointer (Mxfp8Rowwise::scale_floats)");
+  MG_CHECK(reinterpret_cast<std::uintptr_t>(p.b_scales_tiled) % 16 == 0,
+           "the MXFP8 swap-AB GEMM: b_scales_tiled must be 16-byte aligned (or null)");
   s::Params tp;
   tp.p = p;
   // E4M3 bytes in boxes of 128 bytes of the reduction x the tile's rows.

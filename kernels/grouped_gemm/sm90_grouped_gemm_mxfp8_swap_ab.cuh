@@ -9,13 +9,17 @@
 //   fprop: y = x · W_e^T     A = x rows (scales along K), B = W_e [N][K]
 //   dgrad: dx = dy · W_e     A = dy rows (scales along N), B = W_e^T [K][N]
 // Per stage (128 reduction bytes): the B tile 128 x 128 and the A tile 32 x 128 by TMA (128-byte
-// swizzle, what wgmma's K-major descriptors read), B's E8M0 scales (4 bytes a row) and A's as fp32
-// (16 bytes a row: Mxfp8RaggedGemmParams::a_scale_floats) by cp.async from the producer warp's lanes,
-// which arrive on the stage's mbarrier when their copies land. A's scales come as floats because each
-// of a tile's rows is promoted by 64 consumer threads: decoding its bytes there cost each thread two
-// instructions a row and block (docs/PERF.md, "MXFP8 swap-AB: A's scales as floats"). Two CTAs per
-// SM (one producer warp each, no idle producer warpgroup), so that while one CTA's consumers wait on
-// an MMA or a scale conversion, the other's issue.
+// swizzle, what wgmma's K-major descriptors read); A's scales as fp32 (16 bytes a row:
+// Mxfp8RaggedGemmParams::a_scale_floats, stage-major, so a stage's 32 rows are one 512-byte bulk
+// copy); B's E8M0 scales (4 bytes a row) as one 512-byte bulk copy from their tiled copy
+// (b_scales_tiled), or, without it, by 4-byte cp.async from the producer warp's lanes, which then
+// also arrive on the stage's mbarrier. A's scales come as floats because each of a tile's rows is
+// promoted by 64 consumer threads: decoding its bytes there cost each thread two instructions a row
+// and block (docs/PERF.md, "MXFP8 swap-AB: A's scales as floats"); both come as whole copies because
+// 160 scattered small copies a stage held each stage's turnaround (docs/PERF.md, "MXFP8 swap-AB:
+// each stage's scales as two bulk copies"). Two CTAs per SM (one producer warp each, no idle
+// producer warpgroup), so that while one CTA's consumers wait on an MMA or a scale conversion, the
+// other's issue.
 // Split reductions (the kSplit kernel): a launch with a quarter as many tiles as CTAs or fewer
 // (decode: a token's few experts, such as two of 32 tiles each with reductions of 14336) would leave
 // most SMs idle or with one ring of loads in flight, bound by the latency of those loads. There
@@ -137,14 +141,17 @@ __device__ __forceinline__ Tile locate(int64_t t, const int* prefix, const Mxfp8
   return tile;
 }
 
-// The producer warp: lane 0 issues the two boxes of every stage, and every lane copies 4 weight rows'
-// scale words and one group row's 4 scale floats (rows past the tensors read as zeros).
+// The producer warp: lane 0 issues every stage's two boxes and its two scale copies (A's floats of
+// the tile's rows up to capacity_rows; B's words from the tiled copy). Without the tiled copy, every
+// lane copies 4 weight rows' scale words (rows past the tensor read as zeros) and arrives on the
+// stage's barrier when they land (the barrier then counts 33 arrivals: kernel).
 template <int kStages>
 __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                        const int* prefix, int64_t items, int tiles_n, int ktiles, int splits) {
   const Mxfp8RaggedGemmParams& p = tp.p;
   const int lane = threadIdx.x - pairs_of(kStages) * kConsumerThreads;
   const int64_t red = p.k, cols = p.n, scale_ld = red / kBlock;
+  const bool tiled = p.b_scales_tiled != nullptr;
   if (lane == 0) sm90::prefetch_tensor_map(&tp.a), sm90::prefetch_tensor_map(&tp.b);
   int stage = 0;
   uint32_t phase = 0;
@@ -152,29 +159,35 @@ __device__ __forceinline__ void produce(const Params& tp, uint8_t* smem, uint64_
     const Item it = item_of(i, splits, ktiles);
     const Tile tile = locate(it.tile, prefix, p, tiles_n);
     const int64_t b_row0 = static_cast<int64_t>(tile.rows.group) * cols + tile.n0;
+    // The tile's first stage of B's tiled words (mxfp8_tiled_scale_bytes: tiles_n tiles a group).
+    const uint8_t* b_tiled =
+        tiled ? p.b_scales_tiled + (static_cast<int64_t>(tile.rows.group) * tiles_n + tile.n0 / BM) * ktiles * (BM * 4)
+              : nullptr;
+    const int64_t a_rows = min(p.capacity_rows - tile.rows.row0, static_cast<int64_t>(BR));  // >= 1
+    const uint32_t a_bytes = static_cast<uint32_t>(a_rows) * 16;
     for (int kt = it.kt0; kt < it.kt1; ++kt) {
       sm90::mbar_wait(&empty[stage], phase ^ 1);
       uint8_t* s = smem + stage * kStageBytes;
       uint64_t* bar = &full[stage];
       if (lane == 0) {
-        sm90::mbar_arrive_expect_tx(bar, kTxBytes);
+        sm90::mbar_arrive_expect_tx(bar, kTxBytes + a_bytes + (tiled ? BM * 4 : 0));
         sm90::tma_load_3d(s, &tp.b, bar, kt * BK, static_cast<int>(tile.n0), tile.rows.group);
         sm90::tma_load_2d(s + kTileBytesB, &tp.a, bar, kt * BK, static_cast<int>(tile.rows.row0));
+        sm90::bulk_load(s + kScaleFloatsOffset,
+                        p.a_scale_floats + (kt * p.capacity_rows + tile.rows.row0) * kBlocksPerStage, a_bytes, bar);
+        if (tiled) sm90::bulk_load(s + kScaleOffset, b_tiled + kt * (BM * 4), BM * 4, bar);
       }
-      uint8_t* scales = s + kScaleOffset;
+      if (!tiled) {
+        uint8_t* scales = s + kScaleOffset;
 #pragma unroll
-      for (int i = 0; i < BM / 32; ++i) {
-        const int row = lane + 32 * i;
-        const bool valid = tile.n0 + row < cols;
-        cp_async_4(scales + row * 4, valid ? p.b_scales + (b_row0 + row) * scale_ld + kt * kBlocksPerStage : p.b_scales,
-                   valid);
+        for (int i = 0; i < BM / 32; ++i) {
+          const int row = lane + 32 * i;
+          const bool valid = tile.n0 + row < cols;
+          cp_async_4(scales + row * 4,
+                     valid ? p.b_scales + (b_row0 + row) * scale_ld + kt * kBlocksPerStage : p.b_scales, valid);
+        }
+        cp_async_arrive_noinc(bar);
       }
-      const bool valid = tile.rows.row0 + lane < p.capacity_rows;
-      cp_async_16(s + kScaleFloatsOffset + lane * 16,
-                  valid ? p.a_scale_floats + (tile.rows.row0 + lane) * scale_ld + kt * kBlocksPerStage
-                        : p.a_scale_floats,
-                  valid);
-      cp_async_arrive_noinc(bar);
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
@@ -204,26 +217,29 @@ __device__ __forceinline__ uint32_t exponent_field(uint32_t w, int kb) {
   return (kb < 3 ? w << (23 - 8 * kb) : w >> 1) & 0x7f800000u;
 }
 
-// A's scales of block kb for this thread's group rows r = 8j + 2(lane % 4) + c, at fa[2j + c], from the
-// stage's floats (4 a group row). Loaded a block at a time, just before they are used: the kernel runs
-// at 96 registers (5 warps of 288-thread CTAs on a scheduler), and a stage's 8J floats held at once spilled.
+// A's scales of blocks 2h and 2h + 1 of the stage for this thread's group rows (r = 8j + 2(lane % 4) + c
+// at fa[2j + c]). Half a stage at a time: the kernel runs at 96 registers (5 warps of 288-thread CTAs
+// on a scheduler), and the whole stage's 8J floats held at once spilled 80-108 bytes; halves spill
+// 16-24 bytes (ptxas) and measured faster than a block at a time from 24 rows a tile, the same below
+// (docs/PERF.md, "MXFP8 swap-AB: each stage's scales as two bulk copies").
+static_assert(kBlocksPerStage == 4, "a stage's A scales are loaded as two halves of two blocks");
 template <int J>
-__device__ __forceinline__ void load_scales(float (&fa)[2 * J], const float* floats, int lane, int kb) {
+__device__ __forceinline__ void load_scale_half(float2 (&fa)[2 * J], const float2* floats, int lane, int h) {
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
-    for (int c = 0; c < 2; ++c) fa[2 * j + c] = floats[4 * (8 * j + 2 * (lane % 4) + c) + kb];
+    for (int c = 0; c < 2; ++c) fa[2 * j + c] = floats[2 * (8 * j + 2 * (lane % 4) + c) + h];
 }
 
 // acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c, j < J) +=
-// partial * (sa[r][kb] * sb[m_h][kb]), with A's scales as floats (fa, load_scales) and B's from the
-// stage's scale words. When B's words are mid-range (`mid`: scale_bytes_mid), a scale is its byte
-// shifted into an fp32's exponent field; otherwise it is decoded (0 and 0xFF included). The product
-// of two powers of two is exact wherever it is a normal fp32, and either way it is the one
+// partial * (sa[r][kb] * sb[m_h][kb]), with A's scales as floats (fa[2j + c]: the row's half holding kb) and
+// B's from the stage's scale words. When B's words are mid-range (`mid`: scale_bytes_mid), a scale is
+// its byte shifted into an fp32's exponent field; otherwise it is decoded (0 and 0xFF included). The
+// product of two powers of two is exact wherever it is a normal fp32, and either way it is the one
 // multiplication the decoded scales would take, so every path gives the same result.
 template <int J>
 __device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&partial)[4 * J], const uint32_t (&wb)[2],
-                                        const float (&fa)[2 * J], int kb, bool mid) {
+                                        const float2 (&fa)[2 * J], int kb, bool mid) {
   float fb[2];
   if (mid) {
 #pragma unroll
@@ -236,8 +252,9 @@ __device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&parti
   for (int j = 0; j < J; ++j) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      acc[4 * j + c] = fmaf(partial[4 * j + c], fa[2 * j + c] * fb[0], acc[4 * j + c]);
-      acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], fa[2 * j + c] * fb[1], acc[4 * j + 2 + c]);
+      const float a = kb % 2 == 0 ? fa[2 * j + c].x : fa[2 * j + c].y;
+      acc[4 * j + c] = fmaf(partial[4 * j + c], a * fb[0], acc[4 * j + c]);
+      acc[4 * j + 2 + c] = fmaf(partial[4 * j + 2 + c], a * fb[1], acc[4 * j + 2 + c]);
     }
   }
 }
@@ -326,7 +343,9 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
     for (int h = 0; h < 2; ++h)
       wb[h] = tile.n0 + me.m_local + 8 * h < cols ? scales[me.m_local + 8 * h] : kMidScales;
     // Group rows past the data read whatever floats the stage holds: their results are never stored.
-    const float* floats = reinterpret_cast<const float*>(s + kScaleFloatsOffset);
+    const float2* floats = reinterpret_cast<const float2*>(s + kScaleFloatsOffset);
+    float2 fa[2 * J];
+    load_scale_half<J>(fa, floats, me.lane, 0);
     const bool mid = scale_bytes_mid(wb);
     const uint32_t b_addr = sm90::smem_addr(s + me.wg * (kTileBytesB / 2));
     const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
@@ -336,15 +355,12 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
       mma_block<J>(partial[kb & 1], b_addr, a_addr, kb);
       sm90::wgmma_wait<1>();  // block kb-1 is done
       sm90::fence_registers(partial[(kb - 1) & 1]);
-      float fa[2 * J];
-      load_scales<J>(fa, floats, me.lane, kb - 1);
+      if (kb - 1 == 2) load_scale_half<J>(fa, floats, me.lane, 1);  // blocks 2 and 3
       promote<J>(acc, partial[(kb - 1) & 1], wb, fa, kb - 1, mid);
     }
     sm90::wgmma_wait<0>();
     sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
-    float fa[2 * J];
-    load_scales<J>(fa, floats, me.lane, kBlocksPerStage - 1);
-    sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scales are in registers
+    sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
     promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, fa, kBlocksPerStage - 1, mid);
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
@@ -408,9 +424,9 @@ __global__ void __launch_bounds__(threads_of(kStages), kStages == STAGES ? kCtas
   __shared__ int last_split;  // reduce_split: whether this CTA sums the tile
   uint8_t* smem = sm90::aligned_smem(smem_raw);
   const Mxfp8RaggedGemmParams& p = tp.p;
-  // full: lane 0's arrive.expect_tx and the 32 lanes' scale copies; empty: the threads of the one
-  // pair that consumes the stage (with two pairs, the pair stage % 2)
-  sm90::init_stage_barriers<kStages>(full, 1 + 32, empty, kConsumerThreads);
+  // full: lane 0's arrive.expect_tx, and without B's tiled scales the 32 lanes' scale copies; empty:
+  // the threads of the one pair that consumes the stage (with two pairs, the pair stage % 2)
+  sm90::init_stage_barriers<kStages>(full, p.b_scales_tiled != nullptr ? 1 : 1 + 32, empty, kConsumerThreads);
   // ends in a barrier
   build_tile_prefix<kThreads, BR, true>(p.splits, p.offsets, p.num_groups, tile_prefix, warp_sums);
   const int tiles_n = static_cast<int>((p.n + BM - 1) / BM);

@@ -509,7 +509,8 @@ __device__ __forceinline__ void quantize_row_chunk(const QuantizeArgs& a, const 
     *reinterpret_cast<uint4*>(a.rowwise.data + at) = q;
     if ((threadIdx.x & 1) == 0) a.rowwise.scales[at / kMxBlock] = static_cast<uint8_t>(byte);
     if (a.rowwise.scale_floats != nullptr && (threadIdx.x & 1) != 0)  // the pair's other lane
-      a.rowwise.scale_floats[at / kMxBlock] = mx_scale_value(byte);
+      a.rowwise.scale_floats[mxfp8_scale_float_index(t.batch * a.rows + r, c / kMxBlock, a.batches * a.rows)] =
+          mx_scale_value(byte);
   }
   if (a.rowwise.values != nullptr) {  // uniform over the grid; the whole warp trades halves
     float values[16];

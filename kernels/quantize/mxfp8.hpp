@@ -28,16 +28,31 @@ constexpr uint8_t kE4m3NaN = 0x7f;      // every element byte of such a block
 //          Why: the staged GEMM route (mxfp8_staged.cpp) reads only A's bf16 values; written in the
 //          quantizer's pass, they save reading the codes back (3 bytes per element). With values,
 //          data and scales may both be null: the codes are then not written.
-//   scale_floats (optional, with the codes) [rows, cols / 32] fp32: each scale as the GEMMs
-//          promote with it, 2^(scale - 127) (2^-127 a subnormal, NaN for 0xFF), 16-byte aligned.
-//          Why: the swap-AB GEMM (groups of few rows) reads A's scales as floats; decoding a byte
-//          there is repeated by the 64 threads that share each row, and those decodes bound it.
+//   scale_floats (optional, with the codes) fp32, each scale as the GEMMs promote with it,
+//          2^(scale - 127) (2^-127 a subnormal, NaN for 0xFF), 16-byte aligned, stage-major:
+//          [ceil(cols / 128)][rows][4], block j of row r at mxfp8_scale_float_index(r, j, rows)
+//          (mxfp8_scale_float_count floats; slots past a row's blocks are not written). Why: the
+//          swap-AB GEMM (groups of few rows) reads A's scales as floats, since decoding a byte there
+//          is repeated by the 64 threads that share each row; and in this order the floats of one
+//          GEMM stage (128 columns) of 32 consecutive rows are one contiguous 512-byte copy.
 struct Mxfp8Rowwise {
   uint8_t* data = nullptr;
   uint8_t* scales = nullptr;
   uint16_t* values = nullptr;
   float* scale_floats = nullptr;
 };
+
+// The swap-AB GEMM's stage: 128 reduction elements, 4 scale blocks (its scale layouts follow it).
+constexpr int64_t kMxStageCols = 128;
+constexpr int64_t kMxStageBlocks = kMxStageCols / 32;
+// Index of block j of row r in a row-wise copy's scale_floats (rows: the copy's rows).
+constexpr int64_t mxfp8_scale_float_index(int64_t r, int64_t j, int64_t rows) {
+  return (j / kMxStageBlocks * rows + r) * kMxStageBlocks + j % kMxStageBlocks;
+}
+// Floats of scale_floats for a [rows, cols] copy.
+constexpr int64_t mxfp8_scale_float_count(int64_t rows, int64_t cols) {
+  return (cols + kMxStageCols - 1) / kMxStageCols * rows * kMxStageBlocks;
+}
 
 // Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows
 // (this is what the weight-gradient GEMM reads), the data tiled so that each 32-row block of a
@@ -151,6 +166,20 @@ void launch_quantize_mxfp8_swiglu_grad(DType in, const void* gate_up, const void
 void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t n, int64_t k,
                                    const Mxfp8Rowwise* rowwise, const Mxfp8Colwise* colwise,
                                    cudaStream_t stream);
+
+// The scales of a row-wise weight copy [groups, rows, cols] (scales [groups, rows, cols / 32]) in
+// the swap-AB GEMM's tile order (Mxfp8RaggedGemmParams::b_scales_tiled): for each group, each tile
+// of 128 rows (the last one padded) and each stage of 128 columns, 128 words of 4 bytes, row after
+// row, a row's word holding its 4 scale bytes of the stage in order:
+//   byte (g, r, j) at ((g * ceil(rows / 128) + r / 128) * ceil(cols / 128) + j / 4) * 512 + (r % 128) * 4 + j % 4
+// Padding (rows past `rows`, blocks past cols / 32) is zero. So one stage of one tile is one
+// contiguous 512-byte copy, where the row-wise order puts its 128 words cols / 32 bytes apart.
+// rows >= 1, cols a positive multiple of 32; both pointers 16-byte aligned; groups >= 1.
+constexpr int64_t mxfp8_tiled_scale_bytes(int64_t groups, int64_t rows, int64_t cols) {
+  return groups * ((rows + 127) / 128) * ((cols + kMxStageCols - 1) / kMxStageCols) * 512;
+}
+void launch_tile_mxfp8_scales(const uint8_t* scales, uint8_t* tiled, int groups, int64_t rows, int64_t cols,
+                              cudaStream_t stream);
 
 // y[r, c] = e4m3(data[r, c]) * 2^(scale - 127) in fp32, then rounded to nearest even into `out`
 // (bf16, fp16, or fp32 as is), for the used rows [0, offsets[groups]) of a row-wise copy; a NaN

@@ -43,11 +43,20 @@ Mx random_mx(std::mt19937_64& rng, int64_t rows, int64_t k, int spread, int cent
   return m;
 }
 
-// A's scales as the swap-AB route reads them (Mxfp8RaggedGemmParams::a_scale_floats), decoded on the
-// host independently of the quantizer's.
-DeviceArray<float> scale_floats(const std::vector<uint8_t>& scales) {
-  DeviceArray<float> d(scales.size());
-  d.upload(e8m0_floats(scales));
+// A's scales [rows, k / 32] as the swap-AB route reads them (Mxfp8RaggedGemmParams::a_scale_floats,
+// stage-major), decoded and laid out on the host independently of the quantizer.
+DeviceArray<float> scale_floats(const std::vector<uint8_t>& scales, int64_t rows, int64_t k) {
+  const std::vector<float> floats = e8m0_floats(scales, rows, k);
+  DeviceArray<float> d(floats.size());
+  d.upload(floats);
+  return d;
+}
+// B's scales [groups, n, k / 32] in the swap-AB route's tile order (b_scales_tiled), laid out on the
+// host independently of the library's tiling kernel.
+DeviceArray<uint8_t> tiled_scales_of(const std::vector<uint8_t>& scales, int64_t groups, int64_t n, int64_t k) {
+  const std::vector<uint8_t> tiled = tiled_scales(scales, groups, n, k);
+  DeviceArray<uint8_t> d(tiled.size());
+  d.upload(tiled);
   return d;
 }
 
@@ -160,9 +169,12 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   Staging staging(fprop_plan, c.groups, capacity, c.n, c.k, 2);
 
   kernels::Mxfp8RaggedGemmParams p;
-  const DeviceArray<float> das_floats = scale_floats(a.scales);
+  const DeviceArray<float> das_floats = scale_floats(a.scales, capacity, c.k);
+  // fprop reads B's tiled scales (swap-AB: one bulk copy a stage), the dgrad plan below the row-wise
+  // ones (4-byte copies): both producer paths on every case.
+  const DeviceArray<uint8_t> dbs_tiled = tiled_scales_of(b.scales, c.groups, c.n, c.k);
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = c.n, p.k = c.k;
-  p.a_scale_floats = das_floats.get();
+  p.a_scale_floats = das_floats.get(), p.b_scales_tiled = dbs_tiled.get();
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = c.groups;
   p.bias = c.bias ? dbias.get() : nullptr, p.bias_scale = c.bias ? dscale.get() : nullptr, p.c = dc.get();
   p.capacity_rows = capacity;
@@ -218,7 +230,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   // kernel over the staged W^T there, here with weights in runs of three.
   const kernels::GemmPlan dgrad_plan = mxfp8_plan(kernels::GemmPhase::kDgrad, route, -1, 0, values);
   Staging dgrad_staging(dgrad_plan, c.groups, capacity, c.n, c.k, 3);
-  p.bias = nullptr, p.bias_scale = nullptr;
+  p.bias = nullptr, p.bias_scale = nullptr, p.b_scales_tiled = nullptr;
   p.staging = dgrad_staging.buffer.get(), p.staging_bytes = dgrad_staging.bytes;
   splits = random_splits(rng, c.groups, data_rows, Routing::kSkewed);
   dsplits.upload(splits);
@@ -433,9 +445,10 @@ TEST_P(Mxfp8GemmNaN, NanScalePropagatesToItsRowOnly) {
   DeviceArray<uint16_t> dc(rows * n);
   kernels::launch_group_offsets(dsplits.get(), groups, 1, rows, doffsets.get(), derr.get(), nullptr);
   kernels::Mxfp8RaggedGemmParams p;
-  const DeviceArray<float> das_floats = scale_floats(a.scales);
+  const DeviceArray<float> das_floats = scale_floats(a.scales, rows, k);
+  const DeviceArray<uint8_t> dbs_tiled = tiled_scales_of(b.scales, groups, n, k);
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
-  p.a_scale_floats = das_floats.get();
+  p.a_scale_floats = das_floats.get(), p.b_scales_tiled = dbs_tiled.get();
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = groups, p.c = dc.get();
   p.capacity_rows = rows;
   p.staging = staging.buffer.get(), p.staging_bytes = staging.bytes;
@@ -496,7 +509,7 @@ TEST_P(Mxfp8GemmExact, IdentityWeightsReturnEveryCodeExactly) {
   DeviceArray<uint16_t> dc(rows * n);
   dc.poison();
   kernels::Mxfp8RaggedGemmParams p;
-  const DeviceArray<float> das_floats = scale_floats(as);
+  const DeviceArray<float> das_floats = scale_floats(as, rows, k);
   p.a = da.get(), p.a_scales = das.get(), p.b = db.get(), p.b_scales = dbs.get(), p.n = n, p.k = k;
   p.a_scale_floats = das_floats.get();
   p.splits = dsplits.get(), p.offsets = doffsets.get(), p.num_groups = 1, p.c = dc.get(), p.capacity_rows = rows;

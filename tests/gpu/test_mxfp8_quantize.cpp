@@ -182,9 +182,11 @@ TEST_P(Mxfp8Grouped, RowwiseValuesAreTheCodesDequantized) {
 }
 
 // The row-wise scales as floats (Mxfp8Rowwise::scale_floats, what the swap-AB GEMM reads of A) are
-// the scale bytes decoded, 2^(byte - 127), bit for bit (2^-127 a subnormal, NaN for a NaN block),
-// written beside the codes in the same pass with or without the column-wise copy; entries of rows
-// past offsets[G] keep their poison. Asking for them without the codes is refused.
+// the scale bytes decoded, 2^(byte - 127), bit for bit (2^-127 a subnormal, NaN for a NaN block), in
+// the stage-major order (the host reference lays it out on its own), written beside the codes in the
+// same pass with or without the column-wise copy; entries of rows past offsets[G], and the slots past
+// a row's blocks in its last, partial stage (416 columns: 3 stages and a quarter), keep their poison.
+// Asking for them without the codes is refused.
 TEST_P(Mxfp8Grouped, RowwiseScaleFloatsAreTheScalesDecoded) {
   const DType dtype = GetParam();
   std::mt19937_64 rng(test_seed(detail::concat("mxfp8_scale_floats_", dtype_name(dtype))));
@@ -200,12 +202,14 @@ TEST_P(Mxfp8Grouped, RowwiseScaleFloatsAreTheScalesDecoded) {
   QuantizeRun run(dtype, l.capacity_rows, cols, garbage, l.offsets);
   run.set_splits(splits);
   const MxBuffer codes = reference_rowwise(x, run.rows, cols, used);
-  const std::vector<float> want = e8m0_floats(codes.scales);
+  const std::vector<float> want = e8m0_floats(codes.scales, run.rows, cols);
+  const int64_t slots = (cols + 127) / 128 * run.rows * 4;
+  ASSERT_EQ(static_cast<int64_t>(want.size()), slots);
   constexpr uint32_t kPoison = 0x5555aaaau;
-  DeviceArray<float> floats(run.rows * blocks);
+  DeviceArray<float> floats(slots);
   for (const bool with_colwise : {true, false}) {
     const std::string where = with_colwise ? "beside the column-wise copy: " : "row-wise alone: ";
-    std::vector<float> poison(run.rows * blocks);
+    std::vector<float> poison(slots);
     for (float& f : poison) f = std::bit_cast<float>(kPoison);
     floats.upload(poison);
     run.row.poison(), run.col.poison();
@@ -219,19 +223,20 @@ TEST_P(Mxfp8Grouped, RowwiseScaleFloatsAreTheScalesDecoded) {
     const std::vector<float> got = floats.download();
     std::size_t wrong = 0, nan = 0, distinct_bytes = 0;
     std::vector<bool> seen(256, false);
-    for (int64_t i = 0; i < run.rows * blocks; ++i) {
+    for (int64_t i = 0; i < slots; ++i) {
+      const int64_t stage = i / (run.rows * 4), r = i / 4 % run.rows, j = stage * 4 + i % 4;
       const uint32_t bits = std::bit_cast<uint32_t>(got[i]);
       bool ok;
-      if (i >= used * blocks) {
+      if (r >= used || j >= blocks) {
         ok = bits == kPoison;
       } else {
-        const uint8_t byte = codes.scales[i];
+        const uint8_t byte = codes.scales[r * blocks + j];
         distinct_bytes += !seen[byte], seen[byte] = true;
         if (byte == 0xff) ok = std::isnan(got[i]), ++nan;
         else ok = bits == std::bit_cast<uint32_t>(want[i]);
       }
       if (!ok && wrong++ < 4)
-        ADD_FAILURE() << where << "block " << i % blocks << " of row " << i / blocks << ": got 0x" << std::hex << bits;
+        ADD_FAILURE() << where << "block " << j << " of row " << r << ": got 0x" << std::hex << bits;
     }
     EXPECT_EQ(wrong, 0u) << where;
     EXPECT_GT(nan, 0u) << where << "the edge blocks should give NaN scales";

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -64,6 +65,53 @@ TEST(Mxfp8WeightsApi, QuantizerMatchesTheReference) {
   quantize_mxfp8_weights(DType::kBF16, dw.get(), g, n, k, q.view(false), nullptr);
   MG_CUDA_CHECK(cudaDeviceSynchronize());
   for (uint8_t b : q.data_t.download()) ASSERT_EQ(b, 0xff);
+}
+
+// The tiled scales (the swap-AB route's order) are the reference's layout of each pair's scales,
+// padding zero: N = 96 pads the one row tile, K = 160 leaves a last stage of one block (and the
+// transposed pair: 160 rows, two tiles, N = 96 three blocks of one stage). Written by the quantizer
+// beside the codes, and by tile_mxfp8_weight_scales from scales already there; refused without
+// their pair.
+TEST(Mxfp8WeightsApi, TiledScalesAreTheScalesInTileOrder) {
+  const int g = 3;
+  const int64_t n = 96, k = 160;
+  std::mt19937_64 rng(test_seed("mxfp8_tiled_scales"));
+  Mat w = random_values(rng, g * n * k, 1.0, DType::kBF16);
+  // Blocks of 32 scaled by 2^-4 .. 2^4 (exact in bf16): scale bytes that differ from block to block,
+  // so a block out of place shows.
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = std::ldexp(w[i], static_cast<int>(i / 32 % 9) - 4);
+  DeviceArray<uint16_t> dw(w.size());
+  dw.upload(to_device_bits(w, DType::kBF16));
+  const std::size_t bytes = mxfp8_tiled_scale_bytes(g, n, k);
+  EXPECT_EQ(bytes, std::size_t{512} * g * 1 * 2);
+  EXPECT_EQ(mxfp8_tiled_scale_bytes(g, k, n), std::size_t{512} * g * 2 * 1);
+  Mxfp8Block q(g, n, k);
+  DeviceArray<uint8_t> tiled(bytes), tiled_t(bytes);
+  tiled.poison(), tiled_t.poison();
+  Mxfp8Weights out = q.view();
+  out.scales_tiled = tiled.get(), out.scales_t_tiled = tiled_t.get();
+  quantize_mxfp8_weights(DType::kBF16, dw.get(), g, n, k, out, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  MxBuffer row = mx_buffer(g * n, k), col = mx_buffer(g * n, k);
+  mx_quantize_weights(w, g, n, k, &row, &col);
+  const std::vector<uint8_t> want = tiled_scales(row.scales, g, n, k), want_t = tiled_scales(col.scales, g, k, n);
+  EXPECT_TRUE(tiled.download() == want);
+  EXPECT_TRUE(tiled_t.download() == want_t);
+  std::size_t distinct = 0;
+  std::vector<bool> seen(256, false);
+  for (uint8_t b : row.scales) distinct += !seen[b], seen[b] = true;
+  EXPECT_GT(distinct, 4u) << "the scales should span several bytes";
+
+  tiled.poison(), tiled_t.poison();
+  tile_mxfp8_weight_scales(g, n, k, out, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(tiled.download() == want);
+  EXPECT_TRUE(tiled_t.download() == want_t);
+
+  Mxfp8Weights orphan;  // tiled scales without their pair
+  orphan.scales_tiled = tiled.get();
+  EXPECT_THROW(tile_mxfp8_weight_scales(g, n, k, orphan, nullptr), Error);
+  EXPECT_THROW(tile_mxfp8_weight_scales(g, n, k, q.view(), nullptr), Error);  // nothing to write
 }
 
 // The dequantized copies hold exactly the host rule's values of the codes written beside them
@@ -381,18 +429,29 @@ TEST(Mxfp8WeightsApi, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
   GroupedLinearOptions pre = o;
   pre.prequantized_weights = true;
   GroupedLinear own(o), given(pre);
+  // Its own copies: both pairs, and the tiled scales of each GEMM that takes the swap-AB route.
   const std::size_t copies = 2 * (mxfp8_weight_data_bytes(G, N, K) + mxfp8_weight_scale_bytes(G, N, K));
-  EXPECT_EQ(own.device_bytes(), given.device_bytes() + copies);
+  const std::size_t tiled = mxfp8_tiled_scale_bytes(G, N, K), extra = own.device_bytes() - given.device_bytes();
+  EXPECT_TRUE(extra == copies || extra == copies + tiled || extra == copies + 2 * tiled) << extra;
 
+  // The caller's copies without tiled scales (the swap-AB route then gathers them from the row-wise
+  // ones), and with them: the same bits as the operator's own copies either way.
   Mxfp8Block q(G, N, K);
+  DeviceArray<uint8_t> q_tiled(tiled), q_tiled_t(tiled);
+  Mxfp8Weights with_tiled = q.view();
+  with_tiled.scales_tiled = q_tiled.get(), with_tiled.scales_t_tiled = q_tiled_t.get();
   const cudaStream_t s = l.stream.get();
-  quantize_mxfp8_weights(DType::kBF16, l.w.get(), G, N, K, q.view(), s);
+  quantize_mxfp8_weights(DType::kBF16, l.w.get(), G, N, K, with_tiled, s);
   own.weights_changed(l.w.get(), s);
-  const Mxfp8Linear::Out a = l.run(own, l.w.get(), {}), c = l.run(given, nullptr, q.view());
-  EXPECT_TRUE(a.y == c.y);
-  EXPECT_TRUE(a.y_infer == c.y_infer);
-  EXPECT_TRUE(a.dx == c.dx);
-  EXPECT_TRUE(a.main_grad == c.main_grad);
+  const Mxfp8Linear::Out a = l.run(own, l.w.get(), {});
+  for (const Mxfp8Weights& given_weights : {q.view(), with_tiled}) {
+    const Mxfp8Linear::Out c = l.run(given, nullptr, given_weights);
+    const char* which = given_weights.scales_tiled != nullptr ? "with tiled scales" : "without tiled scales";
+    EXPECT_TRUE(a.y == c.y) << which;
+    EXPECT_TRUE(a.y_infer == c.y_infer) << which;
+    EXPECT_TRUE(a.dx == c.dx) << which;
+    EXPECT_TRUE(a.main_grad == c.main_grad) << which;
+  }
   EXPECT_GT(nonzero(a.main_grad), a.main_grad.size() / 2) << "the step computed gradients";
 
   // What the prequantized operator refuses: its own quantization, and missing MXFP8 weights.

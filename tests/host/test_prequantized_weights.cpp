@@ -144,10 +144,14 @@ StepGraphsOptions mxfp8_step(std::vector<int64_t> buckets) {
 
 TEST(PrequantizedWeights, AStepPlansOneSharedCopy) {
   const int64_t expert_elements = 16 * 3 * 512 * 256;  // w1 [16, 1024, 256] and w2 [16, 256, 512]
-  const std::size_t both_copies = 2 * (expert_elements + expert_elements / 32);
+  // Each pair's codes and scales, and its scales again in the swap-AB route's tile order (512 bytes a
+  // tile of 128 rows and stage of 128 columns: the same count as the scales here, all sizes multiples of 128).
+  const std::size_t both_copies = 2 * (expert_elements + 2 * (expert_elements / 32));
+  EXPECT_EQ(mxfp8_tiled_scale_bytes(16, 1024, 256) + mxfp8_tiled_scale_bytes(16, 256, 512),
+            static_cast<std::size_t>(expert_elements / 32));
   const StepPlan one = plan_step(mxfp8_step({64})), three = plan_step(mxfp8_step({64, 256, 1024}));
   EXPECT_GE(one.mxfp8_copy_bytes, both_copies);
-  EXPECT_LT(one.mxfp8_copy_bytes, both_copies + 8 * 256);  // alignment of the eight arrays
+  EXPECT_LT(one.mxfp8_copy_bytes, both_copies + 12 * 256);  // alignment of the twelve arrays
   EXPECT_EQ(three.mxfp8_copy_bytes, one.mxfp8_copy_bytes) << "buckets share the copies";
   EXPECT_EQ(one.device_bytes(), one.arena_bytes + one.weight_bytes + one.mxfp8_copy_bytes);
   EXPECT_TRUE(has(one.to_string(), "mxfp8 weight copies (outside the arena, shared by all buckets)"));
@@ -163,7 +167,8 @@ TEST(PrequantizedWeights, AStepPlansOneSharedCopy) {
   EXPECT_EQ(self.weight_bytes - given.weight_bytes,
             std::size_t(expert_elements) * 2 - (std::size_t(expert_elements) + expert_elements / 32))
       << "16-bit w1, w2 replaced by their fprop copies";
-  EXPECT_EQ(self.device_bytes() - given.device_bytes(), std::size_t(expert_elements) * 2);
+  // The step's own copies also carry their tiled scales; the caller's do not.
+  EXPECT_EQ(self.device_bytes() - given.device_bytes(), std::size_t(expert_elements) * 2 + expert_elements / 32);
   EXPECT_FALSE(has(given.to_string(), "mxfp8 weight copies"));
   // Training from them also lays out the transposed copies dgrad reads.
   StepGraphsOptions train_pre = mxfp8_step({64});

@@ -125,6 +125,7 @@ struct MxBuffers {
   DeviceBuffer x, xs, dy, dys;    // row-wise [rows, k] / [rows, n] and their scales
   DeviceBuffer xsf, dysf;         // the same scales as floats (what the swap-AB route reads of A)
   DeviceBuffer w, ws, wt, wts;    // [G, n, k] along k; [G, k, n] along n
+  DeviceBuffer ws_tiled, wts_tiled;  // ws and wts in the swap-AB route's tile order (as weights_changed makes them)
   DeviceBuffer x_t, x_ts, dy_t, dy_ts;  // column-wise [k | n, cap32], scales [cap32 / 32, k | n]
   DeviceBuffer offsets32;         // group offsets with row_align 32
   int64_t cap32 = 0;
@@ -146,13 +147,21 @@ DeviceBuffer random_mx_bytes(std::size_t count, bool scales, std::mt19937_64& rn
   MG_CUDA_CHECK(cudaMemcpy(d.get(), host.data(), count, cudaMemcpyHostToDevice));
   return d;
 }
-// E8M0 scales on the device as the floats the swap-AB route reads (set-up only: read back and decoded).
-DeviceBuffer scale_floats_of(const DeviceBuffer& scales, std::size_t count) {
-  std::vector<uint8_t> bytes(count);
-  MG_CUDA_CHECK(cudaMemcpy(bytes.data(), scales.get(), count, cudaMemcpyDeviceToHost));
-  const std::vector<float> floats = testing::e8m0_floats(bytes);
-  DeviceBuffer d(count * sizeof(float));
-  MG_CUDA_CHECK(cudaMemcpy(d.get(), floats.data(), count * sizeof(float), cudaMemcpyHostToDevice));
+// E8M0 scales [rows, cols / 32] on the device as the floats the swap-AB route reads, stage-major
+// (set-up only: read back, decoded and laid out on the host).
+DeviceBuffer scale_floats_of(const DeviceBuffer& scales, int64_t rows, int64_t cols) {
+  std::vector<uint8_t> bytes(rows * cols / 32);
+  MG_CUDA_CHECK(cudaMemcpy(bytes.data(), scales.get(), bytes.size(), cudaMemcpyDeviceToHost));
+  const std::vector<float> floats = testing::e8m0_floats(bytes, rows, cols);
+  DeviceBuffer d(floats.size() * sizeof(float));
+  MG_CUDA_CHECK(cudaMemcpy(d.get(), floats.data(), floats.size() * sizeof(float), cudaMemcpyHostToDevice));
+  return d;
+}
+// Weight scales [groups, rows, cols / 32] in the swap-AB route's tile order, by the library's kernel.
+DeviceBuffer tiled_scales_of(const DeviceBuffer& scales, int groups, int64_t rows, int64_t cols) {
+  DeviceBuffer d(kernels::mxfp8_tiled_scale_bytes(groups, rows, cols));
+  kernels::launch_tile_mxfp8_scales(scales.as<uint8_t>(), d.as<uint8_t>(), groups, rows, cols, nullptr);
+  MG_CUDA_CHECK(cudaDeviceSynchronize());
   return d;
 }
 MxBuffers make_mx_buffers(const KernelShape& s, std::mt19937_64& rng) {
@@ -160,9 +169,10 @@ MxBuffers make_mx_buffers(const KernelShape& s, std::mt19937_64& rng) {
   m.cap32 = (s.rows + int64_t{s.groups} * 31 + 31) / 32 * 32;
   m.x = random_mx_bytes(s.rows * s.k, false, rng), m.xs = random_mx_bytes(s.rows * s.k / 32, true, rng);
   m.dy = random_mx_bytes(s.rows * s.n, false, rng), m.dys = random_mx_bytes(s.rows * s.n / 32, true, rng);
-  m.xsf = scale_floats_of(m.xs, s.rows * s.k / 32), m.dysf = scale_floats_of(m.dys, s.rows * s.n / 32);
+  m.xsf = scale_floats_of(m.xs, s.rows, s.k), m.dysf = scale_floats_of(m.dys, s.rows, s.n);
   m.w = random_mx_bytes(s.groups * s.n * s.k, false, rng), m.ws = random_mx_bytes(s.groups * s.n * s.k / 32, true, rng);
   m.wt = random_mx_bytes(s.groups * s.n * s.k, false, rng), m.wts = random_mx_bytes(s.groups * s.n * s.k / 32, true, rng);
+  m.ws_tiled = tiled_scales_of(m.ws, s.groups, s.n, s.k), m.wts_tiled = tiled_scales_of(m.wts, s.groups, s.k, s.n);
   m.x_t = random_mx_bytes(s.k * m.cap32, false, rng), m.x_ts = random_mx_bytes(m.cap32 / 32 * s.k, true, rng);
   m.dy_t = random_mx_bytes(s.n * m.cap32, false, rng), m.dy_ts = random_mx_bytes(m.cap32 / 32 * s.n, true, rng);
   m.offsets32 = DeviceBuffer((s.groups + 1) * 8);
@@ -224,6 +234,7 @@ MxResult run_mxfp8(const KernelShape& s, Phase phase, const std::vector<std::vec
     kernels::Mxfp8RaggedGemmParams p;
     p.a = (fprop ? mx.x : mx.dy).as<uint8_t>(), p.a_scales = (fprop ? mx.xs : mx.dys).as<uint8_t>();
     p.a_scale_floats = (fprop ? mx.xsf : mx.dysf).as<float>();
+    p.b_scales_tiled = (fprop ? mx.ws_tiled : mx.wts_tiled).as<uint8_t>();
     p.b = (fprop ? mx.w : mx.wt).as<uint8_t>(), p.b_scales = (fprop ? mx.ws : mx.wts).as<uint8_t>();
     p.n = fprop ? s.n : s.k, p.k = fprop ? s.k : s.n;
     p.splits = splits, p.offsets = offsets, p.num_groups = s.groups, p.c = b.out_rows[0].get();

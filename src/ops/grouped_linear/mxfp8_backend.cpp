@@ -42,8 +42,9 @@ class Mxfp8Backend final : public LinearBackend {
                   walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
     // The swap-AB route reads A's scales as floats too (Mxfp8Rowwise::scale_floats).
     if (widest > 0 && (swap_ab(fprop_config_) || (trains_ && swap_ab(dgrad_config_))))
-      operand_.scale_floats =
-          walk.take<float>("mxfp8.operand.scale_floats", o_.capacity_rows, widest / kernels::kMxBlock, sizeof(float));
+      operand_.scale_floats =  // stage-major: mxfp8_scale_float_count, as a checked product
+          walk.take<float>("mxfp8.operand.scale_floats", (widest + kernels::kMxStageCols - 1) / kernels::kMxStageCols,
+                           o_.capacity_rows, kernels::kMxStageBlocks, sizeof(float));
     // An operator that cannot train (forward_only, or row_align under 32) keeps no column-wise copies.
     // With delay_wgrad every slot keeps its own column-wise dy; the shared one serves immediate wgrad.
     if (trains_ && !o_.delay_wgrad) dy_t_ = dy_copy(walk);
@@ -72,6 +73,10 @@ class Mxfp8Backend final : public LinearBackend {
       wt_data_ = DeviceBuffer(data), wt_scales_ = DeviceBuffer(scales);
       own_.data_t = wt_data_.as<uint8_t>(), own_.scales_t = wt_scales_.as<uint8_t>();
     }
+    // The swap-AB route's tiled scales, for each GEMM that takes it.
+    const std::size_t tiled = mxfp8_tiled_scale_bytes(o_.num_groups, o_.out_features, o_.in_features);
+    if (swap_ab(fprop_config_)) w_tiled_ = DeviceBuffer(tiled), own_.scales_tiled = w_tiled_.as<uint8_t>();
+    if (trains_ && swap_ab(dgrad_config_)) wt_tiled_ = DeviceBuffer(tiled), own_.scales_t_tiled = wt_tiled_.as<uint8_t>();
     if (!o_.dequantized_weights) return;
     // dgrad's copy only where dgrad may run.
     const std::size_t values = mxfp8_dequantized_weight_bytes(o_.num_groups, o_.out_features, o_.in_features);
@@ -90,7 +95,7 @@ class Mxfp8Backend final : public LinearBackend {
   }
   std::size_t weight_copy_bytes() const override {
     return w_data_.bytes() + w_scales_.bytes() + wt_data_.bytes() + wt_scales_.bytes() + w_values_.bytes() +
-           wt_values_.bytes();
+           wt_values_.bytes() + w_tiled_.bytes() + wt_tiled_.bytes();
   }
 
   void weights_changed(const void* weight, cudaStream_t stream) override {
@@ -124,7 +129,7 @@ class Mxfp8Backend final : public LinearBackend {
     kernels::Mxfp8RaggedGemmParams p;
     p.a = operand.data, p.a_scales = operand.scales, p.a_scale_floats = operand.scale_floats;
     p.a_staged = operand.values != nullptr;
-    p.b = w.data, p.b_scales = w.scales, p.b_dequantized = w.dequantized;
+    p.b = w.data, p.b_scales = w.scales, p.b_dequantized = w.dequantized, p.b_scales_tiled = w.scales_tiled;
     p.n = o_.out_features, p.k = o_.in_features;
     p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups;
     p.bias = a.bias, p.bias_scale = a.bias_scale, p.c = a.y, p.capacity_rows = o_.capacity_rows;
@@ -151,7 +156,7 @@ class Mxfp8Backend final : public LinearBackend {
       kernels::Mxfp8RaggedGemmParams p;
       p.a = operand.data, p.a_scales = operand.scales, p.a_scale_floats = operand.scale_floats;
       p.a_staged = operand.values != nullptr;
-      p.b = w.data_t, p.b_scales = w.scales_t, p.b_dequantized = w.dequantized_t;
+      p.b = w.data_t, p.b_scales = w.scales_t, p.b_dequantized = w.dequantized_t, p.b_scales_tiled = w.scales_t_tiled;
       p.n = o_.in_features, p.k = o_.out_features;
       p.splits = g.splits, p.offsets = g.offsets, p.num_groups = o_.num_groups, p.c = a.dx;
       p.capacity_rows = o_.capacity_rows;
@@ -237,6 +242,7 @@ class Mxfp8Backend final : public LinearBackend {
   // Without prequantized_weights only: the layouts of moegraph/mxfp8_weights.hpp.
   DeviceBuffer w_data_, w_scales_, wt_data_, wt_scales_;  // [G, N, K] along K; W_e^T [G, K, N] along N
   DeviceBuffer w_values_, wt_values_;  // dequantized_weights: their bf16 values (wt_: training only)
+  DeviceBuffer w_tiled_, wt_tiled_;    // the scales in the swap-AB route's tile order, where it runs
   Mxfp8Weights own_;                   // views of those buffers
   bool weights_quantized_ = false;                        // host: weights_changed() was enqueued
   kernels::GemmConfig fprop_config_, dgrad_config_, wgrad_config_, wgrad_main_grad_config_;

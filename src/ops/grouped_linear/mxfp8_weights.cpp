@@ -38,6 +38,20 @@ void check_dequantized(const char* who, const Mxfp8Weights& w) {
            ": the dequantized copies must be 16-byte aligned");
 }
 
+// A tiled copy of scales needs its pair and 16-byte alignment.
+void check_tiled(const char* who, const Mxfp8Weights& w) {
+  MG_CHECK(w.scales_tiled == nullptr || w.scales != nullptr, who, ": scales_tiled needs data and scales");
+  MG_CHECK(w.scales_t_tiled == nullptr || w.scales_t != nullptr, who, ": scales_t_tiled needs data_t and scales_t");
+  MG_CHECK(kernels::aligned16(w.scales_tiled) && kernels::aligned16(w.scales_t_tiled), who,
+           ": the tiled scales must be 16-byte aligned");
+}
+
+// The tiled scales whose copy is set (scales: N rows along K; scales_t: K rows along N).
+void write_tiled(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
+  if (w.scales_tiled != nullptr) kernels::launch_tile_mxfp8_scales(w.scales, w.scales_tiled, groups, n, k, stream);
+  if (w.scales_t_tiled != nullptr) kernels::launch_tile_mxfp8_scales(w.scales_t, w.scales_t_tiled, groups, k, n, stream);
+}
+
 // The values of each pair whose copy is set, by the rule every mxfp8 route multiplies (the staged
 // route's dequantizer; the quantizer writes the same values when it makes the codes).
 void write_dequantized(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
@@ -68,11 +82,28 @@ void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, i
   const bool cols = pair_given("data_t", out.data_t, out.scales_t);
   MG_CHECK(rows || cols, "quantize_mxfp8_weights: nothing to write (give data and scales, data_t and scales_t, or both)");
   check_dequantized("quantize_mxfp8_weights", out);
+  check_tiled("quantize_mxfp8_weights", out);
   // The kept bf16 values (dequantized_weights) come from the codes in the same pass.
   const kernels::Mxfp8Rowwise row{out.data, out.scales, static_cast<uint16_t*>(out.dequantized)};
   const kernels::Mxfp8Colwise col{out.data_t, out.scales_t, static_cast<uint16_t*>(out.dequantized_t)};
   kernels::launch_quantize_mxfp8_weights(dtype, w, groups, n, k, rows ? &row : nullptr, cols ? &col : nullptr,
                                          stream);
+  write_tiled(groups, n, k, out, stream);
+}
+
+void tile_mxfp8_weight_scales(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
+  check_sizes(groups, n, k);
+  pair_given("data", w.data, w.scales);
+  pair_given("data_t", w.data_t, w.scales_t);
+  MG_CHECK(w.scales_tiled != nullptr || w.scales_t_tiled != nullptr,
+           "tile_mxfp8_weight_scales: nothing to write (give scales_tiled, scales_t_tiled or both)");
+  check_tiled("tile_mxfp8_weight_scales", w);
+  write_tiled(groups, n, k, w, stream);
+}
+
+std::size_t mxfp8_tiled_scale_bytes(int groups, int64_t n, int64_t k) {
+  check_sizes(groups, n, k);  // then the product is far below 2^63: 1024 * 2^14 * 2^14 * 512
+  return static_cast<std::size_t>(kernels::mxfp8_tiled_scale_bytes(groups, n, k));
 }
 
 void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
