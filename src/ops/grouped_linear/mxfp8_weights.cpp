@@ -30,6 +30,13 @@ bool pair_given(const char* data_name, const uint8_t* data, const uint8_t* scale
   return data != nullptr;
 }
 
+// The sizes, and each pair of weights that makes another copy: whole or absent, aligned.
+void check_given_pairs(int groups, int64_t n, int64_t k, const Mxfp8Weights& w) {
+  check_sizes(groups, n, k);
+  pair_given("data", w.data, w.scales);
+  pair_given("data_t", w.data_t, w.scales_t);
+}
+
 // A dequantized copy needs its pair (already checked whole) and 16-byte alignment.
 void check_dequantized(const char* who, const Mxfp8Weights& w) {
   MG_CHECK(w.dequantized == nullptr || w.data != nullptr, who, ": dequantized needs data and scales");
@@ -92,9 +99,7 @@ void quantize_mxfp8_weights(DType dtype, const void* w, int groups, int64_t n, i
 }
 
 void tile_mxfp8_weight_scales(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
-  check_sizes(groups, n, k);
-  pair_given("data", w.data, w.scales);
-  pair_given("data_t", w.data_t, w.scales_t);
+  check_given_pairs(groups, n, k, w);
   MG_CHECK(w.scales_tiled != nullptr || w.scales_t_tiled != nullptr,
            "tile_mxfp8_weight_scales: nothing to write (give scales_tiled, scales_t_tiled or both)");
   check_tiled("tile_mxfp8_weight_scales", w);
@@ -107,9 +112,7 @@ std::size_t mxfp8_tiled_scale_bytes(int groups, int64_t n, int64_t k) {
 }
 
 void dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const Mxfp8Weights& w, cudaStream_t stream) {
-  check_sizes(groups, n, k);
-  pair_given("data", w.data, w.scales);
-  pair_given("data_t", w.data_t, w.scales_t);
+  check_given_pairs(groups, n, k, w);
   MG_CHECK(w.dequantized != nullptr || w.dequantized_t != nullptr,
            "dequantize_mxfp8_weights: nothing to write (give dequantized, dequantized_t or both)");
   check_dequantized("dequantize_mxfp8_weights", w);
