@@ -53,6 +53,7 @@
 #include "kernels/grouped_gemm/sm90_tma.cuh"
 #include "kernels/grouped_gemm/sm90_mxfp8_scales.cuh"
 #include "kernels/grouped_gemm/sm90_wgmma_ops.cuh"
+#include "kernels/quantize/mxfp8.hpp"
 
 namespace moegraph::kernels::mxfp8_swap_ab {
 
@@ -62,6 +63,10 @@ constexpr int kBlocksPerStage = BK / kBlock;    // 4
 constexpr int BM = 128;                         // weight rows (output columns) per tile
 constexpr int BR = 32;                          // group rows per tile: wgmma's N
 constexpr int STAGES = 4;
+// A's scale floats and B's tiled scales are laid out in this kernel's stages and weight tiles
+// (kernels/quantize/mxfp8.hpp: mxfp8_scale_float_index, launch_tile_mxfp8_scales).
+static_assert(BK == kMxStageCols && kBlocksPerStage == kMxStageBlocks && BM == kMxTileRows,
+              "the swap-AB stage and tile must be the scale layouts' stage and tile");
 // The deep-ring kernel, one CTA per SM: for a launch with at most one tile per SM (a token's few
 // experts, such as the decode preset's FC1 at one token: 132 tiles), where the second CTA of the
 // two-CTA kernel idles and each SM streams its tile through one ring of STAGES. Measured on one

@@ -31,7 +31,7 @@ constexpr uint8_t kE4m3NaN = 0x7f;      // every element byte of such a block
 //   scale_floats (optional, with the codes) fp32, each scale as the GEMMs promote with it,
 //          2^(scale - 127) (2^-127 a subnormal, NaN for 0xFF), 16-byte aligned, stage-major:
 //          [ceil(cols / 128)][rows][4], block j of row r at mxfp8_scale_float_index(r, j, rows)
-//          (mxfp8_scale_float_count floats; slots past a row's blocks are not written). Why: the
+//          (4 * rows * ceil(cols / 128) floats; slots past a row's blocks are not written). Why: the
 //          swap-AB GEMM (groups of few rows) reads A's scales as floats, since decoding a byte there
 //          is repeated by the 64 threads that share each row; and in this order the floats of one
 //          GEMM stage (128 columns) of 32 consecutive rows are one contiguous 512-byte copy.
@@ -42,16 +42,14 @@ struct Mxfp8Rowwise {
   float* scale_floats = nullptr;
 };
 
-// The swap-AB GEMM's stage: 128 reduction elements, 4 scale blocks (its scale layouts follow it).
+// The swap-AB GEMM's stage (128 reduction elements, 4 scale blocks) and weight tile (128 rows): its
+// scale layouts follow them (its kernel asserts that they agree).
 constexpr int64_t kMxStageCols = 128;
 constexpr int64_t kMxStageBlocks = kMxStageCols / 32;
+constexpr int64_t kMxTileRows = 128;
 // Index of block j of row r in a row-wise copy's scale_floats (rows: the copy's rows).
 constexpr int64_t mxfp8_scale_float_index(int64_t r, int64_t j, int64_t rows) {
   return (j / kMxStageBlocks * rows + r) * kMxStageBlocks + j % kMxStageBlocks;
-}
-// Floats of scale_floats for a [rows, cols] copy.
-constexpr int64_t mxfp8_scale_float_count(int64_t rows, int64_t cols) {
-  return (cols + kMxStageCols - 1) / kMxStageCols * rows * kMxStageBlocks;
 }
 
 // Device pointers of a column-wise copy of a [rows, cols] tensor: blocks of 32 consecutive rows
@@ -175,8 +173,10 @@ void launch_quantize_mxfp8_weights(DType in, const void* w, int groups, int64_t 
 // Padding (rows past `rows`, blocks past cols / 32) is zero. So one stage of one tile is one
 // contiguous 512-byte copy, where the row-wise order puts its 128 words cols / 32 bytes apart.
 // rows >= 1, cols a positive multiple of 32; both pointers 16-byte aligned; groups >= 1.
+// Unchecked: the caller bounds the sizes first (the public mxfp8_tiled_scale_bytes does).
 constexpr int64_t mxfp8_tiled_scale_bytes(int64_t groups, int64_t rows, int64_t cols) {
-  return groups * ((rows + 127) / 128) * ((cols + kMxStageCols - 1) / kMxStageCols) * 512;
+  return groups * ((rows + kMxTileRows - 1) / kMxTileRows) * ((cols + kMxStageCols - 1) / kMxStageCols) *
+         (kMxTileRows * kMxStageBlocks);
 }
 void launch_tile_mxfp8_scales(const uint8_t* scales, uint8_t* tiled, int groups, int64_t rows, int64_t cols,
                               cudaStream_t stream);

@@ -10,21 +10,23 @@
 namespace moegraph::kernels {
 namespace {
 
+static_assert(kMxStageBlocks == 4, "a tiled word holds a stage's 4 scale bytes of one row");
+
 // One thread per word of the tiled copy: word w is row (w % 128) of tile w / 128 in the order
-// (group, row tile, stage). Writes are whole warps of consecutive words; each word's 4 bytes are
+// (group, row tile, stage); a word is a row's kMxStageBlocks scale bytes of the stage. Writes are whole warps of consecutive words; each word's 4 bytes are
 // read from the row's scales (any alignment: cols / 32 need not be a multiple of 4).
 __global__ void tile_scales_kernel(const uint8_t* scales, uint32_t* tiled, int64_t rows, int64_t blocks,
                                    int64_t row_tiles, int64_t stages, int64_t words) {
   for (int64_t w = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; w < words;
        w += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r_in = w % 128, tile = w / 128;
+    const int64_t r_in = w % kMxTileRows, tile = w / kMxTileRows;
     const int64_t stage = tile % stages, row_tile = tile / stages % row_tiles, group = tile / stages / row_tiles;
-    const int64_t r = row_tile * 128 + r_in;
+    const int64_t r = row_tile * kMxTileRows + r_in;
     uint32_t word = 0;
     if (r < rows) {
       const uint8_t* row = scales + (group * rows + r) * blocks;
-      for (int b = 0; b < 4; ++b) {
-        const int64_t j = stage * 4 + b;
+      for (int b = 0; b < kMxStageBlocks; ++b) {
+        const int64_t j = stage * kMxStageBlocks + b;
         if (j < blocks) word |= static_cast<uint32_t>(row[j]) << (8 * b);
       }
     }
@@ -46,7 +48,7 @@ void launch_tile_mxfp8_scales(const uint8_t* scales, uint8_t* tiled, int groups,
   const int64_t blocks_needed = (words + kThreads - 1) / kThreads;
   const int grid = static_cast<int>(blocks_needed < 4096 ? blocks_needed : 4096);  // grid-stride beyond
   tile_scales_kernel<<<grid, kThreads, 0, stream>>>(scales, reinterpret_cast<uint32_t*>(tiled), rows,
-                                                    cols / kMxBlock, (rows + 127) / 128,
+                                                    cols / kMxBlock, (rows + kMxTileRows - 1) / kMxTileRows,
                                                     (cols + kMxStageCols - 1) / kMxStageCols, words);
   MG_LAUNCH_CHECK();
 }

@@ -42,7 +42,7 @@ class Mxfp8Backend final : public LinearBackend {
                   walk.take<uint8_t>("mxfp8.operand.scales", o_.capacity_rows, widest / kernels::kMxBlock)};
     // The swap-AB route reads A's scales as floats too (Mxfp8Rowwise::scale_floats).
     if (widest > 0 && (swap_ab(fprop_config_) || (trains_ && swap_ab(dgrad_config_))))
-      operand_.scale_floats =  // stage-major: mxfp8_scale_float_count, as a checked product
+      operand_.scale_floats =  // stage-major (mxfp8_scale_float_index): 4 floats a row and stage
           walk.take<float>("mxfp8.operand.scale_floats", (widest + kernels::kMxStageCols - 1) / kernels::kMxStageCols,
                            o_.capacity_rows, kernels::kMxStageBlocks, sizeof(float));
     // An operator that cannot train (forward_only, or row_align under 32) keeps no column-wise copies.

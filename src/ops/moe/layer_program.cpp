@@ -206,7 +206,11 @@ std::vector<Field> weight_fields(const MoeLayerWeights& w) {
           {"w1_mxfp8.dequantized", w.w1_mxfp8.dequantized},
           {"w1_mxfp8.dequantized_t", w.w1_mxfp8.dequantized_t},
           {"w2_mxfp8.dequantized", w.w2_mxfp8.dequantized},
-          {"w2_mxfp8.dequantized_t", w.w2_mxfp8.dequantized_t}};
+          {"w2_mxfp8.dequantized_t", w.w2_mxfp8.dequantized_t},
+          {"w1_mxfp8.scales_tiled", w.w1_mxfp8.scales_tiled},
+          {"w1_mxfp8.scales_t_tiled", w.w1_mxfp8.scales_t_tiled},
+          {"w2_mxfp8.scales_tiled", w.w2_mxfp8.scales_tiled},
+          {"w2_mxfp8.scales_t_tiled", w.w2_mxfp8.scales_t_tiled}};
 }
 // The buffers a queued (delayed) weight gradient writes.
 std::vector<Field> wgrad_fields(const MoeLayerWeights& w) {
