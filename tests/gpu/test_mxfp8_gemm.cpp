@@ -69,6 +69,7 @@ struct GemmCase {
   int spread;  // binades of scale spread around 1
   int shift = 0;  // A's scales centred 2^-shift, B's 2^shift (their products stay near 1)
   int rows_per_group = 37;  // on average
+  int pad_rows = 64;        // capacity past the data and its alignment gaps
 };
 
 using kernels::Mxfp8Route;
@@ -138,7 +139,7 @@ TEST_P(Mxfp8Gemm, MatchesReferenceOnDequantizedOperands) {
   const bool values = choice.dequantized_weights;
   std::mt19937_64 rng(test_seed(c.name));
   const int64_t data_rows = int64_t{c.rows_per_group} * c.groups + 5;
-  const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + 64;  // padding past the last group
+  const int64_t capacity = data_rows + int64_t{c.groups} * c.row_align + c.pad_rows;  // padding past the last group
   testing::Stream stream;
   const kernels::GemmPlan fprop_plan = mxfp8_plan(kernels::GemmPhase::kFprop, route, -1, 0, values);
   if (route == Mxfp8Route::kSwapAb) {  // which swap-AB kernel the launches below take
@@ -288,6 +289,10 @@ const GemmCase kCases[] = {
     // tiles by the host's bound), and a single stage, so that the second pair adds nothing.
     {"g12_k1408_n512_rows20_deep_ring_odd_stages", 12, 1408, 512, 1, true, 8, 0, 20},
     {"g12_k128_n1096_rows2_deep_ring_one_stage", 12, 128, 1096, 1, false, 8, 0, 2},
+    // The capacity 3 rows past the data (32 rows, 35 capacity): the last group's 32-row tile starts
+    // fewer than 32 rows before the capacity, so the swap-AB route's copy of A's scale floats is
+    // short there (its only copy whose size varies).
+    {"g3_k512_n256_rows9_short_last_tile", 3, 512, 256, 1, false, 8, 0, 9, 0},
 };
 INSTANTIATE_TEST_SUITE_P(Cases, Mxfp8Gemm,
                          ::testing::Combine(::testing::ValuesIn(kCases), ::testing::ValuesIn(kGemmRoutes)),
