@@ -114,6 +114,22 @@ MOEGRAPH_API mg_status mg_dequantize_mxfp8_weights(int groups, int64_t n, int64_
                                                    const uint8_t* scales, const uint8_t* data_t,
                                                    const uint8_t* scales_t, void* values, void* values_t,
                                                    cudaStream_t stream);
+/* Optional: the scales again in the tile order of the MXFP8 GEMM route for groups of few rows
+ * (decode, fine-grained experts: the swap-AB route `--plan` prints; docs/mxfp8.md, "Tiled scales").
+ * With them each stage of that route copies its weights' scales whole; without them it gathers them
+ * from scales and scales_t (the same results, measured slower: docs/PERF.md). *bytes = the bytes of
+ * one tiled copy, 512 * G * ceil(N / 128) * ceil(K / 128) (the same for the copy of scales_t). Sizes
+ * as mg_mxfp8_weight_bytes takes them; on failure *bytes is 0. Touches no GPU. */
+MOEGRAPH_API mg_status mg_mxfp8_tiled_scale_bytes(int groups, int64_t n, int64_t k, size_t* bytes);
+/* Writes `tiled` from scales and `tiled_t` from scales_t (either may be NULL, at least one; each
+ * needs its pair; 16-byte aligned, mg_mxfp8_tiled_scale_bytes each). Operators read them as
+ * mxfp8_scales_tiled and mxfp8_scales_t_tiled (mg_forward_args, mg_backward_args) or
+ * w1_mxfp8_scales_tiled, ... (the weight structs) with prequantized_weights; call it after every
+ * mg_quantize_mxfp8_weights. Checked before any GPU use; enqueued on `stream`, graph-capturable. */
+MOEGRAPH_API mg_status mg_tile_mxfp8_weight_scales(int groups, int64_t n, int64_t k, const uint8_t* data,
+                                                   const uint8_t* scales, const uint8_t* data_t,
+                                                   const uint8_t* scales_t, uint8_t* tiled, uint8_t* tiled_t,
+                                                   cudaStream_t stream);
 
 /* ---- Grouped linear (moegraph::GroupedLinear): G linear layers over one grouped-row buffer ---- */
 
@@ -173,6 +189,10 @@ typedef struct {
      the values of mxfp8_data (mg_dequantize_mxfp8_weights) */
   const void* mxfp8_dequantized;   /* [G, N, K] bf16 */
   const void* mxfp8_dequantized_t; /* [G, K, N] bf16: not read by the forward */
+  /* Appended (an older struct_size means NULL): optional with prequantized_weights, the tiled
+     copies of mxfp8_scales and mxfp8_scales_t (mg_tile_mxfp8_weight_scales) */
+  const uint8_t* mxfp8_scales_tiled;   /* read where the forward takes the swap-AB route */
+  const uint8_t* mxfp8_scales_t_tiled; /* not read by the forward */
 } mg_forward_args;
 
 typedef struct {
@@ -195,6 +215,10 @@ typedef struct {
      the values of mxfp8_data_t, which dx reads */
   const void* mxfp8_dequantized;   /* [G, N, K] bf16: not read by the backward */
   const void* mxfp8_dequantized_t; /* [G, K, N] bf16 */
+  /* Appended (an older struct_size means NULL): optional with prequantized_weights, the tiled
+     copies of mxfp8_scales and mxfp8_scales_t (mg_tile_mxfp8_weight_scales) */
+  const uint8_t* mxfp8_scales_tiled;   /* not read by the backward */
+  const uint8_t* mxfp8_scales_t_tiled; /* read where dx takes the swap-AB route */
 } mg_backward_args;
 
 /* Fills *options with the defaults (struct_size set; row_align 1, bf16, no bias, one slot, no delay,
@@ -436,6 +460,12 @@ typedef struct {
   const void* w1_mxfp8_dequantized_t; /* [E, hidden, 2 * ffn] */
   const void* w2_mxfp8_dequantized;   /* [E, hidden, ffn] */
   const void* w2_mxfp8_dequantized_t; /* [E, ffn, hidden] */
+  /* Appended (an older struct_size means NULL): optional with prequantized_weights, the tiled
+     copies of the scales above (mg_tile_mxfp8_weight_scales); the _t ones for training */
+  const uint8_t* w1_mxfp8_scales_tiled;
+  const uint8_t* w1_mxfp8_scales_t_tiled;
+  const uint8_t* w2_mxfp8_scales_tiled;
+  const uint8_t* w2_mxfp8_scales_t_tiled;
 } mg_moe_layer_weights;
 
 /* One step's activations (device). Rows at or past *num_tokens are neither read nor written,
@@ -619,6 +649,13 @@ typedef struct {
   void* w1_mxfp8_dequantized_t;
   void* w2_mxfp8_dequantized;
   void* w2_mxfp8_dequantized_t;
+  /* Appended (an older struct_size means NULL): optional with precision.prequantized_weights, the
+     tiled copies of the scales above (mg_tile_mxfp8_weight_scales); the _t ones for training.
+     Without prequantized_weights the step keeps them itself. */
+  uint8_t* w1_mxfp8_scales_tiled;
+  uint8_t* w1_mxfp8_scales_t_tiled;
+  uint8_t* w2_mxfp8_scales_tiled;
+  uint8_t* w2_mxfp8_scales_t_tiled;
 } mg_step_weights;
 
 typedef struct {

@@ -55,16 +55,22 @@ def _dequantized_fields(prefix):
     return [(prefix + name, c_void_p) for name in ("dequantized", "dequantized_t")]
 
 
+# Their scales in the swap-AB route's tile order (mg_tile_mxfp8_weight_scales), appended after those.
+def _tiled_fields(prefix):
+    return [(prefix + name, c_void_p) for name in ("scales_tiled", "scales_t_tiled")]
+
+
 class ForwardArgs(_Sized):
     _fields_ = [("struct_size", c_size_t), ("x", c_void_p), ("splits", c_void_p), ("weight", c_void_p),
                 ("bias", c_void_p), ("bias_scale", c_void_p), ("y", c_void_p), ("offsets", c_void_p),
-                *_mxfp8_fields("mxfp8_"), *_dequantized_fields("mxfp8_")]
+                *_mxfp8_fields("mxfp8_"), *_dequantized_fields("mxfp8_"), *_tiled_fields("mxfp8_")]
 
 
 class BackwardArgs(_Sized):
     _fields_ = [("struct_size", c_size_t), ("dy", c_void_p), ("weight", c_void_p), ("bias", c_void_p),
                 ("dx", c_void_p), ("dbias", c_void_p), ("dbias_scale", c_void_p), ("dweight", c_void_p),
-                ("main_grad", c_void_p), *_mxfp8_fields("mxfp8_"), *_dequantized_fields("mxfp8_")]
+                ("main_grad", c_void_p), *_mxfp8_fields("mxfp8_"), *_dequantized_fields("mxfp8_"),
+                *_tiled_fields("mxfp8_")]
 
 
 class MoeLayerOptions(_Sized):
@@ -83,7 +89,8 @@ class MoeLayerWeights(_Sized):
                 ("main_grad2", c_void_p), ("d_router", c_void_p), ("dw1", c_void_p), ("dw2", c_void_p),
                 ("db1", c_void_p), ("db2", c_void_p),
                 *_mxfp8_fields("w1_mxfp8_"), *_mxfp8_fields("w2_mxfp8_"),
-                *_dequantized_fields("w1_mxfp8_"), *_dequantized_fields("w2_mxfp8_")]
+                *_dequantized_fields("w1_mxfp8_"), *_dequantized_fields("w2_mxfp8_"),
+                *_tiled_fields("w1_mxfp8_"), *_tiled_fields("w2_mxfp8_")]
 
 
 class MoeLayerIO(_Sized):
@@ -106,7 +113,8 @@ class StepWeights(_Sized):
                 ("main_grad1", c_void_p), ("main_grad2", c_void_p), ("dw1", c_void_p), ("dw2", c_void_p),
                 ("db1", c_void_p), ("db2", c_void_p),
                 *_mxfp8_fields("w1_mxfp8_"), *_mxfp8_fields("w2_mxfp8_"),
-                *_dequantized_fields("w1_mxfp8_"), *_dequantized_fields("w2_mxfp8_")]
+                *_dequantized_fields("w1_mxfp8_"), *_dequantized_fields("w2_mxfp8_"),
+                *_tiled_fields("w1_mxfp8_"), *_tiled_fields("w2_mxfp8_")]
 
 
 class StepGraphsOptions(_Sized):
@@ -137,6 +145,9 @@ SIGNATURES = {
     "mg_quantize_mxfp8_weights": (c_int, [c_int, c_void_p, c_int, c_int64, c_int64, c_void_p, c_void_p, c_void_p,
                                           c_void_p, c_void_p]),
     "mg_dequantize_mxfp8_weights": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
+                                            c_void_p, c_void_p, c_void_p]),
+    "mg_mxfp8_tiled_scale_bytes": (c_int, [c_int, c_int64, c_int64, P(c_size_t)]),
+    "mg_tile_mxfp8_weight_scales": (c_int, [c_int, c_int64, c_int64, c_void_p, c_void_p, c_void_p, c_void_p,
                                             c_void_p, c_void_p, c_void_p]),
     "mg_grouped_linear_options_init": (None, [P(GroupedLinearOptions)]),
     "mg_grouped_linear_options_init_sized": (c_int, [P(GroupedLinearOptions), c_size_t]),

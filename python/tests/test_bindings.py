@@ -171,6 +171,23 @@ class LibraryWithoutAGpu(unittest.TestCase):
                 _lib.call("mg_step_graphs_create", config._handle, ctypes.byref(w), None, ctypes.byref(step))
             self.assertIn("StepWeights needs " + then_missing, str(e.exception))
             self.assertIsNone(step.value)
+        # The tiled scales (optional): each field is where the library reads it, a misaligned one
+        # refused by name; the sizes are the C++ API's.
+        for field, name in (("w1_mxfp8_scales_tiled", "w1_mxfp8.scales_tiled"),
+                            ("w1_mxfp8_scales_t_tiled", "w1_mxfp8.scales_t_tiled"),
+                            ("w2_mxfp8_scales_tiled", "w2_mxfp8.scales_tiled"),
+                            ("w2_mxfp8_scales_t_tiled", "w2_mxfp8.scales_t_tiled")):
+            setattr(w, field, addr + 4)
+            with self.assertRaises(_lib.MoegraphError) as e:
+                _lib.call("mg_step_graphs_create", config._handle, ctypes.byref(w), None, ctypes.byref(step))
+            self.assertIn("StepWeights needs " + name + " 16-byte aligned", str(e.exception))
+            setattr(w, field, addr)
+        tiled = ctypes.c_size_t()
+        _lib.call("mg_mxfp8_tiled_scale_bytes", 3, 96, 160, ctypes.byref(tiled))
+        self.assertEqual(tiled.value, 512 * 3 * 1 * 2)
+        with self.assertRaises(_lib.MoegraphError) as e:
+            _lib.call("mg_tile_mxfp8_weight_scales", 1, 32, 32, None, None, None, None, None, None, None)
+        self.assertIn("tile_mxfp8_weight_scales: nothing to write", str(e.exception))
 
     def test_config_shape_and_errors(self):
         import moegraph

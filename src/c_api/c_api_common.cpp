@@ -23,13 +23,13 @@ constexpr bool ends_are(std::initializer_list<std::size_t> earlier) {
   return true;
 }
 static_assert(ends_are<mg_grouped_linear_options>({64, 72, 80}), "mg_grouped_linear_options: fields may only be appended");
-static_assert(ends_are<mg_forward_args>({64, 96}), "mg_forward_args: fields may only be appended");
-static_assert(ends_are<mg_backward_args>({72, 104}), "mg_backward_args: fields may only be appended");
+static_assert(ends_are<mg_forward_args>({64, 96, 112}), "mg_forward_args: fields may only be appended");
+static_assert(ends_are<mg_backward_args>({72, 104, 120}), "mg_backward_args: fields may only be appended");
 static_assert(ends_are<mg_moe_layer_options>({108, 120, 124, 136}),
               "mg_moe_layer_options: fields may only be appended");
-static_assert(ends_are<mg_moe_layer_weights>({112, 176}), "mg_moe_layer_weights: fields may only be appended");
+static_assert(ends_are<mg_moe_layer_weights>({112, 176, 208}), "mg_moe_layer_weights: fields may only be appended");
 static_assert(ends_are<mg_config_shape>({72, 76, 80, 88}), "mg_config_shape: fields may only be appended");
-static_assert(ends_are<mg_step_weights>({112, 176}), "mg_step_weights: fields may only be appended");
+static_assert(ends_are<mg_step_weights>({112, 176, 208}), "mg_step_weights: fields may only be appended");
 static_assert(ends_are<mg_step_graphs_options>({16, 24}), "mg_step_graphs_options: fields may only be appended");
 
 namespace {

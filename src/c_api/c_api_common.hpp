@@ -67,12 +67,13 @@ struct Releases<mg_grouped_linear_options> {
 template <>
 struct Releases<mg_forward_args> {
   static constexpr std::array ends{offsetof(mg_forward_args, mxfp8_data), offsetof(mg_forward_args, mxfp8_dequantized),
-                                   sizeof(mg_forward_args)};
+                                   offsetof(mg_forward_args, mxfp8_scales_tiled), sizeof(mg_forward_args)};
 };
 template <>
 struct Releases<mg_backward_args> {
   static constexpr std::array ends{offsetof(mg_backward_args, mxfp8_data),
-                                   offsetof(mg_backward_args, mxfp8_dequantized), sizeof(mg_backward_args)};
+                                   offsetof(mg_backward_args, mxfp8_dequantized),
+                                   offsetof(mg_backward_args, mxfp8_scales_tiled), sizeof(mg_backward_args)};
 };
 template <>
 struct Releases<mg_moe_layer_options> {
@@ -84,7 +85,8 @@ struct Releases<mg_moe_layer_options> {
 template <>
 struct Releases<mg_moe_layer_weights> {
   static constexpr std::array ends{offsetof(mg_moe_layer_weights, w1_mxfp8_data),
-                                   offsetof(mg_moe_layer_weights, w1_mxfp8_dequantized), sizeof(mg_moe_layer_weights)};
+                                   offsetof(mg_moe_layer_weights, w1_mxfp8_dequantized),
+                                   offsetof(mg_moe_layer_weights, w1_mxfp8_scales_tiled), sizeof(mg_moe_layer_weights)};
 };
 template <>
 struct Releases<mg_config_shape> {
@@ -96,7 +98,8 @@ struct Releases<mg_config_shape> {
 template <>
 struct Releases<mg_step_weights> {
   static constexpr std::array ends{offsetof(mg_step_weights, w1_mxfp8_data),
-                                   offsetof(mg_step_weights, w1_mxfp8_dequantized), sizeof(mg_step_weights)};
+                                   offsetof(mg_step_weights, w1_mxfp8_dequantized),
+                                   offsetof(mg_step_weights, w1_mxfp8_scales_tiled), sizeof(mg_step_weights)};
 };
 template <>
 struct Releases<mg_step_graphs_options> {

@@ -159,9 +159,11 @@ moegraph::MoeLayerOptions moe_options_of(const mg_moe_layer_options* in) {
 // why). The operators only read them: the C++ struct's pointers are not const because the
 // quantizer writes through the same struct.
 moegraph::Mxfp8Weights mxfp8_of(const uint8_t* data, const uint8_t* scales, const uint8_t* data_t,
-                                const uint8_t* scales_t, const void* dequantized, const void* dequantized_t) {
-  return {const_cast<uint8_t*>(data),      const_cast<uint8_t*>(scales),       const_cast<uint8_t*>(data_t),
-          const_cast<uint8_t*>(scales_t),  const_cast<void*>(dequantized),     const_cast<void*>(dequantized_t)};
+                                const uint8_t* scales_t, const void* dequantized, const void* dequantized_t,
+                                const uint8_t* scales_tiled, const uint8_t* scales_t_tiled) {
+  return {const_cast<uint8_t*>(data),         const_cast<uint8_t*>(scales),        const_cast<uint8_t*>(data_t),
+          const_cast<uint8_t*>(scales_t),     const_cast<void*>(dequantized),      const_cast<void*>(dequantized_t),
+          const_cast<uint8_t*>(scales_tiled), const_cast<uint8_t*>(scales_t_tiled)};
 }
 
 moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
@@ -181,9 +183,11 @@ moegraph::MoeLayerWeights layer_weights_of(const mg_moe_layer_weights* in) {
   weights.db1 = w.db1;
   weights.db2 = w.db2;
   weights.w1_mxfp8 = mxfp8_of(w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t,
-                              w.w1_mxfp8_dequantized, w.w1_mxfp8_dequantized_t);
+                              w.w1_mxfp8_dequantized, w.w1_mxfp8_dequantized_t, w.w1_mxfp8_scales_tiled,
+                              w.w1_mxfp8_scales_t_tiled);
   weights.w2_mxfp8 = mxfp8_of(w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t,
-                              w.w2_mxfp8_dequantized, w.w2_mxfp8_dequantized_t);
+                              w.w2_mxfp8_dequantized, w.w2_mxfp8_dequantized_t, w.w2_mxfp8_scales_tiled,
+                              w.w2_mxfp8_scales_t_tiled);
   return weights;
 }
 
@@ -268,8 +272,9 @@ mg_status mg_grouped_linear_forward(mg_grouped_linear* op, const mg_forward_args
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_forward_args a = read_struct(in, "mg_forward_args", mg_forward_args{});
-    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t,
-                                                  a.mxfp8_dequantized, a.mxfp8_dequantized_t);
+    const moegraph::Mxfp8Weights mxfp8 =
+        mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t, a.mxfp8_dequantized,
+                 a.mxfp8_dequantized_t, a.mxfp8_scales_tiled, a.mxfp8_scales_t_tiled);
     moegraph::ForwardArgs args{a.x, a.splits, a.weight, a.bias, a.bias_scale, a.y, a.offsets, mxfp8};
     if (train) l.forward_train(args, stream);
     else l.forward(args, stream);
@@ -281,8 +286,9 @@ mg_status mg_grouped_linear_backward(mg_grouped_linear* op, const mg_backward_ar
   return guarded([&] {
     moegraph::GroupedLinear& l = unwrap(op);
     const mg_backward_args a = read_struct(in, "mg_backward_args", mg_backward_args{});
-    const moegraph::Mxfp8Weights mxfp8 = mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t,
-                                                  a.mxfp8_dequantized, a.mxfp8_dequantized_t);
+    const moegraph::Mxfp8Weights mxfp8 =
+        mxfp8_of(a.mxfp8_data, a.mxfp8_scales, a.mxfp8_data_t, a.mxfp8_scales_t, a.mxfp8_dequantized,
+                 a.mxfp8_dequantized_t, a.mxfp8_scales_tiled, a.mxfp8_scales_t_tiled);
     moegraph::BackwardArgs args{a.dy, a.weight, a.bias, a.dx, a.dbias, a.dbias_scale, a.dweight, a.main_grad, mxfp8};
     l.backward(args, delay_wgrad ? moegraph::WgradMode::kDelayed : moegraph::WgradMode::kImmediate, stream);
   });
@@ -407,8 +413,25 @@ mg_status mg_dequantize_mxfp8_weights(int groups, int64_t n, int64_t k, const ui
                                       const uint8_t* data_t, const uint8_t* scales_t, void* values, void* values_t,
                                       cudaStream_t stream) {
   return guarded([&] {
-    moegraph::dequantize_mxfp8_weights(groups, n, k, mxfp8_of(data, scales, data_t, scales_t, values, values_t),
-                                       stream);
+    moegraph::dequantize_mxfp8_weights(
+        groups, n, k, mxfp8_of(data, scales, data_t, scales_t, values, values_t, nullptr, nullptr), stream);
+  });
+}
+
+mg_status mg_mxfp8_tiled_scale_bytes(int groups, int64_t n, int64_t k, size_t* bytes) {
+  return guarded([&] {
+    if (bytes != nullptr) *bytes = 0;  // 0 on any failure (the header's contract)
+    MG_CHECK(bytes != nullptr, "mg_mxfp8_tiled_scale_bytes needs its output (bytes)");
+    *bytes = moegraph::mxfp8_tiled_scale_bytes(groups, n, k);
+  });
+}
+
+mg_status mg_tile_mxfp8_weight_scales(int groups, int64_t n, int64_t k, const uint8_t* data, const uint8_t* scales,
+                                      const uint8_t* data_t, const uint8_t* scales_t, uint8_t* tiled,
+                                      uint8_t* tiled_t, cudaStream_t stream) {
+  return guarded([&] {
+    moegraph::tile_mxfp8_weight_scales(
+        groups, n, k, mxfp8_of(data, scales, data_t, scales_t, nullptr, nullptr, tiled, tiled_t), stream);
   });
 }
 

@@ -73,10 +73,12 @@ moegraph::StepWeights weights_of(const mg_step_weights* in) {
   s.dw2 = w.dw2;
   s.db1 = w.db1;
   s.db2 = w.db2;
-  s.w1_mxfp8 = {w.w1_mxfp8_data, w.w1_mxfp8_scales, w.w1_mxfp8_data_t, w.w1_mxfp8_scales_t, w.w1_mxfp8_dequantized,
-                w.w1_mxfp8_dequantized_t};
-  s.w2_mxfp8 = {w.w2_mxfp8_data, w.w2_mxfp8_scales, w.w2_mxfp8_data_t, w.w2_mxfp8_scales_t, w.w2_mxfp8_dequantized,
-                w.w2_mxfp8_dequantized_t};
+  s.w1_mxfp8 = {w.w1_mxfp8_data,         w.w1_mxfp8_scales,      w.w1_mxfp8_data_t,
+                w.w1_mxfp8_scales_t,      w.w1_mxfp8_dequantized, w.w1_mxfp8_dequantized_t,
+                w.w1_mxfp8_scales_tiled,  w.w1_mxfp8_scales_t_tiled};
+  s.w2_mxfp8 = {w.w2_mxfp8_data,         w.w2_mxfp8_scales,      w.w2_mxfp8_data_t,
+                w.w2_mxfp8_scales_t,      w.w2_mxfp8_dequantized, w.w2_mxfp8_dequantized_t,
+                w.w2_mxfp8_scales_tiled,  w.w2_mxfp8_scales_t_tiled};
   return s;
 }
 

@@ -253,6 +253,19 @@ void fuzz_mxfp8_weights(const uint8_t* data, size_t size) {
     if (sizes_refused != mg_last_error())
       finding("mg_mxfp8_weight_bytes and the C++ API disagree: " + sizes_refused + " vs " + mg_last_error());
   }
+  // The tiled scales' size: the same shapes taken and refused, with the C++ words.
+  std::size_t tiled_bytes = 1, cpp_tiled = 0;
+  const mg_status tiled_status = mg_mxfp8_tiled_scale_bytes(a.groups, a.n, a.k, &tiled_bytes);
+  const std::string tiled_refused = cpp_error([&] { cpp_tiled = moegraph::mxfp8_tiled_scale_bytes(a.groups, a.n, a.k); });
+  if (tiled_refused.empty() != sizes_refused.empty()) finding("the tiled scales' sizes refuse other shapes");
+  if (tiled_refused.empty()) {
+    if (tiled_status != MG_OK || tiled_bytes != cpp_tiled) finding("C ABI and C++ tiled scale sizes differ");
+  } else {
+    expect_refused(tiled_status, "mg_mxfp8_tiled_scale_bytes");
+    if (tiled_bytes != 0) finding("mg_mxfp8_tiled_scale_bytes refused but left a size");
+    if (tiled_refused != mg_last_error())
+      finding("mg_mxfp8_tiled_scale_bytes and the C++ API disagree: " + tiled_refused + " vs " + mg_last_error());
+  }
 
   alignas(16) static uint8_t fake[4][32];  // never read: every call below is refused before a launch
   uint8_t* out[4] = {};
@@ -317,6 +330,9 @@ void null_arguments() {
   expect_refused(mg_quantize_mxfp8_weights(MG_DTYPE_BF16, nullptr, 1, 32, 32, nullptr, nullptr, nullptr, nullptr,
                                            nullptr),
                  "mg_quantize_mxfp8_weights(null everything)");
+  expect_refused(mg_mxfp8_tiled_scale_bytes(1, 32, 32, nullptr), "mg_mxfp8_tiled_scale_bytes(null output)");
+  expect_refused(mg_tile_mxfp8_weight_scales(1, 32, 32, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr),
+                 "mg_tile_mxfp8_weight_scales(null everything)");
 }
 
 }  // namespace

@@ -192,6 +192,21 @@ struct CMxfp8 {
   }
 };
 
+// The tiled copies of a CMxfp8's scales (mg_tile_mxfp8_weight_scales), made on `s` (waited for) over
+// poison.
+struct CTiled {
+  DeviceArray<uint8_t> tiled, tiled_t;
+  CTiled(const CMxfp8& q, int g, int64_t n, int64_t k, cudaStream_t s) {
+    std::size_t bytes = 0;
+    ok(mg_mxfp8_tiled_scale_bytes(g, n, k, &bytes));
+    tiled = DeviceArray<uint8_t>(bytes), tiled_t = DeviceArray<uint8_t>(bytes);
+    tiled.poison(), tiled_t.poison();
+    ok(mg_tile_mxfp8_weight_scales(g, n, k, q.data.get(), q.scales.get(), q.data_t.get(), q.scales_t.get(),
+                                   tiled.get(), tiled_t.get(), s));
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+};
+
 // No byte is left at the poison: 0xFF is NaN as an E4M3 element and as an E8M0 scale, which finite
 // weights never give.
 std::size_t poison_bytes(const DeviceArray<uint8_t>& a) {
@@ -242,7 +257,7 @@ struct CMxfp8Linear {
   }
 
   Out run(const mg_grouped_linear_options& options, bool given, const void* values = nullptr,
-          const void* values_t = nullptr) {
+          const void* values_t = nullptr, const uint8_t* tiled = nullptr, const uint8_t* tiled_t = nullptr) {
     const cudaStream_t s = stream.get();
     mg_grouped_linear* op = nullptr;
     ok(mg_grouped_linear_create(&options, nullptr, &op));
@@ -254,8 +269,12 @@ struct CMxfp8Linear {
     memset_and_wait(main_grad.get(), 0, main_grad.size() * sizeof(float));
     mg_forward_args f = sized<mg_forward_args>();
     f.x = x.get(), f.splits = d_splits.get(), f.bias = options.bias ? b.get() : nullptr;
-    if (given) f.mxfp8_data = q->data.get(), f.mxfp8_scales = q->scales.get(), f.mxfp8_dequantized = values;
-    else f.weight = w.get();
+    if (given) {
+      f.mxfp8_data = q->data.get(), f.mxfp8_scales = q->scales.get(), f.mxfp8_dequantized = values;
+      f.mxfp8_scales_tiled = tiled;
+    } else {
+      f.weight = w.get();
+    }
     f.y = y_infer.get();
     ok(mg_grouped_linear_forward(op, &f, /*train=*/0, s));
     f.y = y.get();
@@ -265,7 +284,7 @@ struct CMxfp8Linear {
     if (options.bias) bw.bias = b.get(), bw.dbias = db.get();
     if (given) {
       bw.mxfp8_data_t = q->data_t.get(), bw.mxfp8_scales_t = q->scales_t.get();
-      bw.mxfp8_dequantized_t = values_t;
+      bw.mxfp8_dequantized_t = values_t, bw.mxfp8_scales_t_tiled = tiled_t;
     } else {
       bw.weight = w.get();
     }
@@ -370,6 +389,62 @@ TEST(CAbiMxfp8Gpu, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
   EXPECT_TRUE(identical(y.download(), own.y_infer)) << "the refusals left nothing behind";
 }
 
+// The tiled scales through the C ABI: mg_tile_mxfp8_weight_scales writes what the C++ quantizer
+// writes into Mxfp8Weights::scales_tiled and scales_t_tiled (every byte), and a grouped linear reading
+// the caller's copies with them gives the bits of its own copies. Each is read where it should be:
+// NaN scales in the forward's copy make y NaN and leave dx alone, in the backward's the other way.
+TEST(CAbiMxfp8Gpu, TiledScalesThroughTheCAbiGiveTheSameBits) {
+  CMxfp8Linear l({37, 0, 61, 1, 44}, "CAbiMxfp8Gpu.TiledScalesThroughTheCAbiGiveTheSameBits");
+  constexpr int kGroups = CMxfp8Linear::kGroups;
+  constexpr int64_t kIn = CMxfp8Linear::kIn, kOut = CMxfp8Linear::kOut;
+  const cudaStream_t s = l.stream.get();
+  const CMxfp8& q = *l.q;
+  const CTiled t(q, kGroups, kOut, kIn, s);
+  ASSERT_EQ(t.tiled.size(), mxfp8_tiled_scale_bytes(kGroups, kOut, kIn));
+  {
+    DeviceArray<uint8_t> data(q.data.size()), scales(q.scales.size()), data_t(q.data.size()), scales_t(q.scales.size());
+    DeviceArray<uint8_t> cpp(t.tiled.size()), cpp_t(t.tiled.size());
+    cpp.poison(), cpp_t.poison();
+    Mxfp8Weights out{data.get(), scales.get(), data_t.get(), scales_t.get()};
+    out.scales_tiled = cpp.get(), out.scales_t_tiled = cpp_t.get();
+    quantize_mxfp8_weights(DType::kBF16, l.w.get(), kGroups, kOut, kIn, out, s);
+    MG_CUDA_CHECK(cudaStreamSynchronize(s));
+    EXPECT_TRUE(identical(t.tiled.download(), cpp.download())) << "scales_tiled";
+    EXPECT_TRUE(identical(t.tiled_t.download(), cpp_t.download())) << "scales_t_tiled";
+  }
+
+  mg_grouped_linear_options o = l.options();
+  GroupedLinearOptions cpp;
+  cpp.num_groups = o.num_groups, cpp.in_features = o.in_features, cpp.out_features = o.out_features;
+  cpp.capacity_rows = o.capacity_rows, cpp.row_align = o.row_align, cpp.recipe = Recipe::kMXFP8;
+  const std::string kernels = GroupedLinear::describe_kernels(cpp);
+  ASSERT_NE(kernels.find("swap_ab"), std::string::npos) << "the copies are read on the swap-AB route: " << kernels;
+  mg_grouped_linear_options pre = o;
+  pre.prequantized_weights = 1;
+  using Out = CMxfp8Linear::Out;
+  const Out own = l.run(o, false), given = l.run(pre, true, nullptr, nullptr, t.tiled.get(), t.tiled_t.get());
+  EXPECT_TRUE(identical(given.y, own.y)) << "y";
+  EXPECT_TRUE(identical(given.y_infer, own.y_infer)) << "inference y";
+  EXPECT_TRUE(identical(given.dx, own.dx)) << "dx";
+  EXPECT_TRUE(identical(given.main_grad, own.main_grad)) << "main_grad";
+  // The groups' spans (their rows and alignment gaps; the rows past the last span keep the poison).
+  const int64_t spans = l.rows - 32;
+  const auto in_spans = [&](const std::vector<uint16_t>& v, int64_t cols) {
+    return std::vector<uint16_t>(v.begin(), v.begin() + spans * cols);
+  };
+  EXPECT_TRUE(any_nonzero(in_spans(own.y, kOut)));
+  EXPECT_EQ(nan_count(in_spans(own.y, kOut)) + nan_count(in_spans(own.dx, kIn)), 0u);
+
+  DeviceArray<uint8_t> nan_scales(t.tiled.size());
+  nan_scales.poison();  // 0xFF: the NaN scale
+  const Out forward_nan = l.run(pre, true, nullptr, nullptr, nan_scales.get(), t.tiled_t.get());
+  EXPECT_GT(nan_count(in_spans(forward_nan.y, kOut)), 0u) << "the forward reads mxfp8_scales_tiled";
+  EXPECT_TRUE(identical(forward_nan.dx, own.dx)) << "dx does not read mxfp8_scales_tiled";
+  const Out backward_nan = l.run(pre, true, nullptr, nullptr, t.tiled.get(), nan_scales.get());
+  EXPECT_TRUE(identical(backward_nan.y, own.y)) << "the forward does not read mxfp8_scales_t_tiled";
+  EXPECT_GT(nan_count(in_spans(backward_nan.dx, kIn)), 0u) << "dx reads mxfp8_scales_t_tiled";
+}
+
 // dequantized_weights through the C ABI: mg_dequantize_mxfp8_weights writes what the C++ quantizer
 // writes into Mxfp8Weights::dequantized(_t) (every byte), and a grouped linear keeping its own
 // values (weights_changed) gives the bits of one reading the caller's through mxfp8_dequantized(_t).
@@ -409,8 +484,9 @@ TEST(CAbiMxfp8Gpu, DequantizedWeightsThroughTheCAbiGiveTheSameBits) {
 
 // A MoE layer of the mxfp8 recipe made through the C ABI from the 16-bit weights (it quantizes them
 // itself: mg_moe_layer_weights_changed) and the same layer made from copies the caller quantized with
-// mg_quantize_mxfp8_weights (prequantized_weights: no 16-bit w1 or w2 handed over at all). A
-// training step (y, dx and every gradient) and an inference forward give the same bits.
+// mg_quantize_mxfp8_weights (prequantized_weights: no 16-bit w1 or w2 handed over at all), without
+// and with their tiled scales (mg_tile_mxfp8_weight_scales). A training step (y, dx and every
+// gradient) and an inference forward give the same bits.
 TEST(CAbiMxfp8Gpu, MoeLayerFromPrequantizedWeightsMatchesTheSelfQuantizingLayer) {
   constexpr int kExperts = 8, kTopK = 2;
   constexpr int64_t kHidden = 256, kFfn = 128, kTokens = 64;  // hidden and ffn multiples of 128 (mxfp8)
@@ -428,7 +504,8 @@ TEST(CAbiMxfp8Gpu, MoeLayerFromPrequantizedWeightsMatchesTheSelfQuantizingLayer)
   o.experts = kExperts, o.hidden = kHidden, o.ffn = kFfn, o.top_k = kTopK, o.bias = 1, o.renormalize = 1;
   o.max_tokens = kTokens, o.row_align = 32, o.recipe = MG_RECIPE_MXFP8;
   // With the caller's copies of w1 and w2, or (null) from the 16-bit weights, which the layer quantizes.
-  const auto make = [&](CLayer& l, const CMxfp8* mxfp8_w1, const CMxfp8* mxfp8_w2) {
+  const auto make = [&](CLayer& l, const CMxfp8* mxfp8_w1, const CMxfp8* mxfp8_w2, const CTiled* t1 = nullptr,
+                        const CTiled* t2 = nullptr) {
     const bool given = mxfp8_w1 != nullptr;
     l.tokens = kTokens;
     upload_bf16(l.wr, wr), upload_bf16(l.b1, b1), upload_bf16(l.b2, b2);
@@ -447,6 +524,8 @@ TEST(CAbiMxfp8Gpu, MoeLayerFromPrequantizedWeightsMatchesTheSelfQuantizingLayer)
       w.w1_mxfp8_data_t = mxfp8_w1->data_t.get(), w.w1_mxfp8_scales_t = mxfp8_w1->scales_t.get();
       w.w2_mxfp8_data = mxfp8_w2->data.get(), w.w2_mxfp8_scales = mxfp8_w2->scales.get();
       w.w2_mxfp8_data_t = mxfp8_w2->data_t.get(), w.w2_mxfp8_scales_t = mxfp8_w2->scales_t.get();
+      if (t1 != nullptr) w.w1_mxfp8_scales_tiled = t1->tiled.get(), w.w1_mxfp8_scales_t_tiled = t1->tiled_t.get();
+      if (t2 != nullptr) w.w2_mxfp8_scales_tiled = t2->tiled.get(), w.w2_mxfp8_scales_t_tiled = t2->tiled_t.get();
     } else {
       upload_bf16(l.w1, w1), upload_bf16(l.w2, w2);
       w.w1 = l.w1.get(), w.w2 = l.w2.get();
@@ -460,13 +539,16 @@ TEST(CAbiMxfp8Gpu, MoeLayerFromPrequantizedWeightsMatchesTheSelfQuantizingLayer)
   // The caller's copies, from the same 16-bit values (own's device weights).
   const cudaStream_t s = own.stream.get();
   const CMxfp8 q1(own.w1.get(), kExperts, 2 * f, h, s), q2(own.w2.get(), kExperts, h, f, s);
-  CLayer given;
+  CLayer given, tiled;
   make(given, &q1, &q2);
+  const CTiled t1(q1, kExperts, 2 * f, h, s), t2(q2, kExperts, h, f, s);
+  make(tiled, &q1, &q2, &t1, &t2);
 
-  for (CLayer* l : {&own, &given}) l->reset(x, dy, count);
+  for (CLayer* l : {&own, &given, &tiled}) l->reset(x, dy, count);
   ASSERT_EQ(own.train_step(), "");
   ASSERT_EQ(given.train_step(), "");
-  for (CLayer* l : {&own, &given}) ok(mg_moe_layer_check_device_errors(l->layer, l->stream.get()));
+  ASSERT_EQ(tiled.train_step(), "");
+  for (CLayer* l : {&own, &given, &tiled}) ok(mg_moe_layer_check_device_errors(l->layer, l->stream.get()));
 
   const auto bits16 = [](const DeviceArray<uint16_t>& a, std::size_t count16) {
     std::vector<uint16_t> all = a.download();
@@ -478,8 +560,10 @@ TEST(CAbiMxfp8Gpu, MoeLayerFromPrequantizedWeightsMatchesTheSelfQuantizingLayer)
   EXPECT_EQ(nan_count(y), 0u);
   EXPECT_TRUE(any_nonzero(y));
   EXPECT_TRUE(identical(bits16(given.y, used), y)) << "y";
+  EXPECT_TRUE(identical(bits16(tiled.y, used), y)) << "y, tiled scales";
   EXPECT_EQ(nan_count(bits16(own.dx, all_rows)), 0u) << "dx, rows past the tokens written as zero";
   EXPECT_TRUE(identical(bits16(given.dx, all_rows), bits16(own.dx, all_rows))) << "dx";
+  EXPECT_TRUE(identical(bits16(tiled.dx, all_rows), bits16(own.dx, all_rows))) << "dx, tiled scales";
   EXPECT_EQ(nan_count(bits16(own.db1, own.db1.size())) + nan_count(bits16(own.db2, own.db2.size())), 0u);
   EXPECT_TRUE(identical(given.db1.download(), own.db1.download())) << "db1";
   EXPECT_TRUE(identical(given.db2.download(), own.db2.download())) << "db2";
@@ -490,15 +574,17 @@ TEST(CAbiMxfp8Gpu, MoeLayerFromPrequantizedWeightsMatchesTheSelfQuantizingLayer)
     EXPECT_TRUE(any_nonzero(want)) << name;
     EXPECT_EQ(nan_count(want), 0u) << name;
     EXPECT_TRUE(identical(bits_of((given.*grad).download()), want)) << name;
+    EXPECT_TRUE(identical(bits_of((tiled.*grad).download()), want)) << name << ", tiled scales";
   }
 
   // Inference: the training forward's y again, on both.
-  for (CLayer* l : {&own, &given}) {
+  for (CLayer* l : {&own, &given, &tiled}) {
     l->y.poison();
     const mg_moe_layer_io io = l->io();
     ok(mg_moe_layer_forward(l->layer, &io, /*train=*/0, l->stream.get()));
     ok(mg_moe_layer_check_device_errors(l->layer, l->stream.get()));
-    EXPECT_TRUE(identical(bits16(l->y, used), y)) << (l == &own ? "own" : "given") << ": inference y";
+    EXPECT_TRUE(identical(bits16(l->y, used), y))
+        << (l == &own ? "own" : l == &given ? "given" : "given, tiled scales") << ": inference y";
   }
 }
 

@@ -333,10 +333,98 @@ TEST(CAbiMxfp8, OlderStructsCarryNoDequantizedWeights) {
       "mg_moe_layer_weights", offsetof(mg_moe_layer_weights, w1_mxfp8_dequantized));
   expect_older_size_leaves_the_new_fields_null<mg_step_weights>("mg_step_weights",
                                                                 offsetof(mg_step_weights, w1_mxfp8_dequantized));
-  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_forward_args));
-  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_backward_args));
-  EXPECT_EQ(offsetof(mg_moe_layer_weights, w2_mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_moe_layer_weights));
-  EXPECT_EQ(offsetof(mg_step_weights, w2_mxfp8_dequantized_t) + sizeof(void*), sizeof(mg_step_weights));
+  // The tiled scales' pointers (a later release) follow.
+  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_dequantized_t) + sizeof(void*),
+            offsetof(mg_forward_args, mxfp8_scales_tiled));
+  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_dequantized_t) + sizeof(void*),
+            offsetof(mg_backward_args, mxfp8_scales_tiled));
+  EXPECT_EQ(offsetof(mg_moe_layer_weights, w2_mxfp8_dequantized_t) + sizeof(void*),
+            offsetof(mg_moe_layer_weights, w1_mxfp8_scales_tiled));
+  EXPECT_EQ(offsetof(mg_step_weights, w2_mxfp8_dequantized_t) + sizeof(void*),
+            offsetof(mg_step_weights, w1_mxfp8_scales_tiled));
+}
+
+TEST(CAbiMxfp8, OlderStructsCarryNoTiledScales) {
+  expect_older_size_leaves_the_new_fields_null<mg_forward_args>("mg_forward_args",
+                                                                offsetof(mg_forward_args, mxfp8_scales_tiled));
+  expect_older_size_leaves_the_new_fields_null<mg_backward_args>("mg_backward_args",
+                                                                 offsetof(mg_backward_args, mxfp8_scales_tiled));
+  expect_older_size_leaves_the_new_fields_null<mg_moe_layer_weights>(
+      "mg_moe_layer_weights", offsetof(mg_moe_layer_weights, w1_mxfp8_scales_tiled));
+  expect_older_size_leaves_the_new_fields_null<mg_step_weights>("mg_step_weights",
+                                                                offsetof(mg_step_weights, w1_mxfp8_scales_tiled));
+  // In the order of moegraph::Mxfp8Weights (scales_tiled, then scales_t_tiled; w1's, then w2's),
+  // closing each struct.
+  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_scales_tiled) + sizeof(void*),
+            offsetof(mg_forward_args, mxfp8_scales_t_tiled));
+  EXPECT_EQ(offsetof(mg_forward_args, mxfp8_scales_t_tiled) + sizeof(void*), sizeof(mg_forward_args));
+  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_scales_tiled) + sizeof(void*),
+            offsetof(mg_backward_args, mxfp8_scales_t_tiled));
+  EXPECT_EQ(offsetof(mg_backward_args, mxfp8_scales_t_tiled) + sizeof(void*), sizeof(mg_backward_args));
+  EXPECT_EQ(offsetof(mg_moe_layer_weights, w1_mxfp8_scales_t_tiled) + sizeof(void*),
+            offsetof(mg_moe_layer_weights, w2_mxfp8_scales_tiled));
+  EXPECT_EQ(offsetof(mg_moe_layer_weights, w2_mxfp8_scales_t_tiled) + sizeof(void*), sizeof(mg_moe_layer_weights));
+  EXPECT_EQ(offsetof(mg_step_weights, w1_mxfp8_scales_t_tiled) + sizeof(void*),
+            offsetof(mg_step_weights, w2_mxfp8_scales_tiled));
+  EXPECT_EQ(offsetof(mg_step_weights, w2_mxfp8_scales_t_tiled) + sizeof(void*), sizeof(mg_step_weights));
+}
+
+TEST(CAbiMxfp8, TiledScaleBytesFollowTheCppApi) {
+  struct Shape {
+    int groups;
+    int64_t n, k;
+  };
+  for (const Shape& z : {Shape{1, 32, 32}, Shape{3, 96, 160}, Shape{64, 2816, 4096}, Shape{7, 200 * 32, 33 * 32}}) {
+    SCOPED_TRACE(detail::concat(z.groups, " x ", z.n, " x ", z.k));
+    size_t bytes = 1;
+    ASSERT_EQ(mg_mxfp8_tiled_scale_bytes(z.groups, z.n, z.k, &bytes), MG_OK) << mg_last_error();
+    EXPECT_EQ(bytes, mxfp8_tiled_scale_bytes(z.groups, z.n, z.k));
+    EXPECT_EQ(bytes, 512u * z.groups * static_cast<size_t>((z.n + 127) / 128) * static_cast<size_t>((z.k + 127) / 128));
+  }
+  // Refused as the C++ API refuses, with its words, and the size left 0.
+  for (const Shape& bad : {Shape{0, 32, 32}, Shape{1, 48, 32}, Shape{1, 32, int64_t{1} << 22}}) {
+    size_t bytes = 1;
+    EXPECT_EQ(mg_mxfp8_tiled_scale_bytes(bad.groups, bad.n, bad.k, &bytes), MG_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(bytes, 0u);
+    EXPECT_EQ(std::string(mg_last_error()),
+              test::thrown_what([&] { (void)mxfp8_tiled_scale_bytes(bad.groups, bad.n, bad.k); }));
+  }
+  EXPECT_EQ(mg_mxfp8_tiled_scale_bytes(1, 32, 32, nullptr), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("mg_mxfp8_tiled_scale_bytes needs its output")) << mg_last_error();
+}
+
+// mg_tile_mxfp8_weight_scales refuses what the C++ call refuses, with the same words, before any GPU use.
+TEST(CAbiMxfp8, ScaleTilerRefusesBadArgumentsBeforeAnyGpuUse) {
+  alignas(16) static uint8_t fake[64];
+  uint8_t* const p = fake;
+  struct Case {
+    const char* name;
+    int groups;
+    uint8_t *data, *scales, *data_t, *scales_t, *tiled, *tiled_t;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"groups", 0, p, p, p, p, p, p, "MXFP8 weights: groups must be in [1, 1024], got 0"},
+      {"nothing to write", 1, p, p, p, p, nullptr, nullptr, "tile_mxfp8_weight_scales: nothing to write"},
+      {"tiled without its pair", 1, nullptr, nullptr, p, p, p, nullptr,
+       "tile_mxfp8_weight_scales: scales_tiled needs data and scales"},
+      {"tiled_t without its pair", 1, p, p, nullptr, nullptr, nullptr, p,
+       "tile_mxfp8_weight_scales: scales_t_tiled needs data_t and scales_t"},
+      {"tiled misaligned", 1, p, p, nullptr, nullptr, p + 4, nullptr,
+       "tile_mxfp8_weight_scales: the tiled scales must be 16-byte aligned"},
+      {"scales alone", 1, nullptr, p, nullptr, nullptr, p, nullptr, "MXFP8 weights: data and its scales come together"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    EXPECT_EQ(mg_tile_mxfp8_weight_scales(c.groups, 32, 64, c.data, c.scales, c.data_t, c.scales_t, c.tiled,
+                                          c.tiled_t, nullptr),
+              MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has(c.expected)) << mg_last_error();
+    Mxfp8Weights w{c.data, c.scales, c.data_t, c.scales_t};
+    w.scales_tiled = c.tiled, w.scales_t_tiled = c.tiled_t;
+    EXPECT_EQ(std::string(mg_last_error()),
+              test::thrown_what([&] { tile_mxfp8_weight_scales(c.groups, 32, 64, w, nullptr); }));
+  }
 }
 
 // dequantized_weights through the C options (off by default: the test above): refused as the C++
@@ -479,6 +567,74 @@ TEST(CAbiMxfp8, StepWeightsCarryEachMxfp8Pointer) {
   EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_has(needs_w1)) << mg_last_error();
   mg_config_destroy(c);
+}
+
+// Each tiled-scales pointer of the weight structs reaches its own C++ field: a misaligned one is
+// refused when the step or the layer is made, before any device is looked for, naming that field.
+TEST(CAbiMxfp8, WeightStructsCarryEachTiledScalesPointer) {
+  alignas(16) static uint8_t fake[32];
+  uint8_t* const misaligned = fake + 4;
+  mg_config* c = nullptr;
+  ASSERT_EQ(mg_config_parse(kPrequantizedConfig, &c), MG_OK) << mg_last_error();
+  mg_step_weights w = sized<mg_step_weights>();
+  for (uint8_t* mg_step_weights::*f :
+       {&mg_step_weights::w1_mxfp8_data, &mg_step_weights::w1_mxfp8_scales, &mg_step_weights::w1_mxfp8_data_t,
+        &mg_step_weights::w1_mxfp8_scales_t, &mg_step_weights::w2_mxfp8_data, &mg_step_weights::w2_mxfp8_scales,
+        &mg_step_weights::w2_mxfp8_data_t, &mg_step_weights::w2_mxfp8_scales_t})
+    w.*f = fake;
+  const std::pair<uint8_t* mg_step_weights::*, const char*> step_fields[] = {
+      {&mg_step_weights::w1_mxfp8_scales_tiled, "w1_mxfp8.scales_tiled"},
+      {&mg_step_weights::w1_mxfp8_scales_t_tiled, "w1_mxfp8.scales_t_tiled"},
+      {&mg_step_weights::w2_mxfp8_scales_tiled, "w2_mxfp8.scales_tiled"},
+      {&mg_step_weights::w2_mxfp8_scales_t_tiled, "w2_mxfp8.scales_t_tiled"},
+  };
+  for (const auto& [field, name] : step_fields) {
+    SCOPED_TRACE(name);
+    w.*field = misaligned;
+    mg_step_graphs* step = reinterpret_cast<mg_step_graphs*>(0x1);
+    EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has(detail::concat("StepWeights needs ", name, " 16-byte aligned (or null)")))
+        << mg_last_error();
+    EXPECT_EQ(step, nullptr);
+    w.*field = fake;
+  }
+  // All four aligned: the check goes on to the next weight.
+  mg_step_graphs* step = nullptr;
+  EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("StepWeights needs the router weight for the whole-layer step")) << mg_last_error();
+  // An older caller's size ends before them: they are not read.
+  w.w1_mxfp8_scales_tiled = misaligned;
+  w.struct_size = offsetof(mg_step_weights, w1_mxfp8_scales_tiled);
+  EXPECT_EQ(mg_step_graphs_create(c, &w, nullptr, &step), MG_ERR_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_has("StepWeights needs the router weight for the whole-layer step")) << mg_last_error();
+  mg_config_destroy(c);
+
+  mg_moe_layer_options m = small_moe();
+  m.recipe = MG_RECIPE_MXFP8, m.row_align = 32, m.prequantized_weights = 1;
+  mg_moe_layer_weights lw = sized<mg_moe_layer_weights>();
+  lw.router = fake;
+  for (const uint8_t* mg_moe_layer_weights::*f :
+       {&mg_moe_layer_weights::w1_mxfp8_data, &mg_moe_layer_weights::w1_mxfp8_scales,
+        &mg_moe_layer_weights::w1_mxfp8_data_t, &mg_moe_layer_weights::w1_mxfp8_scales_t,
+        &mg_moe_layer_weights::w2_mxfp8_data, &mg_moe_layer_weights::w2_mxfp8_scales,
+        &mg_moe_layer_weights::w2_mxfp8_data_t, &mg_moe_layer_weights::w2_mxfp8_scales_t})
+    lw.*f = fake;
+  const std::pair<const uint8_t* mg_moe_layer_weights::*, const char*> layer_fields[] = {
+      {&mg_moe_layer_weights::w1_mxfp8_scales_tiled, "w1_mxfp8.scales_tiled"},
+      {&mg_moe_layer_weights::w1_mxfp8_scales_t_tiled, "w1_mxfp8.scales_t_tiled"},
+      {&mg_moe_layer_weights::w2_mxfp8_scales_tiled, "w2_mxfp8.scales_tiled"},
+      {&mg_moe_layer_weights::w2_mxfp8_scales_t_tiled, "w2_mxfp8.scales_t_tiled"},
+  };
+  for (const auto& [field, name] : layer_fields) {
+    SCOPED_TRACE(name);
+    lw.*field = misaligned;
+    mg_moe_layer* layer = reinterpret_cast<mg_moe_layer*>(0x1);
+    EXPECT_EQ(mg_moe_layer_create(&m, &lw, nullptr, &layer), MG_ERR_INVALID_ARGUMENT);
+    EXPECT_TRUE(last_error_has(detail::concat("MoeLayerWeights needs ", name, " 16-byte aligned (or null)")))
+        << mg_last_error();
+    EXPECT_EQ(layer, nullptr);
+    lw.*field = fake;
+  }
 }
 
 // With precision.dequantized_weights as well, the config shape says so and each dequantized pointer

@@ -2,6 +2,7 @@
 // them, optionally with each row's routing weight multiplied in (the fused variant).
 #include <memory>
 
+#include "kernels/common/alignment.hpp"
 #include "kernels/common/device_query.hpp"
 #include "kernels/elementwise/elementwise.hpp"
 #include "kernels/routing/moe_routing.hpp"
@@ -211,6 +212,11 @@ void require_prequantized_weights(const MoeLayerOptions& o, const Mxfp8Weights& 
              ".dequantized (prequantized_weights with dequantized_weights)");
     MG_CHECK(!o.dequantized_weights || !o.training || m->dequantized_t != nullptr, owner, " needs ", name,
              ".dequantized_t for training (dgrad reads it; prequantized_weights with dequantized_weights)");
+    // Optional: the swap-AB route copies them whole, which needs 16-byte aligned sources (refused
+    // here, at creation, rather than by the first launch that reads them).
+    MG_CHECK(kernels::aligned16(m->scales_tiled), owner, " needs ", name, ".scales_tiled 16-byte aligned (or null)");
+    MG_CHECK(kernels::aligned16(m->scales_t_tiled), owner, " needs ", name,
+             ".scales_t_tiled 16-byte aligned (or null)");
   }
 }
 
