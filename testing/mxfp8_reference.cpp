@@ -105,7 +105,7 @@ std::vector<uint8_t> tiled_scales(std::span<const uint8_t> scales, int64_t group
   require(groups >= 1 && rows >= 1 && cols % kMxBlockSize == 0 &&
               static_cast<int64_t>(scales.size()) == groups * rows * blocks,
           "tiled_scales: scales must be [groups, rows, cols / 32]");
-  std::vector<uint8_t> tiled(static_cast<std::size_t>(groups * row_tiles * stages * 512), 0);
+  std::vector<uint8_t> tiled(static_cast<std::size_t>(groups * row_tiles * stages * 512), 0x7f);
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t j = 0; j < blocks; ++j)

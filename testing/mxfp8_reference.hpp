@@ -29,7 +29,7 @@ double e8m0_decode(uint8_t byte);
 std::vector<float> e8m0_floats(std::span<const uint8_t> scales, int64_t rows, int64_t cols);
 // The row-wise scales [groups, rows, cols / 32] of a weight copy in the swap-AB GEMM's tile order
 // (Mxfp8Weights::scales_tiled): per group, tile of 128 rows and stage of 128 columns, 128 rows of 4
-// bytes (byte j % 4 of the row's word holds block j); padding zero.
+// bytes (byte j % 4 of the row's word holds block j); padding 0x7F (a scale of 1).
 std::vector<uint8_t> tiled_scales(std::span<const uint8_t> scales, int64_t groups, int64_t rows, int64_t cols);
 // The scale rule for a finite amax >= 0: the smallest e with amax <= 448 * 2^e, clamped into
 // [-127, 127], as the byte e + 127 (amax = 0 gives byte 0).

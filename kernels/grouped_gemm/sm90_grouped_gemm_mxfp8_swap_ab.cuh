@@ -215,8 +215,6 @@ __device__ __forceinline__ bool scale_bytes_mid(const uint32_t (&w)[N]) {
   return (at_least_64 & 0x80808080u) == 0x80808080u && (over_190 & 0x80808080u) == 0u;
 }
 
-constexpr uint32_t kMidScales = 0x7f7f7f7fu;  // four scales of 1
-
 // E8M0 byte kb of w, shifted into an fp32's exponent field (kb a compile-time constant after unrolling).
 __device__ __forceinline__ uint32_t exponent_field(uint32_t w, int kb) {
   return (kb < 3 ? w << (23 - 8 * kb) : w >> 1) & 0x7f800000u;
@@ -236,23 +234,34 @@ __device__ __forceinline__ void load_scale_half(float2 (&fa)[2 * J], const float
     for (int c = 0; c < 2; ++c) fa[2 * j + c] = floats[2 * (8 * j + 2 * (lane % 4) + c) + h];
 }
 
-// acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c, j < J) +=
-// partial * (sa[r][kb] * sb[m_h][kb]), with A's scales as floats (fa[2j + c]: the row's half holding kb) and
-// B's from the stage's scale words. When B's words are mid-range (`mid`: scale_bytes_mid), a scale is
-// its byte shifted into an fp32's exponent field; otherwise it is decoded (0 and 0xFF included). The
-// product of two powers of two is exact wherever it is a normal fp32, and either way it is the one
-// multiplication the decoded scales would take, so every path gives the same result.
-template <int J>
-__device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&partial)[4 * J], const uint32_t (&wb)[2],
-                                        const float2 (&fa)[2 * J], int kb, bool mid) {
-  float fb[2];
-  if (mid) {
+// B's scales of the stage's blocks for this thread's 2 weight rows, as fp32: fb[2kb + h] for block kb
+// and row m_h. When both words are mid-range (scale_bytes_mid) a scale is its byte shifted into an
+// fp32's exponent field; otherwise it is decoded (0 and 0xFF included). Threads decide on their own
+// words, so a warpgroup's threads may take different sides: the branch holds no collective
+// instruction (wgmma is .aligned: the whole warpgroup must execute the same one), and the stage's
+// MMAs and promotions after it are one path for all.
+__device__ __forceinline__ void stage_b_scales(float (&fb)[2 * kBlocksPerStage], const uint32_t (&wb)[2]) {
+  if (scale_bytes_mid(wb)) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) fb[h] = __uint_as_float(exponent_field(wb[h], kb));
+    for (int kb = 0; kb < kBlocksPerStage; ++kb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) fb[2 * kb + h] = __uint_as_float(exponent_field(wb[h], kb));
   } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) fb[h] = e8m0_to_float((wb[h] >> (8 * kb)) & 0xffu);
+    for (int kb = 0; kb < kBlocksPerStage; ++kb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) fb[2 * kb + h] = e8m0_to_float((wb[h] >> (8 * kb)) & 0xffu);
   }
+}
+
+// acc[4j + 2h + c] (weight row m_h = this thread's 2 rows, group row r = 8j + 2(lane % 4) + c, j < J) +=
+// partial * (sa[r][kb] * sb[m_h][kb]), with A's scales as floats (fa[2j + c]: the row's half holding kb) and
+// B's from stage_b_scales (fb: both rows' of block kb). The product of two powers of two is exact
+// wherever it is a normal fp32, and either way it is the one multiplication the decoded scales would
+// take, so both sides of stage_b_scales give the same result.
+template <int J>
+__device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&partial)[4 * J], const float* fb,
+                                        const float2 (&fa)[2 * J], int kb) {
 #pragma unroll
   for (int j = 0; j < J; ++j) {
 #pragma unroll
@@ -265,14 +274,43 @@ __device__ __forceinline__ void promote(float (&acc)[4 * J], const float (&parti
 }
 
 // One 32-deep block kb of the stage as an m64n(8J)k32 MMA into `partial`: only the tile's first 8J
-// group rows take part.
+// group rows take part. w_lo, r_lo: the low descriptor words of the stage's weight rows (this
+// warpgroup's 64) and group rows (sm90::kmajor_sw128_desc_lo); a block is 32 bytes further along K.
 template <int J>
-__device__ __forceinline__ void mma_block(float (&partial)[4 * J], uint32_t b_addr, uint32_t a_addr, int kb) {
+__device__ __forceinline__ void mma_block(float (&partial)[4 * J], uint32_t w_lo, uint32_t r_lo, int kb) {
   sm90::fence_registers(partial);
   sm90::wgmma_fence();
-  sm90::Wgmma<__nv_fp8_e4m3, 8 * J>::template mma<0, 0>(partial, sm90::kmajor_sw128_desc(b_addr + kb * 32),
-                                                        sm90::kmajor_sw128_desc(a_addr + kb * 32), 0);
+  sm90::Wgmma<__nv_fp8_e4m3, 8 * J>::template mma<0, 0>(partial,
+                                                        sm90::desc_of(w_lo + 2 * kb, sm90::kKmajorSw128DescHi),
+                                                        sm90::desc_of(r_lo + 2 * kb, sm90::kKmajorSw128DescHi), 0);
   sm90::wgmma_commit();
+}
+
+// One stage's four blocks: each block's MMA into one of two partials while the previous block's is
+// promoted; releases the stage once its MMAs are done. B's scales are decoded once a stage
+// (stage_b_scales), so that the blocks run without branches (a decision per block cost a branch and
+// its reconvergence each: docs/PERF.md, "MXFP8 swap-AB: a leaner consumer loop").
+template <int J>
+__device__ __forceinline__ void consume_stage(float (&acc)[4 * J], float (&partial)[2][4 * J], const uint32_t (&wb)[2],
+                                              const float2* floats, int lane, uint32_t w_lo, uint32_t r_lo,
+                                              uint64_t* empty) {
+  float fb[2 * kBlocksPerStage];
+  stage_b_scales(fb, wb);
+  float2 fa[2 * J];
+  load_scale_half<J>(fa, floats, lane, 0);
+  mma_block<J>(partial[0], w_lo, r_lo, 0);
+#pragma unroll
+  for (int kb = 1; kb < kBlocksPerStage; ++kb) {
+    mma_block<J>(partial[kb & 1], w_lo, r_lo, kb);
+    sm90::wgmma_wait<1>();  // block kb-1 is done
+    sm90::fence_registers(partial[(kb - 1) & 1]);
+    if (kb - 1 == 2) load_scale_half<J>(fa, floats, lane, 1);  // blocks 2 and 3
+    promote<J>(acc, partial[(kb - 1) & 1], fb + 2 * (kb - 1), fa, kb - 1);
+  }
+  sm90::wgmma_wait<0>();
+  sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
+  sm90::mbar_arrive(empty);  // the stage's MMAs are done and its scale words are in registers
+  promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], fb + 2 * (kBlocksPerStage - 1), fa, kBlocksPerStage - 1);
 }
 
 // What a consumer thread needs of its place in the tile.
@@ -333,6 +371,11 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
   float partial[2][4 * J];
   constexpr int kPairs = pairs_of(kStages);
   static_assert(kPairs == 1 || kStages % 2 == 0, "the pairs take the ring's even and odd stages");
+  // Stage 0's descriptor words; stage s's are (s * kStageBytes) >> 4 further.
+  const uint32_t stage0 = sm90::smem_addr(smem);
+  const uint32_t w_lo0 = sm90::kmajor_sw128_desc_lo(stage0 + me.wg * (kTileBytesB / 2));
+  const uint32_t r_lo0 = sm90::kmajor_sw128_desc_lo(stage0 + kTileBytesB);
+  static_assert(kStageBytes % 16 == 0, "stages step the descriptors' address field");
   for (; stages > 0; --stages) {
     if (kPairs == 2 && (stage & 1) != me.pair) {  // the other pair's stage
       if (++stage == kStages) stage = 0, phase ^= 1;
@@ -341,32 +384,15 @@ __device__ __forceinline__ void consume_tile(const Tile& tile, const Params& tp,
     sm90::mbar_wait(&full[stage], phase);
     const uint8_t* s = smem + stage * kStageBytes;
     const uint32_t* scales = reinterpret_cast<const uint32_t*>(s + kScaleOffset);
-    // Weight rows past `cols` produce results that are never stored (their scales are zero fill): they
-    // take mid-range stand-ins, so that they do not send the whole thread down the decoding path.
+    // Weight rows past `cols` read padding: scales of 1 from the tiled copy, zero fill from the
+    // gathered words (which sends their threads down the decoding path; their results are never stored).
     uint32_t wb[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      wb[h] = tile.n0 + me.m_local + 8 * h < cols ? scales[me.m_local + 8 * h] : kMidScales;
+    for (int h = 0; h < 2; ++h) wb[h] = scales[me.m_local + 8 * h];
     // Group rows past the data read whatever floats the stage holds: their results are never stored.
     const float2* floats = reinterpret_cast<const float2*>(s + kScaleFloatsOffset);
-    float2 fa[2 * J];
-    load_scale_half<J>(fa, floats, me.lane, 0);
-    const bool mid = scale_bytes_mid(wb);
-    const uint32_t b_addr = sm90::smem_addr(s + me.wg * (kTileBytesB / 2));
-    const uint32_t a_addr = sm90::smem_addr(s + kTileBytesB);
-    mma_block<J>(partial[0], b_addr, a_addr, 0);
-#pragma unroll
-    for (int kb = 1; kb < kBlocksPerStage; ++kb) {
-      mma_block<J>(partial[kb & 1], b_addr, a_addr, kb);
-      sm90::wgmma_wait<1>();  // block kb-1 is done
-      sm90::fence_registers(partial[(kb - 1) & 1]);
-      if (kb - 1 == 2) load_scale_half<J>(fa, floats, me.lane, 1);  // blocks 2 and 3
-      promote<J>(acc, partial[(kb - 1) & 1], wb, fa, kb - 1, mid);
-    }
-    sm90::wgmma_wait<0>();
-    sm90::fence_registers(partial[(kBlocksPerStage - 1) & 1]);
-    sm90::mbar_arrive(&empty[stage]);  // the stage's MMAs are done and its scale words are in registers
-    promote<J>(acc, partial[(kBlocksPerStage - 1) & 1], wb, fa, kBlocksPerStage - 1, mid);
+    const uint32_t step = static_cast<uint32_t>(stage) * (kStageBytes >> 4);
+    consume_stage<J>(acc, partial, wb, floats, me.lane, w_lo0 + step, r_lo0 + step, &empty[stage]);
     if (++stage == kStages) stage = 0, phase ^= 1;
   }
   if (splits > 1 && !reduce_split<J>(acc, tp, item, splits, last)) return;  // another split writes C
@@ -443,8 +469,11 @@ __global__ void __launch_bounds__(threads_of(kStages), kStages == STAGES ? kCtas
   if (threadIdx.x >= kPairs * kConsumerThreads)
     return produce<kStages>(tp, smem, full, empty, tile_prefix, items, tiles_n, ktiles, splits);
   Consumer me;
-  me.pair = threadIdx.x / kConsumerThreads, me.tid = threadIdx.x % kConsumerThreads;
-  me.wg = me.tid / 128, me.lane = threadIdx.x % 32;
+  // The pair and warpgroup through a shuffle, so that the compiler knows them to be the same across
+  // the warp (the J = 4 loop of the two-CTA kernel: 273 -> 263 instructions a stage in the SASS).
+  me.pair = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / kConsumerThreads), 0);
+  me.tid = threadIdx.x % kConsumerThreads;
+  me.wg = __shfl_sync(0xffffffffu, me.tid / 128, 0), me.lane = threadIdx.x % 32;
   me.m_local = me.wg * 64 + ((me.tid % 128) / 32) * 16 + me.lane / 4;
   int stage = 0;
   uint32_t phase = 0;

@@ -354,9 +354,16 @@ struct Wgmma<__nv_fp8_e4m3, 32> {
 // 16-byte chunk c of row r sits at r * 128 + ((c ^ (r % 8)) * 16). Groups of 8 rows are 1024
 // bytes apart (the stride-byte-offset); the leading-byte-offset is unused for this layout. The
 // tile must start on a 1024-byte boundary; advancing the start address by 32 bytes steps K by 16.
+// Its two words: the start address lives in the low word alone (14 bits of address / 16, which shared
+// memory's 227 KB never carries out of), so a kernel that steps through a stage can add
+// (bytes >> 4) to a low word it computed once and pair it with the constant high word.
+__device__ __forceinline__ uint32_t kmajor_sw128_desc_lo(uint32_t smem_addr) {
+  return ((smem_addr & 0x3ffff) >> 4) | (1u << 16);
+}
+constexpr uint32_t kKmajorSw128DescHi = (1024 >> 4) | (1u << 30);
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo, uint32_t hi) { return (uint64_t{hi} << 32) | lo; }
 __device__ __forceinline__ uint64_t kmajor_sw128_desc(uint32_t smem_addr) {
-  return static_cast<uint64_t>((smem_addr & 0x3ffff) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
+  return desc_of(kmajor_sw128_desc_lo(smem_addr), kKmajorSw128DescHi);
 }
 
 // An MN-major tile (the M or N index contiguous) with the 128-byte swizzle, as atoms of 64
@@ -393,8 +400,10 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // The first 1024-byte boundary at or after `raw` (dynamic shared memory is only 16-byte aligned):
 // the 128-byte swizzle repeats every 1024 bytes, and the descriptors and TMA boxes assume tiles
 // start on it.
+// Computed as an offset from `raw` (not through an integer), so that the compiler still knows the
+// result points into shared memory and loads through it as such (ld.shared, not generic loads).
 __device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+  return raw + ((1024 - (reinterpret_cast<uintptr_t>(raw) & 1023)) & 1023);
 }
 
 }  // namespace moegraph::kernels::sm90

@@ -11,6 +11,10 @@ namespace moegraph::kernels {
 namespace {
 
 static_assert(kMxStageBlocks == 4, "a tiled word holds a stage's 4 scale bytes of one row");
+// Padding bytes (rows past the weight's, blocks past its columns) are scales of 1: the swap-AB GEMM
+// reads padding rows' words like any other and decodes a thread's scales the slow way when one of
+// its words holds a 0 or 0xFF byte (their results are never stored, so only the speed depends on it).
+constexpr uint8_t kPadding = 0x7f;
 
 // One thread per word of the tiled copy: word w is row (w % 128) of tile w / 128 in the order
 // (group, row tile, stage); a word is a row's kMxStageBlocks scale bytes of the stage. Writes are whole warps of consecutive words; each word's 4 bytes are
@@ -23,12 +27,10 @@ __global__ void tile_scales_kernel(const uint8_t* scales, uint32_t* tiled, int64
     const int64_t stage = tile % stages, row_tile = tile / stages % row_tiles, group = tile / stages / row_tiles;
     const int64_t r = row_tile * kMxTileRows + r_in;
     uint32_t word = 0;
-    if (r < rows) {
-      const uint8_t* row = scales + (group * rows + r) * blocks;
-      for (int b = 0; b < kMxStageBlocks; ++b) {
-        const int64_t j = stage * kMxStageBlocks + b;
-        if (j < blocks) word |= static_cast<uint32_t>(row[j]) << (8 * b);
-      }
+    const uint8_t* row = scales + (group * rows + r) * blocks;
+    for (int b = 0; b < kMxStageBlocks; ++b) {
+      const int64_t j = stage * kMxStageBlocks + b;
+      word |= static_cast<uint32_t>(r < rows && j < blocks ? row[j] : kPadding) << (8 * b);
     }
     tiled[w] = word;
   }
