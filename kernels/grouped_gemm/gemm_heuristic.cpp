@@ -152,42 +152,42 @@ bool heuristic_wgrad_ping_pong(const GemmProblem& p) {
 }
 
 // MXFP8 fprop and dgrad of groups of few rows stream the weights for a handful of rows: the swap-AB
-// kernel puts those rows on wgmma's N (32 at a time) and streams the weights by TMA. A group of more
-// rows takes one pass over its weights per 32 rows there, so larger groups keep the 128-row tiles.
-// The bound covers the decode preset's buckets (up to 55 capacity rows per expert, about 24 routed):
-// 1.52-1.79x bf16 there, 1.25-1.28x with 1536 rows under skewed routing. Forced onto groups of
-// 80-500 rows it mostly loses to the row tiles (docs/PERF.md, "MXFP8 swap-AB: scale products by
-// adding exponents").
-constexpr int64_t kSwapAbMaxRowsPerGroup = 64;
-// Groups of many rows with long reductions: the operands dequantized to bf16 on chip. Measured
-// against the E4M3 128-row tiles in one session (docs/PERF.md, "MXFP8 dequantized on chip"): 6-15%
-// faster at 500-2048 rows a group (reductions 2048-7168), 3-8% on Qwen3's FC1 at 256 rows, mixed at
-// 80-128 rows (+9% to -8% by routing); with the route forced on every GEMM, the Qwen3 step got 2-6%
-// slower and Mixtral's at 256 rows a group 1% slower. So smaller groups and shorter reductions keep
-// the E4M3 kernel.
+// kernel puts those rows on wgmma's N (32 at a time) and streams the weights by TMA, so its FP8
+// weight bytes are its gain. Up to 64 rows a group it wins over every other route, kept bf16
+// values included (decode: 1.5-2.0x bf16).
+constexpr int64_t kSwapAbAlwaysMaxRowsPerGroup = 64;
+// Past 64 rows a group takes one pass over its weights per 32 rows, and the per-32 promotions cost
+// instructions per output; yet measured with each route forced in one call (one H200,
+// docs/PERF.md, "MXFP8 routes on groups of 80-320 rows"; K 2048-7168, N 1024-2816, uniform and
+// Zipf routings), swap-AB beat the E4M3 128-row tiles and the on-chip dequantizer at every size
+// from 80 to 320 rows (by 14-52%), and the staged route up to 192 rows; staged won from 256. The
+// bounds sit at the crossover against staged (about 224 rows, interpolated) where the activations
+// are bf16 and at the largest size measured otherwise.
+constexpr int64_t kSwapAbMaxRowsPerGroupBf16 = 224, kSwapAbMaxRowsPerGroupOther = 320;
+// Groups of many rows with long reductions, activations not bf16: the operands dequantized to
+// bf16 on chip. Measured against the E4M3 128-row tiles in one session (docs/PERF.md, "MXFP8
+// dequantized on chip"): 6-15% faster at 500-2048 rows a group (reductions 2048-7168).
 constexpr int64_t kDequantMinRowsPerGroup = 384, kDequantMinReduction = 2048;
 // Staged (bf16 activations only): the operands dequantized to bf16 through memory, then the bf16
 // kernel. Its cost over bf16 is about 3 bytes per weight element for fprop and dgrad (the weights
 // are dequantized every call) and 3 bytes per activation element for wgrad. Measured in one
 // session against the on-chip routes (docs/PERF.md, "MXFP8 staged through bf16"): wgrad 0.78-0.91x
 // bf16 against 0.28-0.35x on every shape from 80 to 2048 rows a group; fprop/dgrad 0.47-0.70x
-// against 0.31-0.38x at 500-2048 rows, 0.39-0.41x against 0.41-0.43x at 256, and behind below.
-constexpr int64_t kStagedMinRowsPerGroup = 384;
-// With the weights' values kept dequantized (dequantized_weights) the staged route's fprop and dgrad
-// pay only for A in bf16: in an operator the quantizer writes its values (2 bytes per element)
-// instead of codes (1 + 1/32), a byte per element of A against the bf16 kernel's work on the same
-// rows, so it takes every group too large for swap-AB, whose FP8 weight bytes still
-// win on few rows.
+// against 0.31-0.38x at 500-2048 rows. With the weights' values kept dequantized
+// (dequantized_weights) its fprop and dgrad pay only for A in bf16: in an operator the quantizer
+// writes its values (2 bytes per element) instead of codes (1 + 1/32), a byte per element of A
+// against the bf16 kernel's work on the same rows, so it takes every group past 64 rows.
 Mxfp8Route heuristic_mxfp8_route(const GemmProblem& p) {
   const bool bf16 = p.dtype == DType::kBF16;
+  const int64_t rows = p.expected_rows_per_group;
   if (p.phase == GemmPhase::kWgrad) return bf16 ? Mxfp8Route::kStaged : Mxfp8Route::kE4m3;
-  if (p.expected_rows_per_group <= kSwapAbMaxRowsPerGroup) return Mxfp8Route::kSwapAb;
-  if (bf16 && p.dequantized_weights) return Mxfp8Route::kStaged;
-  if (bf16 && p.expected_rows_per_group >= kStagedMinRowsPerGroup) return Mxfp8Route::kStaged;
+  if (rows <= kSwapAbAlwaysMaxRowsPerGroup) return Mxfp8Route::kSwapAb;
+  if (bf16) return p.dequantized_weights || rows > kSwapAbMaxRowsPerGroupBf16 ? Mxfp8Route::kStaged
+                                                                              : Mxfp8Route::kSwapAb;
+  if (rows <= kSwapAbMaxRowsPerGroupOther) return Mxfp8Route::kSwapAb;
   const int64_t reduction = p.phase == GemmPhase::kDgrad ? p.n : p.k;
-  return p.expected_rows_per_group >= kDequantMinRowsPerGroup && reduction >= kDequantMinReduction
-             ? Mxfp8Route::kDequant
-             : Mxfp8Route::kE4m3;
+  return rows >= kDequantMinRowsPerGroup && reduction >= kDequantMinReduction ? Mxfp8Route::kDequant
+                                                                              : Mxfp8Route::kE4m3;
 }
 
 }  // namespace

@@ -237,15 +237,26 @@ TEST(Mxfp8WeightsApi, DequantizedWeightsGiveTheStagedRoutesBits) {
     // The staging differs too: own's holds A's values (x [rows, K] for fprop, dy [rows, N] for dgrad)
     // and the staged wgrad's x (dy's values come from its quantizer), so [rows, max(K, N)] bf16;
     // plain's holds what its routes need (the wgrad's x, or the swap-AB kernel's partial sums).
-    const auto staging = [](const GroupedLinearOptions& opts) {
+    const auto buffer = [](const GroupedLinearOptions& opts, const char* name) {
       for (const auto& b : GroupedLinear::workspace_buffers(opts))
-        if (b.name == "mxfp8.staging") return b.bytes;
-      ADD_FAILURE() << "no mxfp8.staging buffer";
+        if (b.name == name) return b.bytes;
       return std::size_t{0};
     };
+    const auto staging = [&](const GroupedLinearOptions& opts) { return buffer(opts, "mxfp8.staging"); };
     EXPECT_EQ(staging(kept), static_cast<std::size_t>(l.rows) * std::max(K, N) * 2);
-    EXPECT_EQ(own.device_bytes(),
-              plain.device_bytes() + value_bytes - codes + in_layout(staging(kept)) - in_layout(staging(o)));
+    // Where plain's fprop and dgrad take the swap-AB route (as at these group sizes),
+    // plain also holds A's scales as floats and, per swap-AB GEMM, the weights' scales in tile
+    // order; own holds neither.
+    const std::string plain_kernels = GroupedLinear::describe_kernels(o);
+    std::size_t swap_ab = 0;
+    for (std::size_t at = plain_kernels.find("swap_ab"); at != std::string::npos; at = plain_kernels.find("swap_ab", at + 1))
+      ++swap_ab;
+    const std::size_t swap_ab_bytes = in_layout(buffer(o, "mxfp8.operand.scale_floats")) +
+                                      swap_ab * mxfp8_tiled_scale_bytes(G, N, K);
+    EXPECT_EQ(swap_ab > 0, buffer(o, "mxfp8.operand.scale_floats") > 0) << plain_kernels;
+    EXPECT_EQ(buffer(kept, "mxfp8.operand.scale_floats"), 0u);
+    EXPECT_EQ(own.device_bytes(), plain.device_bytes() + value_bytes - codes - swap_ab_bytes +
+                                      in_layout(staging(kept)) - in_layout(staging(o)));
     own.weights_changed(l.w.get(), s);
     EXPECT_TRUE(l.run(own, l.w.get(), {}) == l.run(given, nullptr, caller)) << "own and the caller's kept values";
     Mxfp8Weights missing = caller;

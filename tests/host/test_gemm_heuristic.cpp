@@ -117,20 +117,28 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
   EXPECT_EQ(mx16.family, GemmFamily::kMxfp8CpAsync);
   EXPECT_TRUE(mx16.ping_pong);
   EXPECT_NE(mx16.to_string().find("wgmma_e4m3"), std::string::npos) << mx16.to_string();
-  // fprop and dgrad: staged from 384 rows a group, E4M3 below (above the swap-AB bound).
-  for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
-    const auto staged = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 8 * 384, 1024, 2048), {});
-    EXPECT_EQ(staged.family, GemmFamily::kMxfp8Staged) << staged.to_string();
-    const auto fewer = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 8 * 383, 1024, 4096), {});
-    EXPECT_EQ(fewer.family, GemmFamily::kMxfp8CpAsync) << fewer.to_string();
-  }
+  // fprop and dgrad of bf16 activations: staged past 224 rows a group, swap-AB up to it.
+  for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad})
+    for (int64_t k : {1024, 4096}) {
+      const auto staged = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 8 * 225, 1024, k), {});
+      EXPECT_EQ(staged.family, GemmFamily::kMxfp8Staged) << staged.to_string();
+      const auto fewer = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 8 * 224, 1024, k), {});
+      EXPECT_EQ(fewer.family, GemmFamily::kMxfp8SwapAb) << fewer.to_string();
+    }
   // fp16 activations at 512 rows a group: dequantized on chip where the reduction is 2048 or
-  // longer, E4M3 below; forcing staged there leaves the heuristic's route.
+  // longer, E4M3 below; forcing staged there leaves the heuristic's route. Swap-AB up to 320 rows.
   auto long_red = problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2048, 512);
   auto short_red = problem(GemmPhase::kDgrad, Recipe::kMXFP8, 8, 4096, 2047, 4096);
   long_red.dtype = short_red.dtype = DType::kFP16;
   EXPECT_EQ(kernels::choose_gemm_config(long_red, {}).family, GemmFamily::kMxfp8Dequant);
   EXPECT_EQ(kernels::choose_gemm_config(short_red, {}).family, GemmFamily::kMxfp8CpAsync);
+  for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
+    auto at_bound = problem(phase, Recipe::kMXFP8, 8, 8 * 320, 2048, 2048);
+    auto past_bound = problem(phase, Recipe::kMXFP8, 8, 8 * 321, 2048, 2048);
+    at_bound.dtype = past_bound.dtype = DType::kFP16;
+    EXPECT_EQ(kernels::choose_gemm_config(at_bound, {}).family, GemmFamily::kMxfp8SwapAb);
+    EXPECT_EQ(kernels::choose_gemm_config(past_bound, {}).family, GemmFamily::kMxfp8CpAsync);
+  }
   kernels::GemmOverrides staged;
   staged.mxfp8_route = kernels::Mxfp8Route::kStaged;
   EXPECT_EQ(kernels::choose_gemm_config(long_red, staged).family, GemmFamily::kMxfp8Dequant);
@@ -138,18 +146,20 @@ TEST(GemmHeuristic, ChoosesByShapeAndPhase) {
             GemmFamily::kMxfp8Staged);
 }
 
-// MXFP8 fprop and dgrad of groups of at most 64 rows: the swap-AB kernel; larger groups the E4M3
-// 128-row tiles (or, from 384 rows, the staged route: ChoosesByShapeAndPhase). Forcing picks any
-// route; swap_ab and dequant, fprop/dgrad kernels, leave wgrad on E4M3.
+// MXFP8 fprop and dgrad of groups of at most 224 rows (bf16 activations): the swap-AB kernel; larger
+// groups the staged route (ChoosesByShapeAndPhase). Forcing picks any route; swap_ab and dequant,
+// fprop/dgrad kernels, leave wgrad on E4M3.
 TEST(GemmHeuristic, Mxfp8SmallGroupsSwapTheOperands) {
   for (GemmPhase phase : {GemmPhase::kFprop, GemmPhase::kDgrad}) {
     const auto decode = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 64 * 64, 2816, 4096), {});
     EXPECT_EQ(decode.family, GemmFamily::kMxfp8SwapAb) << decode.to_string();
     EXPECT_EQ(decode.block_n, 32);
     EXPECT_NE(decode.to_string().find("swap_ab"), std::string::npos) << decode.to_string();
-    const auto larger = kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, 65 * 64, 2816, 4096), {});
-    // (65 rows a group: E4M3.)
-    EXPECT_EQ(larger.family, GemmFamily::kMxfp8CpAsync);
+    for (int64_t rows_per_group : {65, 128, 224}) {
+      const auto larger =
+          kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 64, rows_per_group * 64, 2816, 4096), {});
+      EXPECT_EQ(larger.family, GemmFamily::kMxfp8SwapAb) << rows_per_group << ": " << larger.to_string();
+    }
     kernels::GemmOverrides o;
     o.mxfp8_route = kernels::Mxfp8Route::kSwapAb;
     EXPECT_EQ(kernels::choose_gemm_config(problem(phase, Recipe::kMXFP8, 8, 16384, 2816, 4096), o).family,
