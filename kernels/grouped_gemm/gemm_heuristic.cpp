@@ -160,9 +160,9 @@ constexpr int64_t kSwapAbAlwaysMaxRowsPerGroup = 64;
 // instructions per output; yet measured with each route forced in one call (one H200,
 // docs/PERF.md, "MXFP8 routes on groups of 80-320 rows"; K 2048-7168, N 1024-2816, uniform and
 // Zipf routings), swap-AB beat the E4M3 128-row tiles and the on-chip dequantizer at every size
-// from 80 to 320 rows (by 14-52%), and the staged route up to 192 rows; staged won from 256. The
-// bounds sit at the crossover against staged (about 224 rows, interpolated) where the activations
-// are bf16 and at the largest size measured otherwise.
+// from 80 to 320 rows (1.12-1.68x faster than the faster of them), and the staged route up to 192
+// rows; staged won from 256. The bounds sit at the crossover against staged (about 224 rows,
+// interpolated) where the activations are bf16, and at the largest size measured otherwise.
 constexpr int64_t kSwapAbMaxRowsPerGroupBf16 = 224, kSwapAbMaxRowsPerGroupOther = 320;
 // Groups of many rows with long reductions, activations not bf16: the operands dequantized to
 // bf16 on chip. Measured against the E4M3 128-row tiles in one session (docs/PERF.md, "MXFP8
