@@ -9,7 +9,6 @@
 #include "moegraph/error.hpp"
 #include "moegraph/grouped_linear.hpp"
 #include "moegraph/step_graphs.hpp"
-#include "graphs/step_weights.hpp"
 #include "src/ops/moe/op_spec.hpp"
 #include "tests/common/env_var.hpp"
 
@@ -348,56 +347,6 @@ TEST(StepPlan, PrintsTheKernelsThatRun) {
       EXPECT_TRUE(found) << "bucket " << plan.buckets[b].tokens << ": " << fc1;
     }
   }
-}
-
-// A step's own MXFP8 copies carry the tiled scales of exactly the weights whose fprop (W) or dgrad
-// (W^T) some bucket's kernels line shows on the swap-AB route: the copies' bytes are those of the
-// layout with the tiled copies that the lines name. Buckets of 1024 and 2048 tokens take swap-AB,
-// 4096 and 8192 the staged route; with kept bf16 values every bucket past 64 rows a group is staged.
-TEST(StepPlan, TilesTheScalesOfTheSwapAbGemmsItsLinesName) {
-  struct Case {
-    std::vector<int64_t> buckets;
-    bool training, kept, any_swap_ab;
-  };
-  const Case cases[] = {{{1024, 2048, 4096}, true, false, true}, {{4096, 8192}, true, false, false},
-                        {{1024, 4096}, false, false, true},      {{1024, 2048}, true, true, false},
-                        {{16, 4096}, true, true, true}};
-  for (StepKind step : {StepKind::kMoeLayer, StepKind::kExperts})
-    for (const Case& k : cases) {
-      Config c = default_config();
-      c.precision.recipe = Recipe::kMXFP8, c.precision.dequantized_weights = k.kept;
-      c.step = step, c.row_align = 32, c.buckets = k.buckets, c.training.enabled = k.training;
-      const StepGraphsOptions options = step_graphs_options(c);
-      const StepPlan plan = plan_step(options);
-      Mxfp8TiledCopies named;  // from the kernels lines
-      for (const std::string& line : plan.kernels) {
-        const bool fc1 = line.find(" fc1: ") != std::string::npos, fc2 = line.find(" fc2: ") != std::string::npos;
-        if (!fc1 && !fc2) continue;
-        const auto config = [&](const char* phase) {
-          const std::size_t at = line.find(phase);
-          return at == std::string::npos ? std::string() : line.substr(at, line.find(" | ", at) - at);
-        };
-        const bool fprop = config("fprop: ").find("swap_ab") != std::string::npos;
-        const bool dgrad = k.training && config("dgrad: ").find("swap_ab") != std::string::npos;
-        (fc1 ? named.w1 : named.w2) |= fprop;
-        (fc1 ? named.w1_t : named.w2_t) |= dgrad;
-      }
-      const std::string what = std::string(step == StepKind::kMoeLayer ? "moe_layer" : "experts") +
-                               (k.training ? " training" : " inference") + (k.kept ? ", kept values" : "");
-      EXPECT_EQ(named.w1 || named.w2 || named.w1_t || named.w2_t, k.any_swap_ab) << what;
-      const Mxfp8TiledCopies planned = swap_ab_tiled_copies(options);
-      EXPECT_EQ(planned.w1, named.w1) << what;
-      EXPECT_EQ(planned.w1_t, named.w1_t) << what;
-      EXPECT_EQ(planned.w2, named.w2) << what;
-      EXPECT_EQ(planned.w2_t, named.w2_t) << what;
-      const MoeLayerOptions& l = options.layer;
-      LayoutWalker walk;
-      lay_out_mxfp8_weights(walk, "w1", l.experts, 2 * l.ffn, l.hidden, l.training, l.dequantized_weights, named.w1,
-                            named.w1_t);
-      lay_out_mxfp8_weights(walk, "w2", l.experts, l.hidden, l.ffn, l.training, l.dequantized_weights, named.w2,
-                            named.w2_t);
-      EXPECT_EQ(plan.mxfp8_copy_bytes, walk.bytes()) << what;
-    }
 }
 
 // --plan's SwiGLU line is the layer operator's description (layer::describe_swiglu) of the SwiGLU
