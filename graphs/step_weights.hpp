@@ -16,22 +16,15 @@ namespace moegraph {
 // The name ending of the laid-out bf16 values (dequantized_weights): the plan sums them by it.
 inline constexpr std::string_view kMxfp8ValuesSuffix = ".mxfp8.bf16";
 
-// Which tiled scale copies a step's MXFP8 weights need: a GEMM on the swap-AB route reads B's
-// scales in its tile order, fprop W's (scales_tiled) and dgrad W^T's (scales_t_tiled).
-struct Mxfp8TiledCopies {
-  bool w1 = false, w1_t = false, w2 = false, w2_t = false;
-};
-
 // MXFP8 weights [g, n, k] in the layouts of moegraph/mxfp8_weights.hpp: data and scales, and with
 // `transposed` (training: dgrad reads W_e^T) data_t and scales_t; with `dequantized` (options'
-// dequantized_weights) the bf16 values of each pair laid out; with `tiled` / `tiled_t` the tiled
-// scales of the pair of W / of W^T.
+// dequantized_weights) the bf16 values of each pair laid out; with `tiled` each pair's tiled scales.
 inline Mxfp8Weights lay_out_mxfp8_weights(LayoutWalker& walk, const std::string& name, int64_t g, int64_t n,
-                                          int64_t k, bool transposed, bool dequantized, bool tiled, bool tiled_t) {
+                                          int64_t k, bool transposed, bool dequantized, bool tiled) {
   const int groups = static_cast<int>(g);  // validated options: at most kMaxGroups
   const std::size_t data = mxfp8_weight_data_bytes(groups, n, k), scales = mxfp8_weight_scale_bytes(groups, n, k);
   const std::size_t values = dequantized ? mxfp8_dequantized_weight_bytes(groups, n, k) : 0;
-  const std::size_t tiled_scales = tiled || tiled_t ? mxfp8_tiled_scale_bytes(groups, n, k) : 0;
+  const std::size_t tiled_scales = tiled ? mxfp8_tiled_scale_bytes(groups, n, k) : 0;
   Mxfp8Weights w;
   w.data = walk.take<uint8_t>(name + ".mxfp8", data);
   w.scales = walk.take<uint8_t>(name + ".mxfp8.scales", scales);
@@ -41,7 +34,7 @@ inline Mxfp8Weights lay_out_mxfp8_weights(LayoutWalker& walk, const std::string&
   w.data_t = walk.take<uint8_t>(name + "_t.mxfp8", data);
   w.scales_t = walk.take<uint8_t>(name + "_t.mxfp8.scales", scales);
   if (dequantized) w.dequantized_t = walk.take(name + "_t" + std::string(kMxfp8ValuesSuffix), values);
-  if (tiled_t) w.scales_t_tiled = walk.take<uint8_t>(name + "_t.mxfp8.tiled_scales", tiled_scales);
+  if (tiled) w.scales_t_tiled = walk.take<uint8_t>(name + "_t.mxfp8.tiled_scales", tiled_scales);
   return w;
 }
 
@@ -50,23 +43,15 @@ inline Mxfp8Weights lay_out_mxfp8_weights(LayoutWalker& walk, const std::string&
 inline bool step_owns_mxfp8_weights(const MoeLayerOptions& l) {
   return l.recipe == Recipe::kMXFP8 && !l.prequantized_weights;
 }
-
-// The tiled copies that some bucket's GEMM on the swap-AB route reads (graphs/step_weights.cpp):
-// the heuristic's route of each bucket's FC1 and FC2 fprop, and dgrad in training.
-Mxfp8TiledCopies swap_ab_tiled_copies(const StepGraphsOptions& options);
-
-// The copies a StepGraphs owns (step_owns_mxfp8_weights) carry the tiled scales that its buckets'
-// swap-AB GEMMs read (swap_ab_tiled_copies); the caller's (prequantized_weights) do not, since a
-// caller filling this layout from a checkpoint would not know to write them. A GEMM given no tiled
-// copy gathers B's scales itself, with the same results.
+// The copies a StepGraphs owns (step_owns_mxfp8_weights) carry the tiled scales of the route of
+// few rows a group (its decode and small buckets); the caller's (prequantized_weights) do not, since
+// a caller filling this layout from a checkpoint would not know to write them.
 inline void lay_out_mxfp8_pair(const StepGraphsOptions& options, LayoutWalker& walk, StepWeights& w) {
   const MoeLayerOptions& l = options.layer;
   const int64_t g = moe_local_experts(l), f2 = checked_mul("2 * ffn", 2, l.ffn);
-  const Mxfp8TiledCopies tiled = step_owns_mxfp8_weights(l) ? swap_ab_tiled_copies(options) : Mxfp8TiledCopies{};
-  w.w1_mxfp8 = lay_out_mxfp8_weights(walk, "w1", g, f2, l.hidden, l.training, l.dequantized_weights, tiled.w1,
-                                     tiled.w1_t);
-  w.w2_mxfp8 = lay_out_mxfp8_weights(walk, "w2", g, l.hidden, l.ffn, l.training, l.dequantized_weights, tiled.w2,
-                                     tiled.w2_t);
+  const bool tiled = step_owns_mxfp8_weights(l);
+  w.w1_mxfp8 = lay_out_mxfp8_weights(walk, "w1", g, f2, l.hidden, l.training, l.dequantized_weights, tiled);
+  w.w2_mxfp8 = lay_out_mxfp8_weights(walk, "w2", g, l.hidden, l.ffn, l.training, l.dequantized_weights, tiled);
 }
 
 // The caller's parameters: with prequantized_weights the expert weights are MXFP8 (no 16-bit w1, w2).

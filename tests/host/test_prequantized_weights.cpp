@@ -181,33 +181,6 @@ TEST(PrequantizedWeights, AStepPlansOneSharedCopy) {
   EXPECT_TRUE(caller);
 }
 
-// The step's own copies carry the tiled scales only where some bucket's GEMM takes the swap-AB
-// route (16 experts of top-2 at row_align 32: 40 expected rows a group at 64 tokens, 544 at 4096,
-// which take the staged route). Each tiled copy is E / 64 bytes here (E / 32 for both weights).
-TEST(PrequantizedWeights, AStepTilesOnlyTheScalesItsSwapAbGemmsRead) {
-  const std::size_t expert_elements = 16 * 3 * 512 * 256, tiled_pair = expert_elements / 32;
-  const auto copy_bytes = [](StepGraphsOptions o) { return plan_step(o).mxfp8_copy_bytes; };
-  const auto near = [](std::size_t bytes, std::size_t expected) {  // up to 256 bytes of alignment per array
-    return bytes >= expected && bytes < expected + 12 * 256;
-  };
-  // Training: both weights' pairs, each with data_t and scales_t; tiled copies of W and W^T.
-  const std::size_t pairs = 2 * (expert_elements + 2 * (expert_elements / 32));
-  EXPECT_TRUE(near(copy_bytes(mxfp8_step({4096})), pairs - 2 * tiled_pair)) << copy_bytes(mxfp8_step({4096}));
-  EXPECT_TRUE(near(copy_bytes(mxfp8_step({64})), pairs));
-  EXPECT_EQ(copy_bytes(mxfp8_step({64, 4096})), copy_bytes(mxfp8_step({64}))) << "one swap-AB bucket is enough";
-  // Inference: the fprop copies alone.
-  StepGraphsOptions serve_large = mxfp8_step({4096}), serve_small = mxfp8_step({64});
-  serve_large.layer.training = serve_small.layer.training = false;
-  EXPECT_TRUE(near(copy_bytes(serve_small), expert_elements + 2 * tiled_pair)) << copy_bytes(serve_small);
-  EXPECT_TRUE(near(copy_bytes(serve_large), expert_elements + tiled_pair)) << copy_bytes(serve_large);
-  // With kept bf16 values, groups past 64 rows take the staged route: at 1024 tokens (160 rows a
-  // group) no tiled copies, at 64 tokens both.
-  StepGraphsOptions kept_large = mxfp8_step({1024}), kept_small = mxfp8_step({64}), plain_large = mxfp8_step({1024});
-  kept_large.layer.dequantized_weights = kept_small.layer.dequantized_weights = true;
-  EXPECT_TRUE(near(copy_bytes(plain_large), pairs)) << "160 rows a group take swap-AB without kept values";
-  EXPECT_EQ(copy_bytes(kept_small) - copy_bytes(kept_large), 2 * tiled_pair);
-}
-
 // dequantized_weights adds the bf16 values of both copies to the one shared set (2 + 2 bytes an
 // element in training, 2 for inference, which has no dgrad copy); with prequantized_weights they
 // are the caller's, in weight_bytes.
