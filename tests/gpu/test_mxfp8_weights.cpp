@@ -29,6 +29,13 @@
 namespace moegraph::test {
 namespace {
 
+// How many of an operator's GEMMs take the swap-AB route, as its kernels line names them.
+std::size_t swap_ab_gemms(const std::string& kernels) {
+  std::size_t n = 0;
+  for (std::size_t at = kernels.find("swap_ab"); at != std::string::npos; at = kernels.find("swap_ab", at + 1)) ++n;
+  return n;
+}
+
 // The four arrays of W [g, n, k] in one device block.
 struct Mxfp8Block {
   DeviceArray<uint8_t> data, scales, data_t, scales_t;
@@ -248,9 +255,7 @@ TEST(Mxfp8WeightsApi, DequantizedWeightsGiveTheStagedRoutesBits) {
     // plain also holds A's scales as floats and, per swap-AB GEMM, the weights' scales in tile
     // order; own holds neither.
     const std::string plain_kernels = GroupedLinear::describe_kernels(o);
-    std::size_t swap_ab = 0;
-    for (std::size_t at = plain_kernels.find("swap_ab"); at != std::string::npos; at = plain_kernels.find("swap_ab", at + 1))
-      ++swap_ab;
+    const std::size_t swap_ab = swap_ab_gemms(plain_kernels);
     const std::size_t swap_ab_bytes = in_layout(buffer(o, "mxfp8.operand.scale_floats")) +
                                       swap_ab * mxfp8_tiled_scale_bytes(G, N, K);
     EXPECT_EQ(swap_ab > 0, buffer(o, "mxfp8.operand.scale_floats") > 0) << plain_kernels;
@@ -444,8 +449,7 @@ TEST(Mxfp8WeightsApi, GroupedLinearFromPrequantizedWeightsGivesTheSameBits) {
   // its kernels line names them: fprop and dgrad here, 64 rows a group).
   const std::size_t copies = 2 * (mxfp8_weight_data_bytes(G, N, K) + mxfp8_weight_scale_bytes(G, N, K));
   const std::string kernels = GroupedLinear::describe_kernels(o);
-  std::size_t swap_ab = 0;
-  for (std::size_t at = kernels.find("swap_ab"); at != std::string::npos; at = kernels.find("swap_ab", at + 1)) ++swap_ab;
+  const std::size_t swap_ab = swap_ab_gemms(kernels);
   EXPECT_EQ(swap_ab, 2u) << kernels;
   EXPECT_EQ(own.device_bytes() - given.device_bytes(), copies + swap_ab * mxfp8_tiled_scale_bytes(G, N, K));
   const std::size_t tiled = mxfp8_tiled_scale_bytes(G, N, K);
